@@ -1,0 +1,17 @@
+"""Matrix optimizers: per-matrix rules, Newton–Schulz, and the optimizer classes."""
+
+from lightning_canzona.optim.newton_schulz import PRESETS, NewtonSchulzSchedule, newton_schulz
+from lightning_canzona.optim.optimizer import MatrixOptimizer
+from lightning_canzona.optim.optimizers import SOAP, Muon, Shampoo
+from lightning_canzona.optim.param_groups import matrix_param_groups
+
+__all__ = [
+    "PRESETS",
+    "SOAP",
+    "MatrixOptimizer",
+    "Muon",
+    "NewtonSchulzSchedule",
+    "Shampoo",
+    "matrix_param_groups",
+    "newton_schulz",
+]

@@ -1,0 +1,192 @@
+"""Newton–Schulz orthogonalisation: coefficient presets and the batched iteration.
+
+Each step applies the odd quintic ``p(X) = a·X + b·(XXᵀ)X + c·(XXᵀ)²X``, which maps every singular
+value ``σ`` of ``X`` to ``p(σ) = aσ + bσ³ + cσ⁵`` and leaves the singular vectors alone. After the
+input is scaled so that its singular values lie in ``(0, 1]``, a few steps push them towards 1, so
+the result approximates the polar factor ``UVᵀ`` of ``X = UΣVᵀ``.
+
+Cost of ``k`` steps on an ``m × n`` matrix with ``a = min(m, n)`` and ``b = max(m, n)``: each step
+forms the ``a × a`` Gram matrix (``2a²b`` FLOPs), its square (``2a³``) and the product with ``X``
+(``2a²b``), so ``k·(4a²b + 2a³)`` FLOPs in all.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+Coefficients = tuple[float, float, float]
+
+
+@dataclass(frozen=True)
+class NewtonSchulzSchedule:
+    """Per-step quintic coefficients and the normalisation that makes them valid.
+
+    Attributes:
+        name: Preset name, or ``"custom"``.
+        coefficients: ``(a, b, c)`` for step 1, 2, …; the last triple repeats for further steps.
+        norm_safety: The input is divided by ``norm_safety · ‖X‖_F``. A factor above 1 keeps
+            singular values below 1 despite rounding, which schedules tuned to the interval
+            ``(0, 1]`` rely on.
+        design_lower_bound: Smallest normalised singular value the schedule was designed for; the
+            band it promises (:meth:`singular_value_band`) is for inputs at or above it.
+    """
+
+    name: str
+    coefficients: tuple[Coefficients, ...]
+    norm_safety: float = 1.0
+    design_lower_bound: float = 1e-3
+
+    def __post_init__(self) -> None:
+        if not self.coefficients:
+            raise ValueError(f"Newton–Schulz schedule {self.name!r} has no coefficients")
+        for triple in self.coefficients:
+            if len(triple) != 3 or not all(math.isfinite(float(value)) for value in triple):
+                raise ValueError(
+                    f"Newton–Schulz coefficients must be finite (a, b, c) triples, got {triple!r} "
+                    f"in schedule {self.name!r}"
+                )
+        if not self.norm_safety >= 1.0:
+            raise ValueError(f"norm_safety must be >= 1, got {self.norm_safety}")
+
+    def steps(self, ns_steps: int) -> list[Coefficients]:
+        """The coefficients of each of ``ns_steps`` steps (the last triple repeats)."""
+        tail = itertools.repeat(self.coefficients[-1], max(0, ns_steps - len(self.coefficients)))
+        return [*self.coefficients[:ns_steps], *tail]
+
+    def singular_value_map(self, sigma: Tensor, ns_steps: int) -> Tensor:
+        """Where ``ns_steps`` steps send normalised singular values ``sigma`` (in float64)."""
+        x = sigma.to(torch.float64)
+        for a, b, c in self.steps(ns_steps):
+            x2 = x * x
+            x = x * (a + x2 * (b + c * x2))
+        return x
+
+    def singular_value_band(
+        self, ns_steps: int, lower: float | None = None, samples: int = 200_001
+    ) -> tuple[float, float]:
+        """The interval that output singular values lie in, for inputs in ``[lower, 1]``.
+
+        Every singular value evolves independently through the same scalar polynomials, so the
+        band is the range of their composition over the input interval, evaluated on a dense
+        geometric grid (the composition is smooth, and the grid includes both end points).
+
+        Args:
+            ns_steps: Number of iterations.
+            lower: Smallest normalised input singular value; defaults to ``design_lower_bound``.
+            samples: Grid size.
+
+        Returns:
+            ``(min, max)`` of the output singular values.
+        """
+        lower = self.design_lower_bound if lower is None else lower
+        if not 0.0 < lower <= 1.0:
+            raise ValueError(f"lower must lie in (0, 1], got {lower}")
+        grid = torch.logspace(math.log10(lower), 0.0, samples, dtype=torch.float64)
+        out = self.singular_value_map(grid, ns_steps)
+        return float(out.min()), float(out.max())
+
+
+def _polar_express() -> NewtonSchulzSchedule:
+    # Amsel, Persson, Musco & Gower (2025), "The Polar Express", Algorithm 1: minimax-optimal
+    # degree-5 polynomials for the interval [1e-3, 1]; every step but the converged last one is
+    # deflated by a 1.01 safety factor so that bf16 rounding cannot push values past 1.
+    raw = (
+        (8.28721201814563, -23.595886519098837, 17.300387312530933),
+        (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+        (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+        (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+        (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+        (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+        (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+        (1.875, -1.25, 0.375),
+    )
+    safety = 1.01
+    deflated = tuple((a / safety, b / safety**3, c / safety**5) for a, b, c in raw[:-1])
+    return NewtonSchulzSchedule("polar_express", (*deflated, raw[-1]), norm_safety=safety)
+
+
+PRESETS: dict[str, NewtonSchulzSchedule] = {
+    # Keller Jordan's quintic, the default of torch.optim.Muon: maximal slope at zero, so small
+    # singular values grow fast, at the price of not converging to 1 (it oscillates in ~[0.7, 1.2]).
+    "quintic": NewtonSchulzSchedule("quintic", ((3.4445, -4.7750, 2.0315),)),
+    "polar_express": _polar_express(),
+    # The classical degree-5 Newton–Schulz (Padé) iteration: converges to exactly 1, slowly at first.
+    "newton_schulz": NewtonSchulzSchedule("newton_schulz", ((15 / 8, -10 / 8, 3 / 8),)),
+}
+
+
+def resolve_schedule(
+    ns_coefficients: str | Coefficients | Sequence[Coefficients] | NewtonSchulzSchedule,
+) -> NewtonSchulzSchedule:
+    """Turn a preset name, one ``(a, b, c)`` triple or a per-step list into a schedule.
+
+    Raises:
+        ValueError: For an unknown preset name or malformed coefficients.
+    """
+    if isinstance(ns_coefficients, NewtonSchulzSchedule):
+        return ns_coefficients
+    if isinstance(ns_coefficients, str):
+        try:
+            return PRESETS[ns_coefficients]
+        except KeyError:
+            raise ValueError(
+                f"Unknown ns_coefficients preset {ns_coefficients!r}; choose one of "
+                f"{sorted(PRESETS)} or pass (a, b, c) coefficients"
+            ) from None
+    values = tuple(ns_coefficients)
+    if values and all(isinstance(value, (int, float)) for value in values):
+        triples: tuple[Coefficients, ...] = (values,)  # type: ignore[assignment]
+    else:
+        triples = tuple(tuple(triple) for triple in values)  # type: ignore[misc]
+    if triples == PRESETS["quintic"].coefficients:
+        return PRESETS["quintic"]
+    return NewtonSchulzSchedule("custom", triples)
+
+
+def newton_schulz(
+    matrix: Tensor,
+    schedule: NewtonSchulzSchedule,
+    ns_steps: int,
+    eps: float = 1e-7,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Tensor:
+    """Approximate the polar factor of ``matrix`` (or of each matrix in a stack).
+
+    Args:
+        matrix: A ``(..., m, n)`` tensor; leading dimensions are a batch, each matrix is
+            orthogonalised on its own in the same batched matmuls.
+        schedule: The coefficients per step.
+        ns_steps: Number of iterations.
+        eps: Lower clamp of the normaliser, so that an all-zero input stays zero.
+        dtype: Compute dtype of the iteration.
+
+    Returns:
+        A tensor of ``matrix``'s shape in ``dtype``.
+    """
+    if matrix.ndim < 2:
+        raise ValueError(f"newton_schulz needs a matrix or a stack of matrices, got {matrix.shape}")
+    x = matrix.to(dtype)
+    # Iterate on the wide orientation: the Gram matrix is then min(m, n)² instead of max(m, n)².
+    transposed = matrix.size(-2) > matrix.size(-1)
+    if transposed:
+        x = x.mT
+    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
+    x = x / (norm * schedule.norm_safety).clamp_min(eps)
+    # One code path for 2-D and stacks; a batch of one runs at addmm's speed.
+    x = x if x.ndim > 2 else x.unsqueeze(0)
+    batch_shape = x.shape[:-2]
+    x = x.reshape(-1, *x.shape[-2:])
+    for a, b, c in schedule.steps(ns_steps):
+        gram = x @ x.mT
+        polynomial = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.baddbmm(x, polynomial, x, beta=a)
+    x = x.reshape(*batch_shape, *x.shape[-2:])
+    if matrix.ndim == 2:
+        x = x.squeeze(0)
+    return x.mT if transposed else x

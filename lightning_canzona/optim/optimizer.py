@@ -1,0 +1,213 @@
+"""The base of ``Muon``, ``Shampoo`` and ``SOAP``: one optimizer for matrix and AdamW groups.
+
+Lightning's automatic optimization steps a single optimizer, so the weight matrices and everything
+else (embeddings, output head, norms, biases) live in one :class:`torch.optim.Optimizer`. Each param
+group carries an ``"algorithm"``: the optimizer's matrix rule (``"muon"``, ``"shampoo"``, ``"soap"``)
+or ``"adamw"``. A group given without one is split by dimensionality: tensors with two or more
+dimensions take the matrix rule, the rest AdamW. :func:`~lightning_canzona.matrix_param_groups`
+splits a module more carefully (embeddings and output heads go to AdamW).
+"""
+
+from __future__ import annotations
+
+import math
+from abc import abstractmethod
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_canzona.optim.rules.adamw import ALGORITHM as ADAMW
+from lightning_canzona.optim.rules.adamw import adamw_step, init_adamw_state
+from lightning_canzona.optim.rules.base import MatrixRule
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """A compute dtype from its name (``"bfloat16"``, ``"float32"``, ``"float64"``) or itself."""
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
+        return DTYPES[dtype.removeprefix("torch.")]
+    raise ValueError(f"compute_dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+
+
+def _check_non_negative(**settings: float) -> None:
+    for name, value in settings.items():
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0.0):
+            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+
+
+def _check_betas(name: str, betas: tuple[float, float]) -> None:
+    if len(betas) != 2 or not all(0.0 <= beta < 1.0 for beta in betas):
+        raise ValueError(f"{name} must be two numbers in [0, 1), got {betas!r}")
+
+
+class MatrixOptimizer(Optimizer):
+    """An optimizer whose matrix groups follow a :class:`MatrixRule` and the rest AdamW.
+
+    Subclasses name their algorithm, declare their hyperparameter defaults and build the rule
+    from a param group (:meth:`matrix_rule`), which is how per-group settings take effect.
+
+    Args:
+        params: Tensors, ``(name, tensor)`` pairs or param-group dicts.
+        defaults: Matrix-group hyperparameters (``lr`` and ``weight_decay`` among them).
+        adamw_lr: Learning rate of AdamW groups; ``None`` takes the matrix ``lr``.
+        adamw_betas: AdamW's ``(β₁, β₂)``.
+        adamw_eps: AdamW's ε.
+        adamw_weight_decay: AdamW's decoupled weight decay; ``None`` takes ``weight_decay``.
+        check_finite: Raise :class:`FloatingPointError` naming the parameter when a gradient holds
+            NaN or Inf, instead of writing it into the weights. Costs one host sync per step.
+    """
+
+    #: The value of ``param_groups[i]["algorithm"]`` for the matrix groups.
+    algorithm: ClassVar[str]
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        defaults: dict[str, Any],
+        *,
+        adamw_lr: float | None,
+        adamw_betas: tuple[float, float],
+        adamw_eps: float,
+        adamw_weight_decay: float | None,
+        check_finite: bool,
+    ) -> None:
+        self.adamw_defaults = {
+            "lr": defaults["lr"] if adamw_lr is None else adamw_lr,
+            "betas": tuple(adamw_betas),
+            "eps": adamw_eps,
+            "weight_decay": defaults["weight_decay"] if adamw_weight_decay is None else adamw_weight_decay,
+        }
+        self.check_finite = check_finite
+        super().__init__(params, defaults)
+
+    @abstractmethod
+    def matrix_rule(self, group: dict[str, Any]) -> MatrixRule:
+        """The rule for a matrix group, built from the group's hyperparameters."""
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group; without an ``"algorithm"`` it is split into matrix and AdamW groups."""
+        if "algorithm" not in param_group:
+            params = param_group["params"]
+            params = [params] if isinstance(params, Tensor) else list(params)
+            by_algorithm: dict[str, list[Any]] = {self.algorithm: [], ADAMW: []}
+            for entry in params:
+                tensor = entry[1] if isinstance(entry, tuple) else entry
+                by_algorithm[self.algorithm if tensor.ndim >= 2 else ADAMW].append(entry)
+            for algorithm, members in by_algorithm.items():
+                if members:
+                    self.add_param_group({**param_group, "params": members, "algorithm": algorithm})
+            return
+        algorithm = param_group["algorithm"]
+        index = len(self.param_groups)
+        if algorithm == ADAMW:
+            param_group = {**self.adamw_defaults, **param_group}
+        elif algorithm != self.algorithm:
+            raise ValueError(
+                f"param_groups[{index}] has algorithm {algorithm!r}; {type(self).__name__} runs "
+                f"{self.algorithm!r} and {ADAMW!r} groups"
+            )
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            _check_non_negative(lr=group["lr"], weight_decay=group["weight_decay"])
+            if algorithm == ADAMW:
+                _check_betas("betas", group["betas"])
+                _check_non_negative(eps=group["eps"])
+            else:
+                self.matrix_rule(group)
+        except ValueError as error:
+            self.param_groups.pop()
+            raise ValueError(f"param_groups[{index}] ({algorithm}): {error}") from None
+        if algorithm != ADAMW:
+            for position, param in enumerate(group["params"]):
+                if param.ndim < 2:
+                    self.param_groups.pop()
+                    raise ValueError(
+                        f"Parameter {_param_name(group, index, position)} of shape "
+                        f"{tuple(param.shape)} is in a {self.algorithm!r} group, but matrix rules "
+                        "need 2-D weights or stacks of them. Put it in an AdamW group "
+                        "({'params': [...], 'algorithm': 'adamw'}) or build the groups with "
+                        "lightning_canzona.matrix_param_groups(model)."
+                    )
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One optimization step; ``closure`` re-evaluates the loss with gradients enabled."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.check_finite:
+            self._raise_on_non_finite_gradients()
+        for group in self.param_groups:
+            if group["algorithm"] == ADAMW:
+                self._adamw_group_step(group)
+            else:
+                self._matrix_group_step(group, self.matrix_rule(group))
+        return loss
+
+    def _matrix_group_step(self, group: dict[str, Any], rule: MatrixRule) -> None:
+        for param in group["params"]:
+            if param.grad is None:
+                continue
+            state = self.state[param]
+            if not state:
+                state.update(rule.init_elementwise_state(param))
+                state.update(rule.init_matrix_state(param.shape, param.device))
+            direction = rule.direction(rule.prepare(param.grad, state), state)
+            rule.apply(param, direction, lr=group["lr"], weight_decay=group["weight_decay"], shape=param.shape)
+
+    def _adamw_group_step(self, group: dict[str, Any]) -> None:
+        for param in group["params"]:
+            if param.grad is None:
+                continue
+            state = self.state[param]
+            if not state:
+                state.update(init_adamw_state(param))
+            adamw_step(
+                param,
+                param.grad,
+                state,
+                lr=group["lr"],
+                betas=group["betas"],
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+            )
+
+    def _raise_on_non_finite_gradients(self) -> None:
+        grads = [param.grad for group in self.param_groups for param in group["params"] if param.grad is not None]
+        if not grads or torch.isfinite(torch.nn.utils.get_total_norm(grads, norm_type=math.inf)):
+            return
+        for index, group in enumerate(self.param_groups):
+            for position, param in enumerate(group["params"]):
+                if param.grad is not None and not torch.isfinite(param.grad).all():
+                    raise FloatingPointError(
+                        f"The gradient of parameter {_param_name(group, index, position)} "
+                        f"(shape {tuple(param.shape)}) holds NaN or Inf; the step was not taken. "
+                        "Lower the learning rate, clip gradients or check the loss."
+                    )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load state, keeping each state tensor in the dtype it was saved with.
+
+        ``torch.optim.Optimizer`` casts floating-point state to the parameter's dtype, which would
+        truncate float32 Kronecker factors and eigenbases of bf16 parameters.
+        """
+        super().load_state_dict(state_dict)
+        params = (param for group in self.param_groups for param in group["params"])
+        for index, param in enumerate(params):
+            for key, saved in state_dict["state"].get(index, {}).items():
+                loaded = self.state[param].get(key)
+                if isinstance(saved, Tensor) and isinstance(loaded, Tensor) and loaded.dtype != saved.dtype:
+                    self.state[param][key] = saved.to(device=loaded.device, copy=True)
+
+
+def _param_name(group: dict[str, Any], group_index: int, position: int) -> str:
+    names = group.get("param_names")
+    return repr(names[position]) if names else f"param_groups[{group_index}]['params'][{position}]"

@@ -1,0 +1,279 @@
+"""The optimizers users construct: :class:`Muon`, :class:`Shampoo` and :class:`SOAP`.
+
+Each is a :class:`torch.optim.Optimizer` holding its matrix groups and AdamW groups together; the
+math lives in :mod:`lightning_canzona.optim.rules`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from lightning_canzona.optim.newton_schulz import Coefficients, resolve_schedule
+from lightning_canzona.optim.optimizer import (
+    MatrixOptimizer,
+    _check_betas,
+    _check_non_negative,
+    resolve_dtype,
+)
+from lightning_canzona.optim.rules.muon import ADJUST_LR_FNS, MuonRule
+from lightning_canzona.optim.rules.shampoo import ShampooRule
+from lightning_canzona.optim.rules.soap import SOAPRule
+
+
+def _check_positive_int(**settings: int) -> None:
+    for name, value in settings.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def _check_unit_interval(**settings: float) -> None:
+    for name, value in settings.items():
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"{name} must lie in [0, 1), got {value!r}")
+
+
+class Muon(MatrixOptimizer):
+    """Muon for weight matrices, AdamW for everything else, in one optimizer.
+
+    Takes ``torch.optim.Muon``'s keywords with its defaults and computes the same update (see
+    :mod:`lightning_canzona.optim.rules.muon`); 3-D parameters are stacks of matrices (experts),
+    each orthogonalised on its own.
+
+    Args:
+        params: Tensors, ``(name, tensor)`` pairs or param groups; see
+            :func:`~lightning_canzona.matrix_param_groups`.
+        lr: Learning rate γ.
+        weight_decay: Decoupled weight decay λ.
+        momentum: Momentum μ.
+        nesterov: Orthogonalise the Nesterov look-ahead ``(1 − μ)·G + μ·B`` instead of ``B``.
+        ns_coefficients: A preset (``"quintic"``, ``"polar_express"``, ``"newton_schulz"``), one
+            ``(a, b, c)`` triple for every step, or a list of triples, one per step (the last repeats).
+        eps: Lower clamp of the Frobenius norm that normalises the input of Newton–Schulz.
+        ns_steps: Newton–Schulz iterations.
+        adjust_lr_fn: ``"original"`` (``√max(1, rows/cols)``) or ``"match_rms_adamw"``
+            (``0.2·√max(rows, cols)``); ``None`` means ``"original"``.
+        compute_dtype: Dtype of the Newton–Schulz iteration: ``"bfloat16"`` (as ``torch.optim.Muon``)
+            or ``"float32"``.
+        adamw_lr: Learning rate of the AdamW groups; ``None`` takes ``lr``.
+        adamw_betas: AdamW's ``(β₁, β₂)``.
+        adamw_eps: AdamW's ε.
+        adamw_weight_decay: AdamW's weight decay; ``None`` takes ``weight_decay``.
+        check_finite: Raise naming the parameter when a gradient holds NaN or Inf.
+    """
+
+    algorithm = "muon"
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: str | Coefficients | Sequence[Coefficients] = (3.4445, -4.7750, 2.0315),
+        eps: float = 1e-7,
+        ns_steps: int = 5,
+        adjust_lr_fn: str | None = None,
+        compute_dtype: str = "bfloat16",
+        adamw_lr: float | None = None,
+        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float | None = None,
+        check_finite: bool = True,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_coefficients=ns_coefficients,
+            eps=eps,
+            ns_steps=ns_steps,
+            adjust_lr_fn=adjust_lr_fn,
+            compute_dtype=compute_dtype,
+        )
+        super().__init__(
+            params,
+            defaults,
+            adamw_lr=adamw_lr,
+            adamw_betas=adamw_betas,
+            adamw_eps=adamw_eps,
+            adamw_weight_decay=adamw_weight_decay,
+            check_finite=check_finite,
+        )
+
+    def matrix_rule(self, group: dict[str, Any]) -> MuonRule:
+        _check_positive_int(ns_steps=group["ns_steps"])
+        _check_unit_interval(momentum=group["momentum"])
+        _check_non_negative(eps=group["eps"])
+        adjust_lr_fn = group["adjust_lr_fn"] or "original"
+        if adjust_lr_fn not in ADJUST_LR_FNS:
+            raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS} or None, got {adjust_lr_fn!r}")
+        return MuonRule(
+            schedule=resolve_schedule(group["ns_coefficients"]),
+            momentum=group["momentum"],
+            nesterov=group["nesterov"],
+            ns_steps=group["ns_steps"],
+            eps=group["eps"],
+            adjust_lr_fn=adjust_lr_fn,
+            compute_dtype=resolve_dtype(group["compute_dtype"]),
+        )
+
+
+class Shampoo(MatrixOptimizer):
+    """Shampoo with Adam grafting for weight matrices, AdamW for everything else.
+
+    See :mod:`lightning_canzona.optim.rules.shampoo` for the update.
+
+    Args:
+        params: Tensors, ``(name, tensor)`` pairs or param groups.
+        lr: Learning rate γ (on the Adam scale, thanks to grafting).
+        betas: ``(β₁, β₂)``: momentum, and the decay of the Kronecker factors and of the grafting
+            second moment.
+        eps: Adam grafting's ε.
+        epsilon: Eigenvalue floor relative to the largest eigenvalue of each factor.
+        weight_decay: Decoupled weight decay λ.
+        precondition_frequency: Steps between inverse-root refreshes.
+        start_preconditioning_step: First step that uses the Shampoo direction (plain grafted Adam
+            before it).
+        max_precond_dim: Sides longer than this are not preconditioned.
+        adamw_lr: Learning rate of the AdamW groups; ``None`` takes ``lr``.
+        adamw_betas: AdamW's ``(β₁, β₂)``.
+        adamw_eps: AdamW's ε.
+        adamw_weight_decay: AdamW's weight decay; ``None`` takes ``weight_decay``.
+        check_finite: Raise naming the parameter when a gradient holds NaN or Inf.
+    """
+
+    algorithm = "shampoo"
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        epsilon: float = 1e-6,
+        weight_decay: float = 0.0,
+        precondition_frequency: int = 10,
+        start_preconditioning_step: int = 10,
+        max_precond_dim: int = 8192,
+        adamw_lr: float | None = None,
+        adamw_betas: tuple[float, float] = (0.9, 0.999),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float | None = None,
+        check_finite: bool = True,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            epsilon=epsilon,
+            weight_decay=weight_decay,
+            precondition_frequency=precondition_frequency,
+            start_preconditioning_step=start_preconditioning_step,
+            max_precond_dim=max_precond_dim,
+        )
+        super().__init__(
+            params,
+            defaults,
+            adamw_lr=adamw_lr,
+            adamw_betas=adamw_betas,
+            adamw_eps=adamw_eps,
+            adamw_weight_decay=adamw_weight_decay,
+            check_finite=check_finite,
+        )
+
+    def matrix_rule(self, group: dict[str, Any]) -> ShampooRule:
+        _check_betas("betas", group["betas"])
+        _check_non_negative(eps=group["eps"], epsilon=group["epsilon"])
+        _check_positive_int(
+            precondition_frequency=group["precondition_frequency"],
+            start_preconditioning_step=group["start_preconditioning_step"],
+            max_precond_dim=group["max_precond_dim"],
+        )
+        return ShampooRule(
+            betas=tuple(group["betas"]),
+            eps=group["eps"],
+            epsilon=group["epsilon"],
+            precondition_frequency=group["precondition_frequency"],
+            start_preconditioning_step=group["start_preconditioning_step"],
+            max_precond_dim=group["max_precond_dim"],
+        )
+
+
+class SOAP(MatrixOptimizer):
+    """SOAP (Adam in Shampoo's eigenbasis) for weight matrices, AdamW for everything else.
+
+    See :mod:`lightning_canzona.optim.rules.soap` for the update.
+
+    Args:
+        params: Tensors, ``(name, tensor)`` pairs or param groups.
+        lr: Learning rate γ.
+        betas: Adam's ``(β₁, β₂)`` in the rotated coordinates.
+        shampoo_beta: Decay of the Kronecker factors; ``None`` takes β₂.
+        eps: Adam's ε.
+        weight_decay: Decoupled weight decay λ.
+        precondition_frequency: Steps between QR refreshes of the eigenbases.
+        max_precond_dim: Sides longer than this keep the identity basis.
+        adamw_lr: Learning rate of the AdamW groups; ``None`` takes ``lr``.
+        adamw_betas: AdamW's ``(β₁, β₂)``.
+        adamw_eps: AdamW's ε.
+        adamw_weight_decay: AdamW's weight decay; ``None`` takes ``weight_decay``.
+        check_finite: Raise naming the parameter when a gradient holds NaN or Inf.
+    """
+
+    algorithm = "soap"
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 3e-3,
+        betas: tuple[float, float] = (0.95, 0.95),
+        shampoo_beta: float | None = None,
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        precondition_frequency: int = 10,
+        max_precond_dim: int = 10_000,
+        adamw_lr: float | None = None,
+        adamw_betas: tuple[float, float] = (0.9, 0.999),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float | None = None,
+        check_finite: bool = True,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas),
+            shampoo_beta=shampoo_beta,
+            eps=eps,
+            weight_decay=weight_decay,
+            precondition_frequency=precondition_frequency,
+            max_precond_dim=max_precond_dim,
+        )
+        super().__init__(
+            params,
+            defaults,
+            adamw_lr=adamw_lr,
+            adamw_betas=adamw_betas,
+            adamw_eps=adamw_eps,
+            adamw_weight_decay=adamw_weight_decay,
+            check_finite=check_finite,
+        )
+
+    def matrix_rule(self, group: dict[str, Any]) -> SOAPRule:
+        _check_betas("betas", group["betas"])
+        _check_non_negative(eps=group["eps"])
+        if group["shampoo_beta"] is not None:
+            _check_unit_interval(shampoo_beta=group["shampoo_beta"])
+        _check_positive_int(
+            precondition_frequency=group["precondition_frequency"], max_precond_dim=group["max_precond_dim"]
+        )
+        return SOAPRule(
+            betas=tuple(group["betas"]),
+            shampoo_beta=group["shampoo_beta"],
+            eps=group["eps"],
+            precondition_frequency=group["precondition_frequency"],
+            max_precond_dim=group["max_precond_dim"],
+        )
+
+

@@ -1,0 +1,66 @@
+"""Split a module's parameters into a matrix group and an AdamW group.
+
+Matrix rules are for the hidden layers' weight matrices. Embeddings, the output head, norms, biases
+and other 1-D tensors are better served by AdamW (Jordan et al., 2024; Liu et al., 2025): an
+embedding's rows are independent lookups, not a linear map, and the head's rows are per-token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from fnmatch import fnmatchcase
+from typing import Any
+
+from torch import nn
+
+#: Last name components that mark a linear layer as an output head.
+HEAD_NAMES = ("lm_head", "head", "output", "classifier", "score")
+
+
+def matrix_param_groups(
+    module: nn.Module,
+    *,
+    matrix: Sequence[str] = (),
+    elementwise: Sequence[str] = (),
+) -> list[dict[str, Any]]:
+    """Param groups for :class:`~lightning_canzona.Muon`, ``Shampoo`` or ``SOAP``.
+
+    By default the weights of ``nn.Linear`` layers are matrices, except an output head (a layer
+    whose own name is one of :data:`HEAD_NAMES`) and a weight tied to an ``nn.Embedding``; every
+    other trainable parameter goes to AdamW. Patterns (``fnmatch`` on the parameter's qualified
+    name, e.g. ``"*.experts.*"``) override the default; ``elementwise`` wins over ``matrix``.
+
+    Args:
+        module: The model.
+        matrix: Patterns of parameters to update with the matrix rule (e.g. 3-D expert stacks).
+        elementwise: Patterns of parameters to update with AdamW.
+
+    Returns:
+        ``[{"params": [(name, param), …]}, {"params": [(name, param), …], "algorithm": "adamw"}]``,
+        leaving out an empty group. Named entries let errors name the parameter.
+    """
+    embedding_weights = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
+    default_matrices: set[int] = set()
+    for name, child in module.named_modules():
+        if isinstance(child, nn.Linear) and name.rpartition(".")[2] not in HEAD_NAMES:
+            if id(child.weight) not in embedding_weights:
+                default_matrices.add(id(child.weight))
+
+    matrices: list[tuple[str, nn.Parameter]] = []
+    others: list[tuple[str, nn.Parameter]] = []
+    for name, param in module.named_parameters():
+        if not param.requires_grad:
+            continue
+        if any(fnmatchcase(name, pattern) for pattern in elementwise):
+            is_matrix = False
+        elif any(fnmatchcase(name, pattern) for pattern in matrix):
+            is_matrix = True
+        else:
+            is_matrix = id(param) in default_matrices
+        (matrices if is_matrix else others).append((name, param))
+    groups: list[dict[str, Any]] = []
+    if matrices:
+        groups.append({"params": matrices})
+    if others:
+        groups.append({"params": others, "algorithm": "adamw"})
+    return groups

@@ -1,0 +1,95 @@
+"""The contract every matrix update rule fulfils, and the cost it reports to the planner.
+
+A rule splits one optimizer step of a weight matrix ``W`` (or a stack of them) into three parts, so
+that the distributed engine can run the cheap elementwise parts where the shards live and the
+expensive matrix part once, on one owner, on the whole matrix:
+
+1. :meth:`MatrixRule.prepare` — elementwise, on any shard: gradient → the matrix the rule needs
+   (Muon's Nesterov momentum; the plain gradient for Shampoo and SOAP).
+2. :meth:`MatrixRule.direction` — on the full matrix: that matrix → the update direction ``D``,
+   reading and writing the owner-held matrix state.
+3. :meth:`MatrixRule.apply` — elementwise, on any shard: ``W ← W·(1 − lr·λ) − lr·s(shape)·D`` with
+   decoupled weight decay ``λ`` and the rule's learning-rate scale ``s``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+State = dict[str, Tensor]
+
+
+@dataclass(frozen=True)
+class UpdateCost:
+    """What one step of a rule costs for one matrix (or stack) of a given shape.
+
+    Attributes:
+        flops: Floating-point operations of :meth:`MatrixRule.direction` per step, with periodic
+            work (eigendecompositions, basis refreshes) amortised over its period.
+        numel: Elements of the matrix: what a gather or scatter of it moves.
+        matrix_state_bytes: Bytes of state held by the owner of the matrix.
+        elementwise_state_bytes: Bytes of state held alongside the parameter's shards, in total
+            over all shards.
+    """
+
+    flops: float
+    numel: int
+    matrix_state_bytes: int
+    elementwise_state_bytes: int
+
+
+def matrix_dims(shape: Sequence[int]) -> tuple[int, int, int]:
+    """``(batch, rows, cols)`` of a matrix or stack of matrices; leading dims are the batch."""
+    if len(shape) < 2:
+        raise ValueError(f"a matrix rule needs a 2-D or stacked (…, m, n) shape, got {tuple(shape)}")
+    batch = 1
+    for size in shape[:-2]:
+        batch *= int(size)
+    return batch, int(shape[-2]), int(shape[-1])
+
+
+class MatrixRule(ABC):
+    """Per-matrix update math; stateless itself, all state lives in the dicts it is handed."""
+
+    #: Name used in ``param_groups[i]["algorithm"]``.
+    name: str
+
+    def init_elementwise_state(self, param: Tensor) -> State:
+        """State that lives beside the parameter and is sharded like it (may be empty)."""
+        return {}
+
+    def prepare(self, grad: Tensor, state: State) -> Tensor:
+        """Elementwise part, applied to a gradient shard; returns what :meth:`direction` needs."""
+        return grad
+
+    @abstractmethod
+    def init_matrix_state(self, shape: torch.Size, device: torch.device) -> State:
+        """State that the owner of a matrix of ``shape`` holds in full (may be empty)."""
+
+    @abstractmethod
+    def direction(self, matrix: Tensor, state: State) -> Tensor:
+        """The update direction for the full ``matrix`` (a ``(…, m, n)`` tensor)."""
+
+    def lr_scale(self, shape: Sequence[int]) -> float:
+        """Factor applied to the learning rate for a matrix of ``shape``."""
+        return 1.0
+
+    def apply(
+        self, param: Tensor, direction: Tensor, *, lr: float, weight_decay: float, shape: Sequence[int]
+    ) -> None:
+        """Decoupled weight decay, then the scaled step along ``direction`` (both may be shards).
+
+        ``shape`` is the full matrix's shape, which the learning-rate scale depends on.
+        """
+        if weight_decay:
+            param.mul_(1.0 - lr * weight_decay)
+        param.add_(direction.to(param.dtype), alpha=-lr * self.lr_scale(shape))
+
+    @abstractmethod
+    def cost(self, shape: Sequence[int]) -> UpdateCost:
+        """Cost of one step on a matrix (or stack) of ``shape``."""

@@ -1,0 +1,74 @@
+"""Muon: momentum, orthogonalised by Newton–Schulz (Jordan et al., 2024).
+
+For gradient ``G`` of an ``m × n`` weight, momentum ``μ`` and learning rate ``γ``::
+
+    B ← μ·B + (1 − μ)·G                        (elementwise, on shards)
+    M ← (1 − μ)·G + μ·B  if nesterov else B    (elementwise, on shards)
+    O ← NS_k(M)                                (full matrix, on the owner)
+    W ← W·(1 − γλ) − γ·s(m, n)·O
+
+with ``s = √max(1, m/n)`` (``"original"``) or ``0.2·√max(m, n)`` (``"match_rms_adamw"``, which makes
+the update's RMS match AdamW's). This is ``torch.optim.Muon``'s algorithm, keyword for keyword.
+
+Cost per step: ``k·(4a²b + 2a³)`` FLOPs with ``a = min(m, n)``, ``b = max(m, n)``, ``k`` = ns_steps;
+``m·n`` elements moved; the momentum buffer (``m·n`` parameter-dtype elements) is elementwise state.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lightning_canzona.optim.newton_schulz import NewtonSchulzSchedule, newton_schulz
+from lightning_canzona.optim.rules.base import MatrixRule, State, UpdateCost, matrix_dims
+
+ADJUST_LR_FNS = ("original", "match_rms_adamw")
+
+
+@dataclass(frozen=True)
+class MuonRule(MatrixRule):
+    """Muon's per-matrix math (see the module docstring for the formulas)."""
+
+    schedule: NewtonSchulzSchedule
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5
+    eps: float = 1e-7
+    adjust_lr_fn: str = "original"
+    compute_dtype: torch.dtype = torch.bfloat16
+    name = "muon"
+
+    def init_elementwise_state(self, param: Tensor) -> State:
+        return {"momentum_buffer": torch.zeros_like(param, memory_format=torch.preserve_format)}
+
+    def prepare(self, grad: Tensor, state: State) -> Tensor:
+        buffer = state["momentum_buffer"]
+        buffer.lerp_(grad, 1.0 - self.momentum)
+        return grad.lerp(buffer, self.momentum) if self.nesterov else buffer
+
+    def init_matrix_state(self, shape: torch.Size, device: torch.device) -> State:
+        return {}
+
+    def direction(self, matrix: Tensor, state: State) -> Tensor:
+        return newton_schulz(matrix, self.schedule, self.ns_steps, self.eps, self.compute_dtype)
+
+    def lr_scale(self, shape: Sequence[int]) -> float:
+        _, rows, cols = matrix_dims(shape)
+        if self.adjust_lr_fn == "match_rms_adamw":
+            return 0.2 * math.sqrt(max(rows, cols))
+        return math.sqrt(max(1.0, rows / cols))
+
+    def cost(self, shape: Sequence[int]) -> UpdateCost:
+        batch, rows, cols = matrix_dims(shape)
+        small, large = min(rows, cols), max(rows, cols)
+        numel = batch * rows * cols
+        return UpdateCost(
+            flops=float(batch * self.ns_steps * (4 * small * small * large + 2 * small**3)),
+            numel=numel,
+            matrix_state_bytes=0,
+            elementwise_state_bytes=4 * numel,
+        )

@@ -1,0 +1,118 @@
+"""Shampoo with Adam-norm grafting (Gupta et al., 2018; Anil et al., 2020).
+
+For gradient ``G`` (``m × n``) at step ``t``, betas ``(β₁, β₂)``, learning rate ``γ``::
+
+    L ← β₂·L + (1 − β₂)·GGᵀ        R ← β₂·R + (1 − β₂)·GᵀG       (Kronecker factors)
+    M ← β₁·M + (1 − β₁)·G          V ← β₂·V + (1 − β₂)·G⊙G       (momentum, grafting moment)
+    M̂ = M / (1 − β₁ᵗ)              A = M̂ / (√(V / (1 − β₂ᵗ)) + ε)  (the Adam direction)
+    P = L̃^(-1/4) · M̂ · R̃^(-1/4)                                   (once preconditioning started)
+    D = P · ‖A‖_F / ‖P‖_F  if t ≥ start_preconditioning_step, else D = A
+    W ← W·(1 − γλ) − γ·D
+
+``L̃^(-1/4) = Q·diag((max(λᵢ, 0) + δ·λ_max)^(-1/4))·Qᵀ`` from ``eigh(L) = (λ, Q)``, with ``δ`` the
+(relative) ``epsilon``, refreshed at ``t = start_preconditioning_step`` and every
+``precondition_frequency`` steps after. A side longer than ``max_precond_dim`` stays identity.
+Grafting gives the step Adam's per-matrix magnitude and Shampoo's direction, so learning rates tuned
+for Adam carry over.
+
+Cost per step, with ``f`` = precondition_frequency and sums over the preconditioned sides
+``d ∈ {m, n}``: factor updates ``Σ 2d·mn``, preconditioning ``Σ 2d·mn``, eigendecompositions
+``Σ 10d³ / f`` (the usual ≈10d³ for a symmetric eigensolver with vectors), ``≈ 10·mn`` elementwise.
+All of its state (factors, roots, both moments) is matrix state on the owner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lightning_canzona.optim.rules.base import MatrixRule, State, UpdateCost, matrix_dims
+from lightning_canzona.optim.rules.kronecker import (
+    factor_flops,
+    init_factors,
+    preconditioned_sides,
+    update_factors,
+)
+
+
+_TINY = torch.finfo(torch.float32).tiny
+
+
+def _frobenius(matrix: Tensor) -> Tensor:
+    return torch.linalg.vector_norm(matrix, dim=(-2, -1), keepdim=True)
+
+
+def inverse_fourth_root(factor: Tensor, epsilon: float) -> Tensor:
+    """``(F + δ·λ_max·I)^(-1/4)`` of a symmetric PSD ``factor`` (or stack) by ``eigh``."""
+    eigenvalues, eigenvectors = torch.linalg.eigh(factor)
+    eigenvalues = eigenvalues.clamp_min(0.0)
+    floor = epsilon * eigenvalues.amax(dim=-1, keepdim=True).clamp_min(_TINY)
+    scale = (eigenvalues + floor).pow(-0.25)
+    return (eigenvectors * scale.unsqueeze(-2)) @ eigenvectors.mT
+
+
+@dataclass(frozen=True)
+class ShampooRule(MatrixRule):
+    """Shampoo's per-matrix math (see the module docstring for the formulas)."""
+
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    epsilon: float = 1e-6
+    precondition_frequency: int = 10
+    start_preconditioning_step: int = 10
+    max_precond_dim: int = 8192
+    name = "shampoo"
+
+    def init_matrix_state(self, shape: torch.Size, device: torch.device) -> State:
+        full = dict(device=device, dtype=torch.float32)
+        state = {
+            "step": torch.zeros((), dtype=torch.int64),
+            "exp_avg": torch.zeros(shape, **full),
+            "exp_avg_sq": torch.zeros(shape, **full),
+        }
+        factors = init_factors(shape, device, self.max_precond_dim)
+        state.update(factors)
+        state.update({f"{side}_root": torch.zeros_like(factor) for side, factor in factors.items()})
+        return state
+
+    def direction(self, matrix: Tensor, state: State) -> Tensor:
+        beta1, beta2 = self.betas
+        state["step"] += 1
+        step = int(state["step"])
+        grad = matrix.float()
+        update_factors(state, grad, beta2)
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        exp_avg.lerp_(grad, 1.0 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+        momentum = exp_avg / (1.0 - beta1**step)
+        adam = momentum / (exp_avg_sq / (1.0 - beta2**step)).sqrt_().add_(self.eps)
+        since_start = step - self.start_preconditioning_step
+        if since_start < 0:
+            return adam
+        if since_start % self.precondition_frequency == 0:
+            for side in ("left", "right"):
+                if side in state:
+                    state[f"{side}_root"].copy_(inverse_fourth_root(state[side], self.epsilon))
+        preconditioned = momentum
+        if "left" in state:
+            preconditioned = state["left_root"] @ preconditioned
+        if "right" in state:
+            preconditioned = preconditioned @ state["right_root"]
+        return preconditioned * (_frobenius(adam) / _frobenius(preconditioned).clamp_min(_TINY))
+
+    def cost(self, shape: Sequence[int]) -> UpdateCost:
+        batch, rows, cols = matrix_dims(shape)
+        sides = preconditioned_sides(rows, cols, self.max_precond_dim)
+        eigh = sum(10 * dim**3 for dim in sides.values()) / self.precondition_frequency
+        flops = 2 * factor_flops(rows, cols, sides) + eigh + 10 * rows * cols
+        factor_elements = sum(2 * dim * dim for dim in sides.values())  # factor and its root
+        numel = batch * rows * cols
+        return UpdateCost(
+            flops=float(batch * flops),
+            numel=numel,
+            matrix_state_bytes=4 * (2 * numel + batch * factor_elements),
+            elementwise_state_bytes=0,
+        )

@@ -1,0 +1,131 @@
+"""SOAP: Adam in the eigenbasis of Shampoo's preconditioner (Vyas et al., 2024).
+
+For gradient ``G`` (``m × n``) at step ``t``, betas ``(β₁, β₂)``, factor decay ``β_s``
+(``shampoo_beta``, default ``β₂``) and learning rate ``γ``::
+
+    L ← β_s·L + (1 − β_s)·GGᵀ        R ← β_s·R + (1 − β_s)·GᵀG
+    t = 1:        Q_L, Q_R ← eigenvectors of L, R (eigh, largest eigenvalue first)
+    t ≡ 0 mod f:  Q ← QR(F·Q) for F = L, R: one power iteration, after ordering Q's columns (and
+                  V's matching axis) by the estimated eigenvalues diag(QᵀFQ), largest first
+    G' = Q_Lᵀ·G·Q_R                  M ← β₁·M + (1 − β₁)·G          M' = Q_Lᵀ·M·Q_R
+    V ← β₂·V + (1 − β₂)·G'⊙G'
+    D = Q_L · (c·M' / (√V + ε)) · Q_Rᵀ   with  c = √(1 − β₂ᵗ) / (1 − β₁ᵗ)   (bias correction)
+    W ← W·(1 − γλ) − γ·D
+
+``M`` stays in the original coordinates, as in the paper's algorithm, so a basis refresh never
+mixes momenta from two bases; ``V`` lives in the rotated coordinates. A side longer than
+``max_precond_dim`` keeps the identity basis.
+
+Cost per step, summing over the preconditioned sides ``d ∈ {m, n}``: the factor update and the three
+one-sided rotations (of ``G``, ``M`` and back) cost ``Σ 8d·mn``; each refresh costs ``≈ 10d³`` per side
+(two ``d × d`` products for the eigenvalue estimate, one for the power iteration, a Householder
+QR), amortised over ``f`` = precondition_frequency. All of its state is matrix state on the owner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lightning_canzona.optim.rules.base import MatrixRule, State, UpdateCost, matrix_dims
+from lightning_canzona.optim.rules.kronecker import (
+    SIDES,
+    factor_flops,
+    init_factors,
+    preconditioned_sides,
+    update_factors,
+)
+
+
+def _project(matrix: Tensor, state: State, *, back: bool = False) -> Tensor:
+    """``Q_Lᵀ·X·Q_R`` (or ``Q_L·X·Q_Rᵀ`` with ``back``), skipping sides without a basis."""
+    if "left_basis" in state:
+        left = state["left_basis"]
+        matrix = (left if back else left.mT) @ matrix
+    if "right_basis" in state:
+        right = state["right_basis"]
+        matrix = matrix @ (right.mT if back else right)
+    return matrix
+
+
+def _eigenbasis(factor: Tensor) -> Tensor:
+    """Eigenvectors of a symmetric factor, columns ordered by decreasing eigenvalue."""
+    _, eigenvectors = torch.linalg.eigh(factor)
+    return eigenvectors.flip(-1)
+
+
+def _refresh(state: State) -> None:
+    """One QR power iteration per side, re-ordering ``exp_avg_sq`` with the basis columns."""
+    exp_avg_sq = state["exp_avg_sq"]
+    for axis, side in zip((-2, -1), SIDES):
+        if side not in state:
+            continue
+        factor, basis = state[side], state[f"{side}_basis"]
+        estimated = torch.diagonal(basis.mT @ factor @ basis, dim1=-2, dim2=-1)
+        order = estimated.argsort(dim=-1, descending=True)
+        basis = basis.take_along_dim(order.unsqueeze(-2), dim=-1)
+        order_shape = order.unsqueeze(-1) if axis == -2 else order.unsqueeze(-2)
+        exp_avg_sq = exp_avg_sq.take_along_dim(order_shape, dim=axis)
+        state[f"{side}_basis"].copy_(torch.linalg.qr(factor @ basis).Q)
+    state["exp_avg_sq"].copy_(exp_avg_sq)
+
+
+@dataclass(frozen=True)
+class SOAPRule(MatrixRule):
+    """SOAP's per-matrix math (see the module docstring for the formulas)."""
+
+    betas: tuple[float, float] = (0.95, 0.95)
+    shampoo_beta: float | None = None
+    eps: float = 1e-8
+    precondition_frequency: int = 10
+    max_precond_dim: int = 10_000
+    name = "soap"
+
+    def init_matrix_state(self, shape: torch.Size, device: torch.device) -> State:
+        full = dict(device=device, dtype=torch.float32)
+        state = {
+            "step": torch.zeros((), dtype=torch.int64),
+            "exp_avg": torch.zeros(shape, **full),
+            "exp_avg_sq": torch.zeros(shape, **full),
+        }
+        factors = init_factors(shape, device, self.max_precond_dim)
+        state.update(factors)
+        state.update({f"{side}_basis": torch.zeros_like(factor) for side, factor in factors.items()})
+        return state
+
+    def direction(self, matrix: Tensor, state: State) -> Tensor:
+        beta1, beta2 = self.betas
+        state["step"] += 1
+        step = int(state["step"])
+        grad = matrix.float()
+        update_factors(state, grad, beta2 if self.shampoo_beta is None else self.shampoo_beta)
+        if step == 1:
+            for side in SIDES:
+                if side in state:
+                    state[f"{side}_basis"].copy_(_eigenbasis(state[side]))
+        elif step % self.precondition_frequency == 0:
+            _refresh(state)
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        rotated_grad = _project(grad, state)
+        exp_avg.lerp_(grad, 1.0 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(rotated_grad, rotated_grad, value=1.0 - beta2)
+        correction = (1.0 - beta2**step) ** 0.5 / (1.0 - beta1**step)
+        rotated_step = _project(exp_avg, state) / exp_avg_sq.sqrt().add_(self.eps)
+        return _project(rotated_step.mul_(correction), state, back=True)
+
+    def cost(self, shape: Sequence[int]) -> UpdateCost:
+        batch, rows, cols = matrix_dims(shape)
+        sides = preconditioned_sides(rows, cols, self.max_precond_dim)
+        refresh = sum(10 * dim**3 for dim in sides.values()) / self.precondition_frequency
+        flops = 4 * factor_flops(rows, cols, sides) + refresh + 10 * rows * cols
+        numel = batch * rows * cols
+        factor_elements = sum(2 * dim * dim for dim in sides.values())  # factor and its basis
+        return UpdateCost(
+            flops=float(batch * flops),
+            numel=numel,
+            matrix_state_bytes=4 * (2 * numel + batch * factor_elements),
+            elementwise_state_bytes=0,
+        )

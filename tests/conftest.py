@@ -1,0 +1,7 @@
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _deterministic() -> None:
+    torch.manual_seed(0)

@@ -1,0 +1,84 @@
+import pytest
+import torch
+
+from lightning_canzona.optim.newton_schulz import PRESETS, newton_schulz, resolve_schedule
+
+
+def _with_singular_values(rows: int, cols: int, singular_values: torch.Tensor) -> torch.Tensor:
+    u, _ = torch.linalg.qr(torch.randn(rows, rows, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(cols, cols, dtype=torch.float64))
+    k = singular_values.numel()
+    return (u[:, :k] * singular_values) @ v[:, :k].T
+
+
+def _inputs() -> dict[str, torch.Tensor]:
+    return {
+        "random wide": torch.randn(96, 160, dtype=torch.float64),
+        "random tall": torch.randn(160, 96, dtype=torch.float64),
+        "ill-conditioned (cond 1e4)": _with_singular_values(
+            80, 120, torch.logspace(0, -4, 80, dtype=torch.float64)
+        ),
+        "ill-conditioned tall (cond 1e6, clustered)": _with_singular_values(
+            150, 60, torch.cat([torch.full((30,), 5.0), torch.logspace(-3, -6, 30)]).double()
+        ),
+    }
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("ns_steps", [5, 8])
+def test_output_singular_values_stay_in_the_promised_band(preset: str, ns_steps: int) -> None:
+    schedule = PRESETS[preset]
+    for label, matrix in _inputs().items():
+        normalised = torch.linalg.svdvals(matrix) / (schedule.norm_safety * torch.linalg.matrix_norm(matrix))
+        out = newton_schulz(matrix.float(), schedule, ns_steps, dtype=torch.float32)
+        measured = torch.linalg.svdvals(out.double())
+        low, high = schedule.singular_value_band(ns_steps, lower=float(normalised.min()))
+        assert low - 2e-3 <= float(measured.min()) and float(measured.max()) <= high + 2e-3, (
+            f"{preset}, {label}: singular values in [{measured.min():.4f}, {measured.max():.4f}], "
+            f"band [{low:.4f}, {high:.4f}]"
+        )
+        # Each singular value follows the scalar polynomials on its own, not merely the band.
+        expected = schedule.singular_value_map(normalised, ns_steps).sort().values
+        torch.testing.assert_close(measured.sort().values, expected, atol=2e-3, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "preset, ns_steps, band",
+    [("quintic", 5, (0.68, 1.14)), ("polar_express", 5, (0.87, 1.13)), ("newton_schulz", 10, (0.999, 1.001))],
+)
+def test_presets_promise_a_tight_band_on_well_conditioned_inputs(preset, ns_steps, band) -> None:
+    schedule = PRESETS[preset]
+    matrix = _with_singular_values(64, 128, torch.linspace(1.0, 0.1, 64, dtype=torch.float64))
+    normalised_min = float(torch.linalg.svdvals(matrix).min() / torch.linalg.matrix_norm(matrix))
+    low, high = schedule.singular_value_band(ns_steps, lower=normalised_min / schedule.norm_safety)
+    assert band[0] <= low and high <= band[1]
+    measured = torch.linalg.svdvals(newton_schulz(matrix.float(), schedule, ns_steps, dtype=torch.float32))
+    assert band[0] - 1e-3 <= float(measured.min()) and float(measured.max()) <= band[1] + 1e-3
+
+
+def test_stack_equals_per_matrix_calls() -> None:
+    stack = torch.randn(4, 48, 80)
+    schedule = PRESETS["polar_express"]
+    batched = newton_schulz(stack, schedule, 5, dtype=torch.float32)
+    for index in range(stack.shape[0]):
+        single = newton_schulz(stack[index], schedule, 5, dtype=torch.float32)
+        torch.testing.assert_close(batched[index], single, rtol=1e-5, atol=1e-6)
+    tall = torch.randn(3, 70, 20)
+    batched = newton_schulz(tall, schedule, 5, dtype=torch.float32)
+    torch.testing.assert_close(batched[1], newton_schulz(tall[1], schedule, 5, dtype=torch.float32))
+
+
+def test_zero_matrix_stays_zero() -> None:
+    out = newton_schulz(torch.zeros(8, 12), PRESETS["quintic"], 5, dtype=torch.float32)
+    assert torch.equal(out, torch.zeros(8, 12))
+
+
+def test_coefficients_forms() -> None:
+    assert resolve_schedule("polar_express") is PRESETS["polar_express"]
+    assert resolve_schedule((3.4445, -4.7750, 2.0315)) is PRESETS["quintic"]
+    custom = resolve_schedule([(3.0, -3.2, 1.2), (2.0, -1.5, 0.5)])
+    assert custom.steps(4) == [(3.0, -3.2, 1.2), (2.0, -1.5, 0.5), (2.0, -1.5, 0.5), (2.0, -1.5, 0.5)]
+    with pytest.raises(ValueError, match="Unknown ns_coefficients preset 'cubic'.*polar_express"):
+        resolve_schedule("cubic")
+    with pytest.raises(ValueError, match=r"\(a, b, c\) triples"):
+        resolve_schedule([(1.0, 2.0)])

@@ -1,0 +1,129 @@
+import pytest
+import torch
+
+import lightning_canzona as lc
+
+
+def _steps(optimizer_class, initial, grads, **kwargs):
+    param = torch.nn.Parameter(initial.clone())
+    optimizer = optimizer_class([param], **kwargs)
+    snapshots = []
+    for grad in grads:
+        param.grad = grad.clone()
+        optimizer.step()
+        snapshots.append({key: value.clone() for key, value in optimizer.state[param].items()})
+    return param.detach(), snapshots
+
+
+def _reference_shampoo(initial, grads, *, lr, betas, eps, epsilon, start, frequency, max_dim):
+    """Shampoo with Adam grafting, from its equations, with explicit eigh on the factors."""
+
+    def inverse_root(factor):
+        values, vectors = torch.linalg.eigh(factor)
+        values = values.clamp_min(0) + epsilon * values.max()
+        return vectors @ torch.diag(values**-0.25) @ vectors.T
+
+    beta1, beta2 = betas
+    rows, cols = initial.shape
+    weight, m, v = initial.clone(), torch.zeros_like(initial), torch.zeros_like(initial)
+    left, right = torch.zeros(rows, rows), torch.zeros(cols, cols)
+    left_root, right_root = torch.eye(rows), torch.eye(cols)
+    for t, g in enumerate(grads, start=1):
+        left = beta2 * left + (1 - beta2) * g @ g.T
+        right = beta2 * right + (1 - beta2) * g.T @ g
+        m = beta1 * m + (1 - beta1) * g
+        v = beta2 * v + (1 - beta2) * g * g
+        m_hat = m / (1 - beta1**t)
+        adam = m_hat / ((v / (1 - beta2**t)).sqrt() + eps)
+        if t >= start:
+            if (t - start) % frequency == 0:
+                left_root = inverse_root(left) if rows <= max_dim else torch.eye(rows)
+                right_root = inverse_root(right) if cols <= max_dim else torch.eye(cols)
+            direction = left_root @ m_hat @ right_root
+            direction = direction * adam.norm() / direction.norm()
+        else:
+            direction = adam
+        weight = weight - lr * direction
+    return weight
+
+
+@pytest.mark.parametrize("shape, max_dim", [((24, 40), 8192), ((40, 24), 8192), ((16, 48), 32)])
+def test_shampoo_matches_explicit_eigh_on_accumulated_factors(shape, max_dim) -> None:
+    settings = dict(lr=0.01, betas=(0.9, 0.99), eps=1e-8, epsilon=1e-4)
+    schedule = dict(precondition_frequency=2, start_preconditioning_step=2, max_precond_dim=max_dim)
+    initial, grads = torch.randn(shape), [torch.randn(shape) for _ in range(7)]
+    ours, states = _steps(lc.Shampoo, initial, grads, **settings, **schedule)
+    expected = _reference_shampoo(initial, grads, start=2, frequency=2, max_dim=max_dim, **settings)
+    torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-5)
+    assert ("right" in states[-1]) == (shape[1] <= max_dim)
+    # The roots are refreshed at steps 2, 4, 6 and held in between.
+    roots = [state["left_root"] for state in states]
+    assert torch.equal(roots[1], roots[2]) and not torch.equal(roots[2], roots[3])
+
+
+def test_shampoo_before_preconditioning_is_adamw() -> None:
+    initial, grads = torch.randn(20, 30), [torch.randn(20, 30) for _ in range(4)]
+    settings = dict(lr=0.01, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    ours, _ = _steps(lc.Shampoo, initial, grads, start_preconditioning_step=10, **settings)
+    adamw, _ = _steps(torch.optim.AdamW, initial, grads, **settings)
+    torch.testing.assert_close(ours, adamw, rtol=1e-6, atol=1e-6)
+
+
+def _reference_soap(initial, grads, *, lr, betas, eps, weight_decay, frequency):
+    """Algorithm 3 of Vyas et al. (2024), written from its equations."""
+
+    def eigenvectors_descending(factor):
+        return torch.linalg.eigh(factor).eigenvectors.flip(-1)
+
+    beta1, beta2 = betas
+    weight = initial.clone()
+    m, v = torch.zeros_like(initial), torch.zeros_like(initial)
+    left, right = torch.zeros(initial.shape[0], initial.shape[0]), torch.zeros(initial.shape[1], initial.shape[1])
+    bases = []
+    for t, g in enumerate(grads, start=1):
+        # Written as lerp, the EMA rounds like the optimizer's: eigh's choice of eigenvectors
+        # inside the factor's null space is arbitrary, so it must see the same bits.
+        left = left.lerp(g @ g.T, 1 - beta2)
+        right = right.lerp(g.T @ g, 1 - beta2)
+        if t == 1:
+            q_left, q_right = eigenvectors_descending(left), eigenvectors_descending(right)
+        elif t % frequency == 0:
+            # Sort the columns by the estimated eigenvalues (and V's axes with them), then one
+            # step of power iteration followed by QR.
+            order_left = torch.diag(q_left.T @ left @ q_left).argsort(descending=True)
+            order_right = torch.diag(q_right.T @ right @ q_right).argsort(descending=True)
+            q_left, q_right = q_left[:, order_left], q_right[:, order_right]
+            v = v[order_left][:, order_right]
+            q_left = torch.linalg.qr(left @ q_left).Q
+            q_right = torch.linalg.qr(right @ q_right).Q
+        bases.append(q_left)
+        g_rotated = q_left.T @ g @ q_right
+        m = beta1 * m + (1 - beta1) * g
+        m_rotated = q_left.T @ m @ q_right
+        v = beta2 * v + (1 - beta2) * g_rotated**2
+        correction = (1 - beta2**t) ** 0.5 / (1 - beta1**t)
+        step = q_left @ (correction * m_rotated / (v.sqrt() + eps)) @ q_right.T
+        weight = weight * (1 - lr * weight_decay) - lr * step
+    return weight, bases
+
+
+@pytest.mark.parametrize("shape", [(24, 24), (20, 36), (36, 20)])
+def test_soap_matches_the_papers_algorithm_over_two_refresh_periods(shape) -> None:
+    settings = dict(lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+    # Gradient scale 1e-2 keeps float32 rounding in the factors' null space far below eps.
+    initial, grads = torch.randn(shape), [1e-2 * torch.randn(shape) for _ in range(8)]
+    ours, states = _steps(lc.SOAP, initial, grads, precondition_frequency=3, **settings)
+    expected, reference_bases = _reference_soap(initial, grads, frequency=3, **settings)
+    torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-5)
+    bases = [state["left_basis"] for state in states]
+    for step in (3, 6):  # refreshes happen at steps 3 and 6 and change the basis
+        assert (bases[step - 1] - bases[step - 2]).abs().max() > 1e-3
+        torch.testing.assert_close(bases[step - 1].abs(), reference_bases[step - 1].abs(), rtol=1e-3, atol=1e-4)
+    for step in (2, 4, 5, 7, 8):
+        assert torch.equal(bases[step - 1], bases[step - 2])
+
+
+def test_soap_leaves_a_side_over_max_precond_dim_unrotated() -> None:
+    initial, grads = torch.randn(8, 40), [1e-2 * torch.randn(8, 40) for _ in range(3)]
+    _, states = _steps(lc.SOAP, initial, grads, max_precond_dim=16)
+    assert "left_basis" in states[-1] and "right_basis" not in states[-1]
