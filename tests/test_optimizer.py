@@ -1,0 +1,201 @@
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import lightning_canzona as lc
+
+OPTIMIZERS = [
+    (lc.Muon, {"lr": 0.05, "compute_dtype": "float32", "adamw_lr": 1e-2}),
+    (lc.Shampoo, {"lr": 1e-2, "precondition_frequency": 2, "start_preconditioning_step": 2}),
+    (lc.SOAP, {"lr": 1e-2, "precondition_frequency": 2}),
+]
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab: int = 32, width: int = 24) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.up = nn.Linear(width, 2 * width)
+        self.norm = nn.LayerNorm(2 * width)
+        self.down = nn.Linear(2 * width, width, bias=False)
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(tokens)
+        hidden = hidden + self.down(torch.relu(self.norm(self.up(hidden))))
+        return self.lm_head(hidden)
+
+
+def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def _train(model, optimizer, batches):
+    losses = []
+    for tokens in batches:
+        optimizer.zero_grad()
+        loss = _loss(model, tokens)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def test_matrix_param_groups_send_embeddings_heads_norms_and_biases_to_adamw() -> None:
+    groups = lc.matrix_param_groups(TinyLM())
+    assert [name for name, _ in groups[0]["params"]] == ["up.weight", "down.weight"]
+    assert groups[1]["algorithm"] == "adamw"
+    assert [name for name, _ in groups[1]["params"]] == [
+        "embed.weight", "up.bias", "norm.weight", "norm.bias", "lm_head.weight",
+    ]
+    overridden = lc.matrix_param_groups(TinyLM(), matrix=["lm_head.*"], elementwise=["down.*"])
+    assert [name for name, _ in overridden[0]["params"]] == ["up.weight", "lm_head.weight"]
+
+
+def test_tied_output_head_is_not_a_matrix() -> None:
+    model = TinyLM()
+    model.lm_head.weight = model.embed.weight
+    model.proj = nn.Linear(24, 32, bias=False)
+    model.proj.weight = model.embed.weight
+    groups = lc.matrix_param_groups(model)
+    assert all(param is not model.embed.weight for _, param in groups[0]["params"])
+
+
+@pytest.mark.parametrize("optimizer_class, kwargs", OPTIMIZERS)
+def test_one_optimizer_runs_matrix_and_adamw_groups(optimizer_class, kwargs) -> None:
+    model = TinyLM()
+    optimizer = optimizer_class(lc.matrix_param_groups(model), **kwargs)
+    assert [group["algorithm"] for group in optimizer.param_groups] == [optimizer_class.algorithm, "adamw"]
+    batches = [torch.randint(0, 32, (8, 17)) for _ in range(40)]
+    losses = _train(model, optimizer, batches[:1] * 40)
+    assert losses[-1] < 0.5 * losses[0]  # it learns the batch
+    embed_state = optimizer.state[model.embed.weight]
+    assert set(embed_state) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+def test_adamw_groups_match_torch_adamw() -> None:
+    model = TinyLM()
+    reference = copy.deepcopy(model)
+    settings = dict(lr=3e-3, betas=(0.9, 0.98), eps=1e-7, weight_decay=0.05)
+    ours = lc.Muon([{"params": model.parameters(), "algorithm": "adamw", **settings}])
+    theirs = torch.optim.AdamW(reference.parameters(), **settings)
+    batches = [torch.randint(0, 32, (4, 9)) for _ in range(4)]
+    _train(model, ours, batches)
+    _train(reference, theirs, batches)
+    for mine, expected in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(mine, expected, rtol=0, atol=0)
+
+
+def test_plain_parameters_are_split_by_dimensionality() -> None:
+    model = TinyLM()
+    optimizer = lc.Muon(model.parameters())
+    matrix, adamw = optimizer.param_groups
+    assert all(p.ndim >= 2 for p in matrix["params"]) and matrix["algorithm"] == "muon"
+    assert all(p.ndim < 2 for p in adamw["params"]) and adamw["algorithm"] == "adamw"
+    assert adamw["lr"] == matrix["lr"] and adamw["eps"] == 1e-8 and adamw["betas"] == (0.9, 0.95)
+
+
+@pytest.mark.parametrize("optimizer_class, kwargs", OPTIMIZERS)
+def test_state_dict_round_trip_continues_identically(optimizer_class, kwargs) -> None:
+    batches = [torch.randint(0, 32, (8, 17)) for _ in range(8)]
+    model = TinyLM()
+    optimizer = optimizer_class(lc.matrix_param_groups(model), **kwargs)
+    _train(model, optimizer, batches[:3])
+
+    saved_model = copy.deepcopy(model.state_dict())
+    saved_optimizer = copy.deepcopy(optimizer.state_dict())
+    uninterrupted = _train(model, optimizer, batches[3:])
+
+    restored = TinyLM()
+    restored.load_state_dict(saved_model)
+    restored_optimizer = optimizer_class(lc.matrix_param_groups(restored), **kwargs)
+    restored_optimizer.load_state_dict(saved_optimizer)
+    assert _train(restored, restored_optimizer, batches[3:]) == uninterrupted
+    for mine, expected in zip(restored.parameters(), model.parameters()):
+        assert torch.equal(mine, expected)
+
+
+def test_float32_matrix_state_survives_loading_for_bf16_parameters() -> None:
+    param = nn.Parameter(torch.randn(16, 24, dtype=torch.bfloat16))
+    optimizer = lc.SOAP([param])
+    param.grad = torch.randn_like(param)
+    optimizer.step()
+    state = optimizer.state_dict()
+    fresh = lc.SOAP([param])
+    fresh.load_state_dict(state)
+    assert fresh.state[param]["left"].dtype == torch.float32
+    assert torch.equal(fresh.state[param]["left"], optimizer.state[param]["left"])
+
+
+def test_step_evaluates_the_closure_with_gradients_enabled() -> None:
+    model = TinyLM()
+    optimizer = lc.Muon(lc.matrix_param_groups(model))
+    tokens = torch.randint(0, 32, (2, 9))
+
+    def closure() -> torch.Tensor:
+        assert torch.is_grad_enabled()
+        optimizer.zero_grad()
+        loss = _loss(model, tokens)
+        loss.backward()
+        return loss
+
+    with torch.no_grad():
+        loss = optimizer.step(closure)
+    assert math.isfinite(float(loss))
+
+
+def test_parameters_without_gradients_are_left_alone() -> None:
+    model = TinyLM()
+    optimizer = lc.Shampoo(lc.matrix_param_groups(model))
+    before = model.up.weight.detach().clone()
+    for param in model.parameters():
+        param.grad = None if param is model.up.weight else torch.randn_like(param)
+    optimizer.step()
+    assert torch.equal(model.up.weight, before) and model.up.weight not in optimizer.state
+
+
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (lambda p: lc.Muon(p, lr=-1.0), r"param_groups\[0\] \(muon\): lr must be a finite number >= 0, got -1.0"),
+        (lambda p: lc.Muon(p, ns_steps=0), r"ns_steps must be an integer >= 1, got 0"),
+        (lambda p: lc.Muon(p, ns_coefficients="cubic"), r"Unknown ns_coefficients preset 'cubic'"),
+        (lambda p: lc.Muon(p, adjust_lr_fn="sqrt"), r"adjust_lr_fn must be one of"),
+        (lambda p: lc.Muon(p, compute_dtype="float16"), r"compute_dtype must be one of"),
+        (lambda p: lc.Muon(p, momentum=1.0), r"momentum must lie in \[0, 1\)"),
+        (lambda p: lc.Shampoo(p, precondition_frequency=0), r"precondition_frequency must be an integer >= 1"),
+        (lambda p: lc.SOAP(p, betas=(0.9, 1.5)), r"betas must be two numbers in \[0, 1\)"),
+        (lambda p: lc.Muon(p, adamw_betas=(1.0, 0.9)), r"param_groups\[1\] \(adamw\): betas must be"),
+    ],
+)
+def test_bad_settings_are_named(build, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        build(lc.matrix_param_groups(TinyLM()))
+
+
+def test_a_vector_forced_into_a_matrix_group_is_named() -> None:
+    model = TinyLM()
+    with pytest.raises(ValueError, match=r"Parameter 'up.bias' of shape \(48,\) is in a 'muon' group"):
+        lc.Muon([{"params": [("up.weight", model.up.weight), ("up.bias", model.up.bias)], "algorithm": "muon"}])
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] of shape \(48,\)"):
+        lc.SOAP([{"params": [model.up.bias], "algorithm": "soap"}])
+    with pytest.raises(ValueError, match="has algorithm 'lion'"):
+        lc.Muon([{"params": [model.up.weight], "algorithm": "lion"}])
+
+
+@pytest.mark.parametrize("optimizer_class, kwargs", OPTIMIZERS)
+def test_non_finite_gradient_is_named_and_nothing_is_written(optimizer_class, kwargs) -> None:
+    model = TinyLM()
+    optimizer = optimizer_class(lc.matrix_param_groups(model), **kwargs)
+    before = copy.deepcopy(model.state_dict())
+    for param in model.parameters():
+        param.grad = torch.randn_like(param)
+    model.down.weight.grad[3, 4] = float("nan")
+    with pytest.raises(FloatingPointError, match=r"parameter 'down.weight' \(shape \(24, 48\)\) holds NaN or Inf"):
+        optimizer.step()
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
