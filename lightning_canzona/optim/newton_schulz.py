@@ -178,15 +178,14 @@ def newton_schulz(
         x = x.mT
     norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
     x = x / (norm * schedule.norm_safety).clamp_min(eps)
-    # One code path for 2-D and stacks; a batch of one runs at addmm's speed.
-    x = x if x.ndim > 2 else x.unsqueeze(0)
+    # Stacks run as one batched matmul per product; single matrices keep mm's faster kernels.
     batch_shape = x.shape[:-2]
-    x = x.reshape(-1, *x.shape[-2:])
+    if x.ndim > 3:
+        x = x.reshape(-1, *x.shape[-2:])
+    add_product = torch.addmm if x.ndim == 2 else torch.baddbmm
     for a, b, c in schedule.steps(ns_steps):
         gram = x @ x.mT
-        polynomial = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.baddbmm(x, polynomial, x, beta=a)
+        polynomial = add_product(gram, gram, gram, beta=b, alpha=c)
+        x = add_product(x, polynomial, x, beta=a)
     x = x.reshape(*batch_shape, *x.shape[-2:])
-    if matrix.ndim == 2:
-        x = x.squeeze(0)
     return x.mT if transposed else x

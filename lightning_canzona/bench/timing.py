@@ -1,0 +1,34 @@
+"""Wall-clock timing for benchmarks: interleaved repeats, reported as medians."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+
+def median_seconds(
+    candidates: dict[str, Callable[[], object]], *, repeats: int = 7, min_seconds: float = 0.05
+) -> dict[str, float]:
+    """Median seconds per call of each candidate, measured in alternation.
+
+    Alternating the candidates within every repeat spreads the machine's noise (other processes,
+    frequency changes) evenly over them, so their ratios stay meaningful on a busy machine.
+    Each repeat runs a candidate enough times to last ``min_seconds``.
+    """
+    calls = {}
+    for name, run in candidates.items():
+        run()  # warm-up: allocator, kernels, lazy initialisation
+        start, count = time.perf_counter(), 0
+        while time.perf_counter() - start < min_seconds:
+            run()
+            count += 1
+        calls[name] = count
+    samples: dict[str, list[float]] = {name: [] for name in candidates}
+    for _ in range(repeats):
+        for name, run in candidates.items():
+            start = time.perf_counter()
+            for _ in range(calls[name]):
+                run()
+            samples[name].append((time.perf_counter() - start) / calls[name])
+    return {name: statistics.median(values) for name, values in samples.items()}

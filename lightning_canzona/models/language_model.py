@@ -1,0 +1,89 @@
+"""The LightningModule that trains a :class:`~lightning_canzona.models.Qwen3` as a causal LM."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lightning import LightningModule
+from torch import Tensor
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LambdaLR
+
+from lightning_canzona.models.qwen3 import Qwen3, Qwen3Config
+from lightning_canzona.optim import Muon, matrix_param_groups
+
+OptimizerFactory = Callable[[Iterable[Any]], Optimizer]
+
+
+class CausalLanguageModel(LightningModule):
+    """Next-token prediction with a Qwen3-style decoder.
+
+    Args:
+        preset: A preset name of :data:`lightning_canzona.models.qwen3.PRESETS` (``"tiny"`` trains on a
+            CPU; the others are the real Qwen3 shapes).
+        optimizer: Builds the optimizer from param groups (``matrix_param_groups`` of the decoder);
+            ``None`` uses ``lightning_canzona.Muon(lr=0.02, adamw_lr=3e-3, weight_decay=0.01)``.
+        warmup_steps: Linear learning-rate warm-up, then cosine decay to 10% at the last step.
+    """
+
+    def __init__(
+        self,
+        preset: str = "tiny",
+        optimizer: OptimizerFactory | None = None,
+        warmup_steps: int = 20,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters(ignore=["optimizer"])
+        self.optimizer_factory = optimizer
+        self.model: Qwen3 | None = None
+
+    @property
+    def config(self) -> Qwen3Config:
+        return self.decoder.config
+
+    @property
+    def decoder(self) -> Qwen3:
+        if self.model is None:
+            raise RuntimeError("The decoder is built in configure_model(); call it (or fit) first.")
+        return self.model
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = Qwen3(self.hparams.preset)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.decoder(tokens)
+
+    def _loss(self, batch: Tensor) -> Tensor:
+        logits = self(batch[:, :-1])
+        return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+
+    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Tensor, batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch), prog_bar=True, sync_dist=True)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        groups = matrix_param_groups(self.decoder)
+        if self.optimizer_factory is None:
+            optimizer = Muon(groups, lr=0.02, adamw_lr=3e-3, weight_decay=0.01)
+        else:
+            optimizer = self.optimizer_factory(groups)
+        total = max(1, self.trainer.estimated_stepping_batches)
+        warmup = min(self.hparams.warmup_steps, total)
+
+        def schedule(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            progress = (step - warmup) / max(1, total - warmup)
+            return 0.1 + 0.45 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+        scheduler = LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

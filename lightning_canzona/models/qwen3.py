@@ -1,0 +1,166 @@
+"""A Qwen3-style decoder: RMSNorm, grouped-query attention with QK-norm, RoPE and SwiGLU.
+
+The presets carry the real Qwen3 dense shapes (0.6B–32B; build them on the meta device to plan
+without weights) and a ``tiny`` byte-level model that trains on a CPU in minutes. Attention reads
+its head count from the projection's output, so the same code runs on tensor-parallel shards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class Qwen3Config:
+    """Shapes and constants of a Qwen3-style decoder.
+
+    Attributes:
+        vocab_size: Token vocabulary size.
+        hidden_size: Residual stream width.
+        intermediate_size: SwiGLU hidden width.
+        num_layers: Decoder blocks.
+        num_heads: Query heads.
+        num_kv_heads: Key/value heads (grouped-query attention).
+        head_dim: Width of one head.
+        rope_theta: RoPE base.
+        rms_norm_eps: RMSNorm epsilon.
+        tie_word_embeddings: Share the embedding matrix with the output head.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int = 128
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+
+
+_QWEN3_VOCAB = 151_936
+
+PRESETS: dict[str, Qwen3Config] = {
+    "tiny": Qwen3Config(256, 128, 384, 4, 4, 2, head_dim=32, rope_theta=10_000.0),
+    "0.6B": Qwen3Config(_QWEN3_VOCAB, 1024, 3072, 28, 16, 8, tie_word_embeddings=True),
+    "1.7B": Qwen3Config(_QWEN3_VOCAB, 2048, 6144, 28, 16, 8, tie_word_embeddings=True),
+    "4B": Qwen3Config(_QWEN3_VOCAB, 2560, 9728, 36, 32, 8, tie_word_embeddings=True),
+    "8B": Qwen3Config(_QWEN3_VOCAB, 4096, 12288, 36, 32, 8),
+    "14B": Qwen3Config(_QWEN3_VOCAB, 5120, 17408, 40, 40, 8),
+    "32B": Qwen3Config(_QWEN3_VOCAB, 5120, 25600, 64, 64, 8),
+}
+
+
+def resolve_config(preset: str | Qwen3Config) -> Qwen3Config:
+    """A config from a preset name (see :data:`PRESETS`) or itself."""
+    if isinstance(preset, Qwen3Config):
+        return preset
+    try:
+        return PRESETS[preset]
+    except KeyError:
+        raise ValueError(f"Unknown Qwen3 preset {preset!r}; choose one of {list(PRESETS)}") from None
+
+
+def rotary_tables(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[Tensor, Tensor]:
+    """``cos`` and ``sin`` of RoPE angles, each ``(seq_len, head_dim)`` (halves repeated)."""
+    inverse_frequency = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inverse_frequency)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x`` of shape ``(batch, heads, seq, head_dim)`` by the RoPE angles."""
+    first, second = x.chunk(2, dim=-1)
+    rotated = torch.cat([-second, first], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query causal self-attention with RMS-normalised queries and keys (QK-norm)."""
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, config.num_heads * config.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=False)
+        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
+        self.q_norm = nn.RMSNorm(config.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(config.head_dim, eps=config.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        batch, seq, _ = x.shape
+        # Head counts come from the (possibly tensor-parallel, local) projection widths.
+        q = self.q_norm(self.q_proj(x).view(batch, seq, -1, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(batch, seq, -1, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class SwiGLU(nn.Module):
+    """``down(silu(gate(x)) ⊙ up(x))``."""
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = SwiGLU(config)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3(nn.Module):
+    """The decoder: token embedding, ``num_layers`` blocks, final norm and output head."""
+
+    def __init__(self, config: Qwen3Config | str = "tiny") -> None:
+        super().__init__()
+        self.config = resolve_config(config)
+        config = self.config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Normal(0, 0.02) weights, unit norms; a no-op on the meta device."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+            elif isinstance(module, nn.RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        """Logits ``(batch, seq, vocab)`` for token ids ``(batch, seq)``."""
+        cos, sin = rotary_tables(tokens.shape[1], self.config.head_dim, self.config.rope_theta, tokens.device)
+        x = self.embed_tokens(tokens)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.lm_head(self.norm(x))
