@@ -145,7 +145,7 @@ def test_step_evaluates_the_closure_with_gradients_enabled() -> None:
 
     with torch.no_grad():
         loss = optimizer.step(closure)
-    assert math.isfinite(float(loss))
+    assert math.isfinite(float(loss.detach()))
 
 
 def test_parameters_without_gradients_are_left_alone() -> None:

@@ -1,4 +1,4 @@
-"""The LightningModule that trains a :class:`~lightning_canzona.models.Qwen3` as a causal LM."""
+"""The LightningModule that trains a `lightning_canzona.models.Qwen3` as a causal LM."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ class CausalLanguageModel(LightningModule):
     """Next-token prediction with a Qwen3-style decoder.
 
     Args:
-        preset: A preset name of :data:`lightning_canzona.models.qwen3.PRESETS` (``"tiny"`` trains on a
+        preset: A preset name of `lightning_canzona.models.qwen3.PRESETS` (``"tiny"`` trains on a
             CPU; the others are the real Qwen3 shapes).
         optimizer: Builds the optimizer from param groups (``matrix_param_groups`` of the decoder);
             ``None`` uses ``lightning_canzona.Muon(lr=0.02, adamw_lr=3e-3, weight_decay=0.01)``.

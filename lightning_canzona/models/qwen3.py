@@ -57,7 +57,7 @@ PRESETS: dict[str, Qwen3Config] = {
 
 
 def resolve_config(preset: str | Qwen3Config) -> Qwen3Config:
-    """A config from a preset name (see :data:`PRESETS`) or itself."""
+    """A config from a preset name (see `PRESETS`) or itself."""
     if isinstance(preset, Qwen3Config):
         return preset
     try:

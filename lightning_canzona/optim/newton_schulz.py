@@ -34,7 +34,7 @@ class NewtonSchulzSchedule:
             singular values below 1 despite rounding, which schedules tuned to the interval
             ``(0, 1]`` rely on.
         design_lower_bound: Smallest normalised singular value the schedule was designed for; the
-            band it promises (:meth:`singular_value_band`) is for inputs at or above it.
+            band it promises (`singular_value_band`) is for inputs at or above it.
     """
 
     name: str

@@ -1,10 +1,10 @@
 """The base of ``Muon``, ``Shampoo`` and ``SOAP``: one optimizer for matrix and AdamW groups.
 
 Lightning's automatic optimization steps a single optimizer, so the weight matrices and everything
-else (embeddings, output head, norms, biases) live in one :class:`torch.optim.Optimizer`. Each param
+else (embeddings, output head, norms, biases) live in one `torch.optim.Optimizer`. Each param
 group carries an ``"algorithm"``: the optimizer's matrix rule (``"muon"``, ``"shampoo"``, ``"soap"``)
 or ``"adamw"``. A group given without one is split by dimensionality: tensors with two or more
-dimensions take the matrix rule, the rest AdamW. :func:`~lightning_canzona.matrix_param_groups`
+dimensions take the matrix rule, the rest AdamW. `lightning_canzona.matrix_param_groups`
 splits a module more carefully (embeddings and output heads go to AdamW).
 """
 
@@ -47,10 +47,10 @@ def _check_betas(name: str, betas: tuple[float, float]) -> None:
 
 
 class MatrixOptimizer(Optimizer):
-    """An optimizer whose matrix groups follow a :class:`MatrixRule` and the rest AdamW.
+    """An optimizer whose matrix groups follow a `MatrixRule` and the rest AdamW.
 
     Subclasses name their algorithm, declare their hyperparameter defaults and build the rule
-    from a param group (:meth:`matrix_rule`), which is how per-group settings take effect.
+    from a param group (`matrix_rule`), which is how per-group settings take effect.
 
     Args:
         params: Tensors, ``(name, tensor)`` pairs or param-group dicts.
@@ -59,7 +59,7 @@ class MatrixOptimizer(Optimizer):
         adamw_betas: AdamW's ``(β₁, β₂)``.
         adamw_eps: AdamW's ε.
         adamw_weight_decay: AdamW's decoupled weight decay; ``None`` takes ``weight_decay``.
-        check_finite: Raise :class:`FloatingPointError` naming the parameter when a gradient holds
+        check_finite: Raise `FloatingPointError` naming the parameter when a gradient holds
             NaN or Inf, instead of writing it into the weights. Costs one host sync per step.
     """
 

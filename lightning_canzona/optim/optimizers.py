@@ -1,7 +1,7 @@
-"""The optimizers users construct: :class:`Muon`, :class:`Shampoo` and :class:`SOAP`.
+"""The optimizers users construct: `Muon`, `Shampoo` and `SOAP`.
 
-Each is a :class:`torch.optim.Optimizer` holding its matrix groups and AdamW groups together; the
-math lives in :mod:`lightning_canzona.optim.rules`.
+Each is a `torch.optim.Optimizer` holding its matrix groups and AdamW groups together; the
+math lives in `lightning_canzona.optim.rules`.
 """
 
 from __future__ import annotations
@@ -37,12 +37,12 @@ class Muon(MatrixOptimizer):
     """Muon for weight matrices, AdamW for everything else, in one optimizer.
 
     Takes ``torch.optim.Muon``'s keywords with its defaults and computes the same update (see
-    :mod:`lightning_canzona.optim.rules.muon`); 3-D parameters are stacks of matrices (experts),
+    `lightning_canzona.optim.rules.muon`); 3-D parameters are stacks of matrices (experts),
     each orthogonalised on its own.
 
     Args:
         params: Tensors, ``(name, tensor)`` pairs or param groups; see
-            :func:`~lightning_canzona.matrix_param_groups`.
+            `lightning_canzona.matrix_param_groups`.
         lr: Learning rate γ.
         weight_decay: Decoupled weight decay λ.
         momentum: Momentum μ.
@@ -124,7 +124,7 @@ class Muon(MatrixOptimizer):
 class Shampoo(MatrixOptimizer):
     """Shampoo with Adam grafting for weight matrices, AdamW for everything else.
 
-    See :mod:`lightning_canzona.optim.rules.shampoo` for the update.
+    See `lightning_canzona.optim.rules.shampoo` for the update.
 
     Args:
         params: Tensors, ``(name, tensor)`` pairs or param groups.
@@ -205,7 +205,7 @@ class Shampoo(MatrixOptimizer):
 class SOAP(MatrixOptimizer):
     """SOAP (Adam in Shampoo's eigenbasis) for weight matrices, AdamW for everything else.
 
-    See :mod:`lightning_canzona.optim.rules.soap` for the update.
+    See `lightning_canzona.optim.rules.soap` for the update.
 
     Args:
         params: Tensors, ``(name, tensor)`` pairs or param groups.

@@ -23,10 +23,10 @@ def matrix_param_groups(
     matrix: Sequence[str] = (),
     elementwise: Sequence[str] = (),
 ) -> list[dict[str, Any]]:
-    """Param groups for :class:`~lightning_canzona.Muon`, ``Shampoo`` or ``SOAP``.
+    """Param groups for `lightning_canzona.Muon`, ``Shampoo`` or ``SOAP``.
 
     By default the weights of ``nn.Linear`` layers are matrices, except an output head (a layer
-    whose own name is one of :data:`HEAD_NAMES`) and a weight tied to an ``nn.Embedding``; every
+    whose own name is one of `HEAD_NAMES`) and a weight tied to an ``nn.Embedding``; every
     other trainable parameter goes to AdamW. Patterns (``fnmatch`` on the parameter's qualified
     name, e.g. ``"*.experts.*"``) override the default; ``elementwise`` wins over ``matrix``.
 

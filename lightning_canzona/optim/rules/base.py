@@ -4,11 +4,11 @@ A rule splits one optimizer step of a weight matrix ``W`` (or a stack of them) i
 that the distributed engine can run the cheap elementwise parts where the shards live and the
 expensive matrix part once, on one owner, on the whole matrix:
 
-1. :meth:`MatrixRule.prepare` — elementwise, on any shard: gradient → the matrix the rule needs
+1. `MatrixRule.prepare` — elementwise, on any shard: gradient → the matrix the rule needs
    (Muon's Nesterov momentum; the plain gradient for Shampoo and SOAP).
-2. :meth:`MatrixRule.direction` — on the full matrix: that matrix → the update direction ``D``,
+2. `MatrixRule.direction` — on the full matrix: that matrix → the update direction ``D``,
    reading and writing the owner-held matrix state.
-3. :meth:`MatrixRule.apply` — elementwise, on any shard: ``W ← W·(1 − lr·λ) − lr·s(shape)·D`` with
+3. `MatrixRule.apply` — elementwise, on any shard: ``W ← W·(1 − lr·λ) − lr·s(shape)·D`` with
    decoupled weight decay ``λ`` and the rule's learning-rate scale ``s``.
 """
 
@@ -29,7 +29,7 @@ class UpdateCost:
     """What one step of a rule costs for one matrix (or stack) of a given shape.
 
     Attributes:
-        flops: Floating-point operations of :meth:`MatrixRule.direction` per step, with periodic
+        flops: Floating-point operations of `MatrixRule.direction` per step, with periodic
             work (eigendecompositions, basis refreshes) amortised over its period.
         numel: Elements of the matrix: what a gather or scatter of it moves.
         matrix_state_bytes: Bytes of state held by the owner of the matrix.
@@ -64,7 +64,7 @@ class MatrixRule(ABC):
         return {}
 
     def prepare(self, grad: Tensor, state: State) -> Tensor:
-        """Elementwise part, applied to a gradient shard; returns what :meth:`direction` needs."""
+        """Elementwise part, applied to a gradient shard; returns what `direction` needs."""
         return grad
 
     @abstractmethod

@@ -1,0 +1,71 @@
+import pytest
+import torch
+
+import lightning_canzona as lc
+from lightning_canzona.data import ByteChunks, ByteTextDataModule, load_corpus
+from lightning_canzona.models import PRESETS, CausalLanguageModel, Qwen3
+
+
+@pytest.mark.parametrize(
+    "preset, billions", [("0.6B", 0.6), ("1.7B", 1.7), ("4B", 4.0), ("8B", 8.2), ("14B", 14.8), ("32B", 32.8)]
+)
+def test_real_presets_build_on_the_meta_device_with_their_published_sizes(preset, billions) -> None:
+    with torch.device("meta"):
+        model = Qwen3(preset)
+    unique = {id(p): p.numel() for p in model.parameters()}
+    assert sum(unique.values()) / 1e9 == pytest.approx(billions, rel=0.05)
+
+
+def test_tiny_decoder_is_causal_and_uses_grouped_query_attention() -> None:
+    model = Qwen3("tiny").eval()
+    config = PRESETS["tiny"]
+    assert model.layers[0].self_attn.k_proj.out_features == config.num_kv_heads * config.head_dim
+    tokens = torch.randint(0, 256, (2, 16))
+    logits = model(tokens)
+    assert logits.shape == (2, 16, 256)
+    changed = tokens.clone()
+    changed[:, 10:] = (changed[:, 10:] + 1) % 256
+    torch.testing.assert_close(model(changed)[:, :10], logits[:, :10])  # no peeking ahead
+    assert not torch.allclose(model(changed)[:, 10:], logits[:, 10:])
+
+
+def test_tied_presets_share_the_embedding_with_the_head() -> None:
+    with torch.device("meta"):
+        model = Qwen3("0.6B")
+    assert model.lm_head.weight is model.embed_tokens.weight
+    groups = lc.matrix_param_groups(model)
+    assert all("embed" not in name and "lm_head" not in name for name, _ in groups[0]["params"])
+
+
+def test_byte_corpus_ships_with_python_and_chunks_into_shifted_windows(tmp_path) -> None:
+    corpus = load_corpus()
+    assert corpus.numel() > 200_000 and corpus.dtype == torch.uint8
+    chunks = ByteChunks(corpus, seq_len=32)
+    assert chunks[1][0] == corpus[32] and chunks[1].shape == (33,)
+    path = tmp_path / "text.txt"
+    path.write_text("héllo " * 20)
+    assert bytes(load_corpus(path).tolist()).decode() == "héllo " * 20
+    with pytest.raises(ValueError, match="cannot fill one window"):
+        ByteChunks(load_corpus(path), seq_len=1000)
+
+
+def test_language_model_trains_through_a_lightning_trainer() -> None:
+    from lightning import Trainer
+
+    data = ByteTextDataModule(seq_len=32, batch_size=4)
+    module = CausalLanguageModel(preset="tiny", warmup_steps=2)
+    trainer = Trainer(
+        accelerator="cpu",
+        max_steps=6,
+        limit_val_batches=2,
+        val_check_interval=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, datamodule=data)
+    optimizer = trainer.optimizers[0]
+    assert isinstance(optimizer, lc.Muon)
+    assert [group["algorithm"] for group in optimizer.param_groups] == ["muon", "adamw"]
+    assert torch.isfinite(trainer.callback_metrics["val_loss"])
