@@ -1,0 +1,18 @@
+"""Pure planning (no torch.distributed): matrix specs → owners and micro-groups, and reports."""
+
+from lightning_canzona.planning.matrices import COST_KINDS, MatrixSpec, block_of, describe
+from lightning_canzona.planning.plan import POLICIES, Plan, PlanSettings, build_plan
+from lightning_canzona.planning.report import PlanReport, report
+
+__all__ = [
+    "COST_KINDS",
+    "POLICIES",
+    "MatrixSpec",
+    "Plan",
+    "PlanReport",
+    "PlanSettings",
+    "block_of",
+    "build_plan",
+    "describe",
+    "report",
+]

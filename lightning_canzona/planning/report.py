@@ -1,0 +1,89 @@
+"""The plan report: per-rank load and state, balance, bounds, and a printable table."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_canzona.planning.plan import Plan
+
+_UNITS = {"flops": (1e9, "GFLOP"), "numel": (1e6, "M elements")}
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    """Numbers that tell how good a plan is.
+
+    Attributes:
+        policy: The plan's policy (``canzona*`` when it fell back to round-robin owners).
+        cost: The balanced cost kind.
+        rank_loads: Cost each rank computes per step.
+        rank_matrices: Matrices each rank computes per step.
+        rank_state_bytes: Optimizer-state bytes each rank holds: the owned matrices' matrix state
+            plus its even share of every matrix's elementwise state.
+        lower_bound: ``max(largest matrix, total / ranks)``: no non-redundant plan does better.
+        makespan: The largest rank load.
+        synchronized_makespan: Σ over micro-groups of the group's largest host load: the makespan
+            when every group waits for its slowest host.
+        num_micro_groups: Number of micro-groups.
+    """
+
+    policy: str
+    cost: str
+    rank_loads: list[float]
+    rank_matrices: list[int]
+    rank_state_bytes: list[int]
+    lower_bound: float
+    makespan: float
+    synchronized_makespan: float
+    num_micro_groups: int
+
+    @property
+    def max_over_mean(self) -> float:
+        mean = sum(self.rank_loads) / len(self.rank_loads)
+        return self.makespan / mean if mean > 0 else 1.0
+
+    @property
+    def makespan_over_bound(self) -> float:
+        return self.makespan / self.lower_bound if self.lower_bound > 0 else 1.0
+
+    def table(self) -> str:
+        """A per-rank table with the summary underneath."""
+        scale, unit = _UNITS[self.cost]
+        lines = [f"{'rank':>5} {'load [' + unit + ']':>18} {'matrices':>9} {'state [MiB]':>12}"]
+        for rank, (load, count, state) in enumerate(zip(self.rank_loads, self.rank_matrices, self.rank_state_bytes)):
+            lines.append(f"{rank:>5} {load / scale:>18.3f} {count:>9} {state / 2**20:>12.2f}")
+        lines.append(
+            f"policy {self.policy}, cost {self.cost}: max/mean {self.max_over_mean:.3f}, "
+            f"makespan/bound {self.makespan_over_bound:.3f}, "
+            f"synchronized makespan/bound {self.synchronized_makespan / self.lower_bound:.3f} "
+            f"over {self.num_micro_groups} micro-groups"
+            if self.lower_bound > 0
+            else f"policy {self.policy}: nothing to plan"
+        )
+        return "\n".join(lines)
+
+
+def report(plan: Plan) -> PlanReport:
+    """Measure ``plan``."""
+    num_ranks = plan.num_ranks
+    matrices = plan.matrices
+    counts = [0] * num_ranks
+    state = [sum(m.cost.elementwise_state_bytes for m in matrices) // num_ranks] * num_ranks
+    for index, matrix in enumerate(matrices):
+        holders = range(num_ranks) if plan.owners is None else (plan.owners[index],)
+        for rank in holders:
+            counts[rank] += 1
+            state[rank] += matrix.cost.matrix_state_bytes
+    loads = plan.rank_loads()
+    policy = plan.settings.policy + (" (round-robin owners)" if plan.fell_back else "")
+    return PlanReport(
+        policy=policy,
+        cost=plan.settings.cost,
+        rank_loads=loads,
+        rank_matrices=counts,
+        rank_state_bytes=state,
+        lower_bound=max(max(plan.loads, default=0.0), sum(plan.loads) / num_ranks),
+        makespan=max(loads, default=0.0),
+        synchronized_makespan=sum(max(plan.group_host_loads(group)) for group in plan.micro_groups),
+        num_micro_groups=len(plan.micro_groups),
+    )

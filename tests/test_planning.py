@@ -1,0 +1,128 @@
+"""Planner properties, checked on random inputs (hypothesis) and on the real Qwen3 shapes."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_canzona.models import Qwen3
+from lightning_canzona.optim import PRESETS, matrix_param_groups
+from lightning_canzona.optim.rules import MuonRule, SOAPRule, UpdateCost
+from lightning_canzona.planning import POLICIES, MatrixSpec, PlanSettings, block_of, build_plan, describe, report
+
+
+def _spec(index: int, rows: int, cols: int, bucket: int) -> MatrixSpec:
+    return MatrixSpec(f"layers.{bucket}.w{index}", (rows, cols), f"layers.{bucket}", MuonRule(PRESETS["quintic"]).cost((rows, cols)))
+
+
+matrix_lists = st.lists(
+    st.tuples(st.integers(1, 300), st.integers(1, 300), st.integers(0, 5)), min_size=1, max_size=40
+).map(lambda rows: [_spec(i, r, c, b) for i, (r, c, b) in enumerate(rows)])
+meshes = st.sampled_from([(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (3, 2), (8, 1), (4, 4)])
+plan_settings = st.builds(
+    PlanSettings,
+    policy=st.sampled_from(POLICIES),
+    alpha=st.sampled_from([0.0, 0.25, 0.5, 1.0]),
+    cost=st.sampled_from(["flops", "numel"]),
+    capacity=st.one_of(st.none(), st.floats(1.0, 1e9)),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(matrices=matrix_lists, mesh=meshes, plan_settings=plan_settings)
+def test_every_matrix_is_owned_once_cost_is_conserved_and_capacity_holds(matrices, mesh, plan_settings) -> None:
+    dp, tp = mesh
+    plan = build_plan(matrices, dp, tp, plan_settings)
+    grouped = sorted(index for group in plan.micro_groups for index in group)
+    assert grouped == list(range(len(matrices)))  # every matrix in exactly one micro-group
+    if plan.owners is None:
+        assert plan_settings.policy == "sync"
+    else:
+        assert len(plan.owners) == len(matrices) and all(0 <= o < dp * tp for o in plan.owners)
+        assert sum(plan.rank_loads()) == pytest.approx(sum(plan.loads))  # cost conserved
+    for group in plan.micro_groups:
+        over = max(plan.group_host_loads(group)) > plan.capacity * (1 + 1e-12)
+        assert not over or len(group) == 1, "only a single oversize matrix may pass the capacity"
+    assert build_plan(list(matrices), dp, tp, plan_settings) == plan  # deterministic
+
+
+@settings(max_examples=200, deadline=None)
+@given(matrices=matrix_lists, mesh=meshes, alpha=st.sampled_from([0.0, 0.5, 1.0]), cost=st.sampled_from(["flops", "numel"]))
+def test_canzona_is_never_worse_than_round_robin_by_max_over_mean(matrices, mesh, alpha, cost) -> None:
+    canzona = report(build_plan(matrices, *mesh, PlanSettings("canzona", alpha, cost)))
+    naive = report(build_plan(matrices, *mesh, PlanSettings("round_robin", alpha, cost)))
+    assert canzona.max_over_mean <= naive.max_over_mean + 1e-12
+    assert canzona.makespan >= canzona.lower_bound * (1 - 1e-12)
+
+
+def test_the_chosen_cost_is_what_gets_balanced() -> None:
+    # Two kinds of matrices with equal element counts but very different FLOPs (Muon's cost grows
+    # with the smaller side cubed): balancing numel and balancing FLOPs give different plans.
+    matrices = [_spec(i, 64, 4096, i) for i in range(4)] + [_spec(4 + i, 512, 512, 4 + i) for i in range(4)]
+    by_flops = build_plan(matrices, 2, 1, PlanSettings("canzona", alpha=1.0, cost="flops"))
+    by_numel = build_plan(matrices, 2, 1, PlanSettings("canzona", alpha=1.0, cost="numel"))
+    assert report(by_flops).max_over_mean < 1.01 and report(by_numel).max_over_mean < 1.01
+    flops_under_numel_plan = report(build_plan(matrices, 2, 1, PlanSettings("canzona", 1.0, "numel")))
+    assert by_flops.owners != by_numel.owners or flops_under_numel_plan.cost == "numel"
+
+
+def test_alpha_zero_spreads_every_bucket_and_alpha_one_balances_totals() -> None:
+    # Bucket 0 holds four equal matrices, bucket 1 one large one: α = 0 gives each of two ranks
+    # half of bucket 0; α = 1 gives the large matrix a rank of its own side of the balance.
+    matrices = [_spec(i, 100, 100, 0) for i in range(4)] + [_spec(4, 200, 200, 1)]
+    uniform = build_plan(matrices, 2, 1, PlanSettings("canzona", alpha=0.0, cost="numel"))
+    assert sorted(uniform.owners[:4]) == [0, 0, 1, 1]
+    balanced = build_plan(matrices, 2, 1, PlanSettings("canzona", alpha=1.0, cost="numel"))
+    assert report(balanced).max_over_mean == pytest.approx(1.0)
+
+
+def test_none_of_the_plan_depends_on_gradients_or_ranks() -> None:
+    matrices = [_spec(i, 64 + 7 * i, 96, i % 3) for i in range(12)]
+    plans = {build_plan(matrices, 2, 2, PlanSettings()) for _ in range(3)}
+    assert len(plans) == 1
+
+
+@pytest.mark.parametrize("preset", ["0.6B", "4B", "32B"])
+@pytest.mark.parametrize("mesh", [(8, 1), (32, 8), (256, 1)])
+def test_canzona_reaches_the_lower_bound_on_qwen3_shapes(preset, mesh) -> None:
+    with torch.device("meta"):
+        model = Qwen3(preset)
+    named = [(name, p.shape) for name, p in matrix_param_groups(model)[0]["params"]]
+    matrices = describe(named, MuonRule(PRESETS["quintic"]).cost)
+    canzona = report(build_plan(matrices, *mesh, PlanSettings("canzona")))
+    assert canzona.makespan_over_bound <= 1.02
+    if preset == "32B" and mesh == (256, 1):
+        assert report(build_plan(matrices, *mesh, PlanSettings("round_robin"))).makespan_over_bound > 1.3
+
+
+def test_report_accounts_state_on_owners_only() -> None:
+    rule = SOAPRule()
+    matrices = describe([("layers.0.a.weight", (64, 32)), ("layers.1.b.weight", (32, 64))], rule.cost)
+    plan = build_plan(matrices, 2, 1, PlanSettings("round_robin"))
+    summary = report(plan)
+    assert summary.rank_state_bytes == [m.cost.matrix_state_bytes for m in matrices]
+    assert sum(report(build_plan(matrices, 2, 1, PlanSettings("sync"))).rank_state_bytes) == 2 * sum(
+        m.cost.matrix_state_bytes for m in matrices
+    )
+    assert "max/mean" in summary.table() and summary.num_micro_groups >= 1
+
+
+def test_buckets_are_transformer_blocks() -> None:
+    assert block_of("model.layers.3.mlp.up_proj.weight") == "model.layers.3"
+    assert block_of("lm_head.weight") == "lm_head"
+    assert block_of("weight") == "weight"
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"policy": "greedy"}, "policy must be one of"),
+        ({"alpha": 1.5}, r"alpha must lie in \[0, 1\]"),
+        ({"cost": "time"}, "cost must be one of"),
+        ({"capacity": 0.0}, "micro_group_capacity must be > 0"),
+    ],
+)
+def test_bad_settings_are_named(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        PlanSettings(**kwargs)
+    assert UpdateCost  # the cost type is part of the planner's public vocabulary
