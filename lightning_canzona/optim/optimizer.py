@@ -17,11 +17,14 @@ from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_canzona.distributed.engine import Entry, MeshEngine
 from lightning_canzona.optim.rules.adamw import ALGORITHM as ADAMW
 from lightning_canzona.optim.rules.adamw import adamw_step, init_adamw_state
 from lightning_canzona.optim.rules.base import MatrixRule
+from lightning_canzona.planning import PlanSettings
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 
@@ -76,6 +79,11 @@ class MatrixOptimizer(Optimizer):
         adamw_eps: float,
         adamw_weight_decay: float | None,
         check_finite: bool,
+        policy: str = "canzona",
+        alpha: float = 0.5,
+        cost: str = "flops",
+        micro_group_capacity: float | None = None,
+        overlap: bool = True,
     ) -> None:
         self.adamw_defaults = {
             "lr": defaults["lr"] if adamw_lr is None else adamw_lr,
@@ -84,6 +92,9 @@ class MatrixOptimizer(Optimizer):
             "weight_decay": defaults["weight_decay"] if adamw_weight_decay is None else adamw_weight_decay,
         }
         self.check_finite = check_finite
+        self.plan_settings = PlanSettings(policy, alpha, cost, micro_group_capacity)  # type: ignore[arg-type]
+        self.overlap = overlap
+        self.engines: dict[Any, Any] = {}
         super().__init__(params, defaults)
 
     @abstractmethod
@@ -124,6 +135,18 @@ class MatrixOptimizer(Optimizer):
         except ValueError as error:
             self.param_groups.pop()
             raise ValueError(f"param_groups[{index}] ({algorithm}): {error}") from None
+        meshes = {param.device_mesh for param in group["params"] if isinstance(param, DTensor)}
+        if len(meshes) > 1 or (meshes and not all(isinstance(p, DTensor) for p in group["params"])):
+            self.param_groups.pop()
+            described = ", ".join(
+                f"{_param_name(group, index, position)} "
+                + (f"on {p.device_mesh} with {tuple(p.placements)}" if isinstance(p, DTensor) else "(not a DTensor)")
+                for position, p in enumerate(group["params"])
+            )
+            raise ValueError(
+                f"param_groups[{index}] mixes device meshes: {described}. Put parameters of "
+                "different meshes in different param groups."
+            )
         if algorithm != ADAMW:
             for position, param in enumerate(group["params"]):
                 if param.ndim < 2:
@@ -143,6 +166,12 @@ class MatrixOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        distributed: dict[Any, list[Entry]] = {}
+        for index, group in enumerate(self.param_groups):
+            for position, param in enumerate(group["params"]):
+                if isinstance(param, DTensor):
+                    entry = Entry(param, group, _param_name(group, index, position).strip("'"))
+                    distributed.setdefault(param.device_mesh, []).append(entry)
         if self.check_finite:
             self._raise_on_non_finite_gradients()
         for group in self.param_groups:
@@ -150,11 +179,15 @@ class MatrixOptimizer(Optimizer):
                 self._adamw_group_step(group)
             else:
                 self._matrix_group_step(group, self.matrix_rule(group))
+        for mesh, entries in distributed.items():
+            if mesh not in self.engines:
+                self.engines[mesh] = MeshEngine(mesh, self.plan_settings, self.overlap)
+            self.engines[mesh].step(entries, self.state, self.matrix_rule, self.check_finite)
         return loss
 
     def _matrix_group_step(self, group: dict[str, Any], rule: MatrixRule) -> None:
         for param in group["params"]:
-            if param.grad is None:
+            if param.grad is None or isinstance(param, DTensor):
                 continue
             state = self.state[param]
             if not state:
@@ -165,7 +198,7 @@ class MatrixOptimizer(Optimizer):
 
     def _adamw_group_step(self, group: dict[str, Any]) -> None:
         for param in group["params"]:
-            if param.grad is None:
+            if param.grad is None or isinstance(param, DTensor):
                 continue
             state = self.state[param]
             if not state:
@@ -181,12 +214,17 @@ class MatrixOptimizer(Optimizer):
             )
 
     def _raise_on_non_finite_gradients(self) -> None:
-        grads = [param.grad for group in self.param_groups for param in group["params"] if param.grad is not None]
+        grads = [
+            param.grad
+            for group in self.param_groups
+            for param in group["params"]
+            if param.grad is not None and not isinstance(param, DTensor)
+        ]
         if not grads or torch.isfinite(torch.nn.utils.get_total_norm(grads, norm_type=math.inf)):
             return
         for index, group in enumerate(self.param_groups):
             for position, param in enumerate(group["params"]):
-                if param.grad is not None and not torch.isfinite(param.grad).all():
+                if param.grad is not None and not isinstance(param, DTensor) and not torch.isfinite(param.grad).all():
                     raise FloatingPointError(
                         f"The gradient of parameter {_param_name(group, index, position)} "
                         f"(shape {tuple(param.shape)}) holds NaN or Inf; the step was not taken. "

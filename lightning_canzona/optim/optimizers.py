@@ -60,6 +60,13 @@ class Muon(MatrixOptimizer):
         adamw_eps: AdamW's ε.
         adamw_weight_decay: AdamW's weight decay; ``None`` takes ``weight_decay``.
         check_finite: Raise naming the parameter when a gradient holds NaN or Inf.
+        policy: Who computes each matrix of DTensor parameters: ``canzona`` (α-balanced owners and
+            micro-groups), ``lpt``, ``round_robin`` or ``sync`` (every rank, redundantly).
+        alpha: ``canzona``'s balance between per-bucket uniformity (0) and global balance (1).
+        cost: What the plan balances: ``flops`` of the updates or ``numel`` of the matrices.
+        micro_group_capacity: Largest per-rank cost of a micro-group (in the cost's unit);
+            ``None`` derives it from the model.
+        overlap: Pipeline the micro-groups' communication with their compute.
     """
 
     algorithm = "muon"
@@ -81,6 +88,11 @@ class Muon(MatrixOptimizer):
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float | None = None,
         check_finite: bool = True,
+        policy: str = "canzona",
+        alpha: float = 0.5,
+        cost: str = "flops",
+        micro_group_capacity: float | None = None,
+        overlap: bool = True,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -101,6 +113,11 @@ class Muon(MatrixOptimizer):
             adamw_eps=adamw_eps,
             adamw_weight_decay=adamw_weight_decay,
             check_finite=check_finite,
+            policy=policy,
+            alpha=alpha,
+            cost=cost,
+            micro_group_capacity=micro_group_capacity,
+            overlap=overlap,
         )
 
     def matrix_rule(self, group: dict[str, Any]) -> MuonRule:
@@ -143,6 +160,13 @@ class Shampoo(MatrixOptimizer):
         adamw_eps: AdamW's ε.
         adamw_weight_decay: AdamW's weight decay; ``None`` takes ``weight_decay``.
         check_finite: Raise naming the parameter when a gradient holds NaN or Inf.
+        policy: Who computes each matrix of DTensor parameters: ``canzona`` (α-balanced owners and
+            micro-groups), ``lpt``, ``round_robin`` or ``sync`` (every rank, redundantly).
+        alpha: ``canzona``'s balance between per-bucket uniformity (0) and global balance (1).
+        cost: What the plan balances: ``flops`` of the updates or ``numel`` of the matrices.
+        micro_group_capacity: Largest per-rank cost of a micro-group (in the cost's unit);
+            ``None`` derives it from the model.
+        overlap: Pipeline the micro-groups' communication with their compute.
     """
 
     algorithm = "shampoo"
@@ -163,6 +187,11 @@ class Shampoo(MatrixOptimizer):
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float | None = None,
         check_finite: bool = True,
+        policy: str = "canzona",
+        alpha: float = 0.5,
+        cost: str = "flops",
+        micro_group_capacity: float | None = None,
+        overlap: bool = True,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -182,6 +211,11 @@ class Shampoo(MatrixOptimizer):
             adamw_eps=adamw_eps,
             adamw_weight_decay=adamw_weight_decay,
             check_finite=check_finite,
+            policy=policy,
+            alpha=alpha,
+            cost=cost,
+            micro_group_capacity=micro_group_capacity,
+            overlap=overlap,
         )
 
     def matrix_rule(self, group: dict[str, Any]) -> ShampooRule:
@@ -221,6 +255,13 @@ class SOAP(MatrixOptimizer):
         adamw_eps: AdamW's ε.
         adamw_weight_decay: AdamW's weight decay; ``None`` takes ``weight_decay``.
         check_finite: Raise naming the parameter when a gradient holds NaN or Inf.
+        policy: Who computes each matrix of DTensor parameters: ``canzona`` (α-balanced owners and
+            micro-groups), ``lpt``, ``round_robin`` or ``sync`` (every rank, redundantly).
+        alpha: ``canzona``'s balance between per-bucket uniformity (0) and global balance (1).
+        cost: What the plan balances: ``flops`` of the updates or ``numel`` of the matrices.
+        micro_group_capacity: Largest per-rank cost of a micro-group (in the cost's unit);
+            ``None`` derives it from the model.
+        overlap: Pipeline the micro-groups' communication with their compute.
     """
 
     algorithm = "soap"
@@ -240,6 +281,11 @@ class SOAP(MatrixOptimizer):
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float | None = None,
         check_finite: bool = True,
+        policy: str = "canzona",
+        alpha: float = 0.5,
+        cost: str = "flops",
+        micro_group_capacity: float | None = None,
+        overlap: bool = True,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -258,6 +304,11 @@ class SOAP(MatrixOptimizer):
             adamw_eps=adamw_eps,
             adamw_weight_decay=adamw_weight_decay,
             check_finite=check_finite,
+            policy=policy,
+            alpha=alpha,
+            cost=cost,
+            micro_group_capacity=micro_group_capacity,
+            overlap=overlap,
         )
 
     def matrix_rule(self, group: dict[str, Any]) -> SOAPRule:

@@ -37,7 +37,9 @@ def matrix_param_groups(
 
     Returns:
         ``[{"params": [(name, param), …]}, {"params": [(name, param), …], "algorithm": "adamw"}]``,
-        leaving out an empty group. Named entries let errors name the parameter.
+        leaving out an empty group. Named entries let errors name the parameter. DTensor
+        parameters on different device meshes (a 2-D DP×TP mesh and a 1-D DP mesh, say) get
+        groups of their own: the engine plans each mesh separately.
     """
     embedding_weights = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
     default_matrices: set[int] = set()
@@ -59,8 +61,9 @@ def matrix_param_groups(
             is_matrix = id(param) in default_matrices
         (matrices if is_matrix else others).append((name, param))
     groups: list[dict[str, Any]] = []
-    if matrices:
-        groups.append({"params": matrices})
-    if others:
-        groups.append({"params": others, "algorithm": "adamw"})
+    for members, extra in ((matrices, {}), (others, {"algorithm": "adamw"})):
+        by_mesh: dict[Any, list[tuple[str, nn.Parameter]]] = {}
+        for name, param in members:
+            by_mesh.setdefault(getattr(param, "device_mesh", None), []).append((name, param))
+        groups.extend({"params": params, **extra} for params in by_mesh.values())
     return groups

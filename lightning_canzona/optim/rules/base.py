@@ -17,6 +17,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -58,6 +59,12 @@ class MatrixRule(ABC):
 
     #: Name used in ``param_groups[i]["algorithm"]``.
     name: str
+    #: Keys of the state that `init_elementwise_state` creates; every other key is matrix state.
+    elementwise_state_keys: ClassVar[tuple[str, ...]] = ()
+
+    def matrix_state(self, state: State) -> State:
+        """The matrix-state part of a parameter's state."""
+        return {key: value for key, value in state.items() if key not in self.elementwise_state_keys}
 
     def init_elementwise_state(self, param: Tensor) -> State:
         """State that lives beside the parameter and is sharded like it (may be empty)."""

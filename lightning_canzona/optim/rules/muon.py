@@ -41,6 +41,7 @@ class MuonRule(MatrixRule):
     adjust_lr_fn: str = "original"
     compute_dtype: torch.dtype = torch.bfloat16
     name = "muon"
+    elementwise_state_keys = ("momentum_buffer",)
 
     def init_elementwise_state(self, param: Tensor) -> State:
         return {"momentum_buffer": torch.zeros_like(param, memory_format=torch.preserve_format)}

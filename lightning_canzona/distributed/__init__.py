@@ -1,0 +1,5 @@
+"""The distributed engine: DTensor layouts, packed all-to-all exchanges, the micro-group pipeline."""
+
+from lightning_canzona.distributed.engine import Entry, MeshEngine
+
+__all__ = ["Entry", "MeshEngine"]

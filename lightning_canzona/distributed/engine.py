@@ -1,0 +1,284 @@
+"""The engine: exact, non-redundant updates of the DTensor parameters on one device mesh.
+
+Per step, on every rank of the mesh, in the same order:
+
+1. one ``all_reduce`` of per-parameter flags: does any rank hold a gradient, is any non-finite. A
+   parameter without a gradient on every rank is skipped, as on one device; a rank whose gradient
+   is ``None`` while others have one contributes zeros. A non-finite gradient raises on every rank;
+2. AdamW parameters step elementwise on their shards;
+3. every matrix's elementwise part (`MatrixRule.prepare`) runs on its shards;
+4. the micro-groups run through the pipeline: one packed all-to-all gathers the shards to the
+   owners, each owner computes the full updates of its matrices (`MatrixRule.direction`), one packed
+   all-to-all returns the update blocks, every rank applies its blocks (`MatrixRule.apply`).
+
+Elementwise state (momentum, Adam moments) is a DTensor sharded like its parameter. Matrix state
+(Shampoo/SOAP factors and bases, step counters) lives on the owner, in full, and nowhere else.
+The plan is built once and rebuilt only when the parameter set changes; matrix state whose owner
+changes then moves to the new owner.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from lightning_canzona.distributed import pipeline
+from lightning_canzona.distributed.exchange import MicroGroupExchange
+from lightning_canzona.distributed.layout import MatrixLayout, exchange_layouts, local_tensor
+from lightning_canzona.optim.rules.adamw import ALGORITHM as ADAMW
+from lightning_canzona.optim.rules.adamw import adamw_step, init_adamw_state
+from lightning_canzona.optim.rules.base import MatrixRule
+from lightning_canzona.planning import MatrixSpec, Plan, PlanSettings, block_of, build_plan
+
+State = dict[str, Tensor]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A DTensor parameter with its param group, its name, and the algorithm that updates it."""
+
+    param: DTensor
+    group: dict[str, Any]
+    name: str
+
+    @property
+    def algorithm(self) -> str:
+        return self.group["algorithm"]
+
+
+def mesh_process_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """The process group spanning all ranks of ``mesh``."""
+    if mesh.ndim == 1:
+        return mesh.get_group(0)
+    if mesh.size() == dist.get_world_size():
+        return dist.group.WORLD
+    raise ValueError(
+        f"lightning_canzona needs a {mesh.ndim}-D device mesh to span all {dist.get_world_size()} "
+        f"ranks; this one has {mesh.size()} ({mesh})."
+    )
+
+
+def mesh_sizes(mesh: DeviceMesh) -> tuple[int, int]:
+    """``(dp, tp)`` of a mesh, for reports: a 2-D mesh is (dp, tp); a 1-D mesh is DP unless named TP."""
+    if mesh.ndim == 2:
+        return mesh.size(0), mesh.size(1)
+    names = mesh.mesh_dim_names or ()
+    is_tp = any("tp" in name or "tensor" in name for name in names)
+    return (1, mesh.size()) if is_tp else (mesh.size(), 1)
+
+
+class MeshEngine:
+    """Runs the optimizer step for all DTensor parameters that live on one device mesh.
+
+    Args:
+        mesh: The parameters' device mesh.
+        settings: How to plan.
+        overlap: Pipeline the micro-groups.
+    """
+
+    def __init__(self, mesh: DeviceMesh, settings: PlanSettings, overlap: bool) -> None:
+        self.mesh, self.settings, self.overlap = mesh, settings, overlap
+        self.group = mesh_process_group(mesh)
+        self.rank = dist.get_rank(self.group)
+        self.world = dist.get_world_size(self.group)
+        self.plan: Plan | None = None
+        self._key: tuple | None = None
+        self._entries: list[Entry] = []
+        self._layouts: list[MatrixLayout] = []
+        self._exchanges: list[MicroGroupExchange] = []
+        self._dtype = torch.float32
+
+    def owner(self, index: int) -> int | None:
+        """Owner group-rank of matrix ``index`` (``None`` under ``sync``)."""
+        assert self.plan is not None
+        return None if self.plan.owners is None else self.plan.owners[index]
+
+    def computes(self, index: int) -> bool:
+        owner = self.owner(index)
+        return owner is None or owner == self.rank
+
+    def step(
+        self,
+        entries: Sequence[Entry],
+        state: dict[Tensor, State],
+        rule_of: Callable[[dict[str, Any]], MatrixRule],
+        check_finite: bool,
+    ) -> None:
+        """One optimizer step of ``entries`` (all on this engine's mesh)."""
+        matrices = [entry for entry in entries if entry.algorithm != ADAMW]
+        rules = [rule_of(entry.group) for entry in matrices]
+        self._ensure_plan(matrices, rules, state)
+        has_grad = self._gradient_flags(entries, check_finite)
+        for entry, stepped in zip(entries, has_grad):
+            if entry.algorithm == ADAMW and stepped:
+                self._adamw(entry, state)
+        stepped = [flag for entry, flag in zip(entries, has_grad) if entry.algorithm != ADAMW]
+        prepared = [self._prepare(i, rule, state, stepped[i]) for i, rule in enumerate(rules)]
+        steps = [
+            _GroupStep(self, exchange, rules, prepared, stepped, state) for exchange in self._exchanges
+        ]
+        pipeline.run(steps, self.overlap)
+
+    def _ensure_plan(self, matrices: list[Entry], rules: list[MatrixRule], state: dict[Tensor, State]) -> None:
+        specs = [
+            MatrixSpec(entry.name, tuple(entry.param.shape), block_of(entry.name), rule.cost(entry.param.shape))
+            for entry, rule in zip(matrices, rules)
+        ]
+        key = tuple((id(entry.param), spec) for entry, spec in zip(matrices, specs))
+        if key == self._key:
+            return
+        previous_owners = {id(e.param): self.owner(i) for i, e in enumerate(self._entries)} if self.plan else {}
+        self._layouts = exchange_layouts([e.name for e in matrices], [e.param for e in matrices], self.group)
+        self.plan = build_plan(specs, *mesh_sizes(self.mesh), self.settings)
+        self._entries, self._key = matrices, key
+        self._exchanges = [
+            MicroGroupExchange(members, self._layouts, self.plan.owners, self.rank, self.world)
+            for members in self.plan.micro_groups
+        ]
+        # One buffer dtype wide enough for every matrix.
+        self._dtype = functools.reduce(torch.promote_types, (e.param.dtype for e in matrices), torch.bfloat16)
+        self._move_matrix_state(previous_owners, rules, state)
+
+    def _move_matrix_state(
+        self, previous_owners: dict[int, int | None], rules: list[MatrixRule], state: dict[Tensor, State]
+    ) -> None:
+        """Hand matrix state to a matrix's new owner when a rebuilt plan moved it."""
+        for index, entry in enumerate(self._entries):
+            old = previous_owners.get(id(entry.param), self.owner(index))
+            new = self.owner(index)
+            if old == new:
+                continue
+            held = state.get(entry.param, {})
+            matrix_state = rules[index].matrix_state(held)
+            for key in matrix_state:
+                del held[key]
+            payload = [matrix_state if old in (None, self.rank) else None]
+            source = 0 if old is None else old
+            dist.broadcast_object_list(payload, src=dist.get_global_rank(self.group, source), group=self.group)
+            if new is None or new == self.rank:
+                state.setdefault(entry.param, {}).update(
+                    {k: v.to(entry.param.device) for k, v in (payload[0] or {}).items()}
+                )
+
+    def _gradient_flags(self, entries: Sequence[Entry], check_finite: bool) -> list[bool]:
+        """Whether any rank holds a gradient of each entry; raises (on every rank) on NaN/Inf."""
+        device = entries[0].param.device
+        flags = torch.zeros(2 * len(entries), device=device)
+        for index, entry in enumerate(entries):
+            grad = entry.param.grad
+            if grad is not None:
+                flags[index] = 1.0
+                if check_finite:
+                    flags[len(entries) + index] = (~torch.isfinite(local_tensor(grad))).any()
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        values = flags.tolist()
+        for entry, non_finite in zip(entries, values[len(entries):]):
+            if non_finite:
+                raise FloatingPointError(
+                    f"The gradient of parameter {entry.name!r} (shape {tuple(entry.param.shape)}) holds "
+                    "NaN or Inf on some rank; the step was not taken. Lower the learning rate, clip "
+                    "gradients or check the loss."
+                )
+        return [bool(value) for value in values[: len(entries)]]
+
+    def _adamw(self, entry: Entry, state: dict[Tensor, State]) -> None:
+        param_state = state.setdefault(entry.param, {})
+        if not param_state:
+            param_state.update(init_adamw_state(entry.param))
+        param = local_tensor(entry.param)
+        group = entry.group
+        adamw_step(
+            param,
+            _local_grad(entry.param, param),
+            {key: local_tensor(value) for key, value in param_state.items()},
+            lr=group["lr"],
+            betas=group["betas"],
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+        )
+
+    def _prepare(self, index: int, rule: MatrixRule, state: dict[Tensor, State], stepped: bool) -> Tensor:
+        entry = self._entries[index]
+        param = local_tensor(entry.param)
+        if not stepped:  # joins the collectives with zeros; nobody computes or applies it
+            return torch.zeros_like(param)
+        param_state = state.setdefault(entry.param, {})
+        if not param_state:
+            param_state.update(rule.init_elementwise_state(entry.param))
+        if self.computes(index) and not rule.matrix_state(param_state):
+            param_state.update(rule.init_matrix_state(entry.param.shape, param.device))
+        local_state = {key: local_tensor(value) for key, value in param_state.items()}
+        return rule.prepare(_local_grad(entry.param, param), local_state)
+
+
+def _local_grad(param: DTensor, local_param: Tensor) -> Tensor:
+    """The local block of ``param``'s gradient, laid out like the parameter; zeros when ``None``."""
+    grad = param.grad
+    if grad is None:
+        return torch.zeros_like(local_param)
+    if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(param.placements):
+        grad = grad.redistribute(param.device_mesh, param.placements)
+    return local_tensor(grad)
+
+
+class _GroupStep:
+    """One micro-group's gather, compute, scatter and apply (see `pipeline.GroupStep`)."""
+
+    def __init__(
+        self,
+        engine: MeshEngine,
+        exchange: MicroGroupExchange,
+        rules: list[MatrixRule],
+        prepared: list[Tensor],
+        stepped: list[bool],
+        state: dict[Tensor, State],
+    ) -> None:
+        self.engine, self.exchange, self.rules = engine, exchange, rules
+        self.prepared, self.stepped, self.state = prepared, stepped, state
+        self.device = engine._entries[0].param.device
+        self.directions: dict[int, Tensor] = {}
+
+    def launch_gather(self) -> None:
+        prepared = {m: self.prepared[m] for m in self.exchange.members}
+        self.gathered, self.gather_work = self.exchange.launch_gather(
+            prepared, self.engine._dtype, self.device, self.engine.group
+        )
+
+    def compute(self) -> None:
+        self.gather_work.wait()
+        for m, matrix in self.exchange.assemble(self.gathered).items():
+            if self.stepped[m]:
+                param_state = self.state[self.engine._entries[m].param]
+                self.directions[m] = self.rules[m].direction(matrix, param_state)
+            else:
+                self.directions[m] = torch.zeros_like(matrix)
+
+    def launch_scatter(self) -> None:
+        self.scattered = None
+        if self.exchange.scatters:
+            self.scattered, self.scatter_work = self.exchange.launch_scatter(
+                self.directions, self.engine._dtype, self.device, self.engine.group
+            )
+
+    def finish(self) -> None:
+        if self.scattered is not None:
+            self.scatter_work.wait()
+        for m, update in self.exchange.my_updates(self.scattered, self.directions).items():
+            if not self.stepped[m]:
+                continue
+            entry = self.engine._entries[m]
+            self.rules[m].apply(
+                local_tensor(entry.param),
+                update,
+                lr=entry.group["lr"],
+                weight_decay=entry.group["weight_decay"],
+                shape=entry.param.shape,
+            )
