@@ -151,9 +151,10 @@ class MatrixOptimizer(Optimizer):
             for position, param in enumerate(group["params"]):
                 if param.ndim < 2:
                     self.param_groups.pop()
+                    placements = f", placements {tuple(param.placements)}" if isinstance(param, DTensor) else ""
                     raise ValueError(
                         f"Parameter {_param_name(group, index, position)} of shape "
-                        f"{tuple(param.shape)} is in a {self.algorithm!r} group, but matrix rules "
+                        f"{tuple(param.shape)}{placements} is in a {self.algorithm!r} group, but matrix rules "
                         "need 2-D weights or stacks of them. Put it in an AdamW group "
                         "({'params': [...], 'algorithm': 'adamw'}) or build the groups with "
                         "lightning_canzona.matrix_param_groups(model)."

@@ -1,0 +1,154 @@
+"""The engine's promises beyond exactness: non-redundancy, collective counts, and clear errors."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+from multiprocess import run_on_ranks
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import lightning_canzona as lc
+from lightning_canzona.optim.rules.muon import MuonRule
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(40, 96, bias=False)
+        self.down = nn.Linear(96, 40, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Blocks(nn.Module):
+    def __init__(self, depth: int = 3) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Block() for _ in range(depth))
+        self.head = nn.Linear(40, 10)
+
+
+def _sharded_blocks(mesh) -> Blocks:
+    torch.manual_seed(0)
+    model = Blocks()
+    plan = {f"layers.{i}.up": ColwiseParallel() for i in range(3)}
+    plan |= {f"layers.{i}.down": RowwiseParallel() for i in range(3)}
+    parallelize_module(model, mesh["tp"], plan)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
+def _counts(rank: int, world_size: int) -> None:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    calls: list[int] = []
+    direction = MuonRule.direction
+
+    def recording_direction(self, matrix, state):
+        calls.append(id(state))
+        return direction(self, matrix, state)
+
+    all_to_all = dist.all_to_all_single
+    collectives = Counter()
+
+    def counting_all_to_all(*args, **kwargs):
+        collectives["all_to_all"] += 1
+        return all_to_all(*args, **kwargs)
+
+    MuonRule.direction = recording_direction
+    dist.all_to_all_single = counting_all_to_all
+    try:
+        for policy in ("canzona", "lpt", "round_robin", "sync"):
+            model = _sharded_blocks(mesh)
+            optimizer = lc.Muon(lc.matrix_param_groups(model), policy=policy, micro_group_capacity=1.0)
+            for step in range(2):
+                for param in model.parameters():
+                    param.grad = torch.ones_like(param)
+                calls.clear()
+                collectives.clear()
+                optimizer.step()
+            engine = next(iter(optimizer.engines.values()))
+            names = {id(optimizer.state[entry.param]): entry.name for entry in engine._entries}
+            computed = [names[call] for call in calls]
+            everyone: list[list[str]] = [None] * world_size  # type: ignore[list-item]
+            dist.all_gather_object(everyone, computed)
+            plan = engine.plan
+            matrices = [m.name for m in plan.matrices]
+            assert len(matrices) == 6  # head.weight is an output head: AdamW
+            if policy == "sync":
+                assert all(sorted(theirs) == sorted(matrices) for theirs in everyone)
+                assert collectives["all_to_all"] == len(plan.micro_groups)
+            else:
+                assert sorted(sum(everyone, [])) == sorted(matrices), f"{policy}: each matrix exactly once"
+                for index, name in enumerate(matrices):
+                    assert name in everyone[plan.owners[index]], f"{policy}: {name} not on its owner"
+                # A capacity of 1 FLOP puts every matrix in a micro-group of its own.
+                assert len(plan.micro_groups) == 6
+                assert collectives["all_to_all"] == 2 * len(plan.micro_groups)
+    finally:
+        MuonRule.direction = direction
+        dist.all_to_all_single = all_to_all
+
+
+def test_each_matrix_is_computed_once_on_its_owner_with_two_all_to_alls_per_micro_group() -> None:
+    run_on_ranks(4, _counts)
+
+
+def _expect_everywhere(error: type[Exception], pattern: str, action) -> None:
+    with pytest.raises(error, match=pattern):
+        action()
+    dist.barrier()  # every rank got here: nobody hangs in a collective
+
+
+def _bad_input(rank: int, world_size: int) -> None:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    full = torch.randn(8, 6)
+
+    # Strided sharding in the reverse order gives each rank rows {0, 2} or {1, 3}: no block.
+    local = distribute_tensor(full, mesh, [Shard(0), Shard(0)], src_data_rank=None).to_local()
+    scattered = nn.Parameter(
+        DTensor.from_local(local, mesh, [Shard(0), _StridedShard(0, split_factor=2)], shape=full.shape, stride=full.stride())
+    )
+    optimizer = lc.Muon([("scattered.weight", scattered)])
+    scattered.grad = torch.zeros_like(scattered)
+    _expect_everywhere(
+        RuntimeError, r"Cannot rebuild parameter 'scattered.weight' of shape \(8, 6\).*_StridedShard", optimizer.step
+    )
+
+    on_2d = nn.Parameter(distribute_tensor(full, mesh, [Shard(0), Shard(1)], src_data_rank=None))
+    on_dp = nn.Parameter(distribute_tensor(full, mesh["dp"], [Shard(0)], src_data_rank=None))
+    _expect_everywhere(
+        ValueError,
+        r"param_groups\[0\] mixes device meshes: 'a' on .* with \(Shard\(dim=0\), Shard\(dim=1\)\), 'b' on",
+        lambda: lc.Muon([{"params": [("a", on_2d), ("b", on_dp)], "algorithm": "muon"}]),
+    )
+
+    bias = nn.Parameter(distribute_tensor(torch.zeros(8), mesh, [Shard(0), Shard(0)], src_data_rank=None))
+    _expect_everywhere(
+        ValueError,
+        r"Parameter 'bias' of shape \(8,\), placements \(Shard\(dim=0\), Shard\(dim=0\)\) is in a 'muon' group",
+        lambda: lc.Muon([{"params": [("bias", bias)], "algorithm": "muon"}]),
+    )
+
+    weight = nn.Parameter(distribute_tensor(full, mesh, [Shard(0), Shard(1)], src_data_rank=None))
+    optimizer = lc.Muon([("weight", weight)])
+    grad = torch.zeros_like(full)
+    if rank == 3:
+        grad[7, 5] = float("nan")  # in rank 3's block only: every rank must still raise
+    weight.grad = distribute_tensor(grad, mesh, [Shard(0), Shard(1)], src_data_rank=None)
+    before = weight.to_local().clone()
+    _expect_everywhere(FloatingPointError, r"parameter 'weight' \(shape \(8, 6\)\) holds NaN or Inf", optimizer.step)
+    assert torch.equal(weight.to_local(), before)
+
+
+def test_bad_input_raises_a_clear_error_on_every_rank() -> None:
+    run_on_ranks(4, _bad_input)
