@@ -1,4 +1,4 @@
-"""Benchmarks: ``python -m lightning_canzona.bench ns``."""
+"""Benchmarks: ``python -m lightning_canzona.bench {ns,step}``."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 
 import torch
 
-from lightning_canzona.bench import newton_schulz
+from lightning_canzona.bench import newton_schulz, step
 
 
 def _shape(text: str) -> tuple[int, int]:
@@ -23,7 +23,16 @@ def main(argv: list[str] | None = None) -> None:
     ns.add_argument("--ns-steps", type=int, default=5)
     ns.add_argument("--repeats", type=int, default=7)
     ns.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
+    steps = commands.add_parser("step", help="optimizer-step latency on dp×tp CPU ranks: canzona vs the alternatives")
+    steps.add_argument("--presets", nargs="+", default=["tiny", "small"], help="Qwen3 presets (see models.qwen3)")
+    steps.add_argument("--dp", type=int, default=2)
+    steps.add_argument("--tp", type=int, default=2)
+    steps.add_argument("--steps", type=int, default=10, help="timed steps per variant")
     args = parser.parse_args(argv)
+
+    if args.command == "step":
+        step.run(args.presets, args.dp, args.tp, args.steps)
+        return
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -1,5 +1,5 @@
 """The distributed engine: DTensor layouts, packed all-to-all exchanges, the micro-group pipeline."""
 
-from lightning_canzona.distributed.engine import Entry, MeshEngine
+from lightning_canzona.distributed.engine import Entry, MeshEngine, StepStats
 
-__all__ = ["Entry", "MeshEngine"]
+__all__ = ["Entry", "MeshEngine", "StepStats"]

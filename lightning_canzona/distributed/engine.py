@@ -2,9 +2,10 @@
 
 Per step, on every rank of the mesh, in the same order:
 
-1. one ``all_reduce`` of per-parameter flags: does any rank hold a gradient, is any non-finite. A
-   parameter without a gradient on every rank is skipped, as on one device; a rank whose gradient
-   is ``None`` while others have one contributes zeros. A non-finite gradient raises on every rank;
+1. (`gradient_flags`, once per step for all meshes) one ``all_reduce`` of per-parameter flags:
+   does any rank hold a gradient, is any non-finite. A parameter without a gradient on every rank
+   is skipped, as on one device; a rank whose gradient is ``None`` while others have one
+   contributes zeros. A non-finite gradient raises on every rank;
 2. AdamW parameters step elementwise on their shards;
 3. every matrix's elementwise part (`MatrixRule.prepare`) runs on its shards;
 4. the micro-groups run through the pipeline: one packed all-to-all gathers the shards to the
@@ -20,6 +21,7 @@ changes then moves to the new owner.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,10 +37,29 @@ from lightning_canzona.distributed.exchange import MicroGroupExchange
 from lightning_canzona.distributed.layout import MatrixLayout, exchange_layouts, local_tensor
 from lightning_canzona.optim.rules.adamw import ALGORITHM as ADAMW
 from lightning_canzona.optim.rules.adamw import adamw_step, init_adamw_state
-from lightning_canzona.optim.rules.base import MatrixRule
+from lightning_canzona.optim.rules.base import MatrixRule, non_finite
 from lightning_canzona.planning import MatrixSpec, Plan, PlanSettings, block_of, build_plan
 
 State = dict[str, Tensor]
+
+
+@dataclass
+class StepStats:
+    """What one step cost this rank (host wall-clock; on GPUs, launch time unless synchronized).
+
+    Attributes:
+        compute_seconds: Time in the full-matrix updates this rank owns.
+        wait_seconds: Time blocked on gathers and scatters.
+        matrices_computed: Full-matrix updates this rank computed.
+        bytes_sent: Bytes this rank sent in all-to-alls.
+        all_to_alls: All-to-all collectives issued.
+    """
+
+    compute_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    matrices_computed: int = 0
+    bytes_sent: int = 0
+    all_to_alls: int = 0
 
 
 @dataclass(frozen=True)
@@ -94,7 +115,9 @@ class MeshEngine:
         self._entries: list[Entry] = []
         self._layouts: list[MatrixLayout] = []
         self._exchanges: list[MicroGroupExchange] = []
-        self._dtype = torch.float32
+        self._exchange_dtypes: list[torch.dtype] = []
+        #: Costs of the latest step on this rank.
+        self.stats = StepStats()
 
     def owner(self, index: int) -> int | None:
         """Owner group-rank of matrix ``index`` (``None`` under ``sync``)."""
@@ -108,22 +131,26 @@ class MeshEngine:
     def step(
         self,
         entries: Sequence[Entry],
+        has_grad: Sequence[bool],
         state: dict[Tensor, State],
         rule_of: Callable[[dict[str, Any]], MatrixRule],
-        check_finite: bool,
     ) -> None:
-        """One optimizer step of ``entries`` (all on this engine's mesh)."""
+        """One optimizer step of ``entries`` (all on this engine's mesh).
+
+        ``has_grad`` tells, per entry, whether any rank holds its gradient (`gradient_flags`).
+        """
+        self.stats = StepStats()
         matrices = [entry for entry in entries if entry.algorithm != ADAMW]
         rules = [rule_of(entry.group) for entry in matrices]
         self._ensure_plan(matrices, rules, state)
-        has_grad = self._gradient_flags(entries, check_finite)
         for entry, stepped in zip(entries, has_grad):
             if entry.algorithm == ADAMW and stepped:
                 self._adamw(entry, state)
         stepped = [flag for entry, flag in zip(entries, has_grad) if entry.algorithm != ADAMW]
         prepared = [self._prepare(i, rule, state, stepped[i]) for i, rule in enumerate(rules)]
         steps = [
-            _GroupStep(self, exchange, rules, prepared, stepped, state) for exchange in self._exchanges
+            _GroupStep(self, exchange, dtype, rules, prepared, stepped, state)
+            for exchange, dtype in zip(self._exchanges, self._exchange_dtypes)
         ]
         pipeline.run(steps, self.overlap)
 
@@ -143,8 +170,11 @@ class MeshEngine:
             MicroGroupExchange(members, self._layouts, self.plan.owners, self.rank, self.world)
             for members in self.plan.micro_groups
         ]
-        # One buffer dtype wide enough for every matrix.
-        self._dtype = functools.reduce(torch.promote_types, (e.param.dtype for e in matrices), torch.bfloat16)
+        # Each group travels in one dtype, wide enough for every member's rule.
+        self._exchange_dtypes = [
+            functools.reduce(torch.promote_types, (rules[m].exchange_dtype(matrices[m].param.dtype) for m in members))
+            for members in self.plan.micro_groups
+        ]
         self._move_matrix_state(previous_owners, rules, state)
 
     def _move_matrix_state(
@@ -167,27 +197,6 @@ class MeshEngine:
                 state.setdefault(entry.param, {}).update(
                     {k: v.to(entry.param.device) for k, v in (payload[0] or {}).items()}
                 )
-
-    def _gradient_flags(self, entries: Sequence[Entry], check_finite: bool) -> list[bool]:
-        """Whether any rank holds a gradient of each entry; raises (on every rank) on NaN/Inf."""
-        device = entries[0].param.device
-        flags = torch.zeros(2 * len(entries), device=device)
-        for index, entry in enumerate(entries):
-            grad = entry.param.grad
-            if grad is not None:
-                flags[index] = 1.0
-                if check_finite:
-                    flags[len(entries) + index] = (~torch.isfinite(local_tensor(grad))).any()
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-        values = flags.tolist()
-        for entry, non_finite in zip(entries, values[len(entries):]):
-            if non_finite:
-                raise FloatingPointError(
-                    f"The gradient of parameter {entry.name!r} (shape {tuple(entry.param.shape)}) holds "
-                    "NaN or Inf on some rank; the step was not taken. Lower the learning rate, clip "
-                    "gradients or check the loss."
-                )
-        return [bool(value) for value in values[: len(entries)]]
 
     def _adamw(self, entry: Entry, state: dict[Tensor, State]) -> None:
         param_state = state.setdefault(entry.param, {})
@@ -219,6 +228,33 @@ class MeshEngine:
         return rule.prepare(_local_grad(entry.param, param), local_state)
 
 
+def gradient_flags(
+    entries: Sequence[Entry], check_finite: bool, group: dist.ProcessGroup | None = None
+) -> list[bool]:
+    """Whether any rank holds a gradient of each entry; raises (on every rank) on NaN/Inf.
+
+    One ``all_reduce`` over ``group`` (default: all ranks) covers the entries of every mesh, so a
+    step pays for one such synchronisation whatever the number of meshes.
+    """
+    device = entries[0].param.device
+    present = [index for index, entry in enumerate(entries) if entry.param.grad is not None]
+    flags = torch.zeros(2 * len(entries), device=device)
+    flags[present] = 1.0
+    if check_finite and present:
+        grads = [local_tensor(entries[index].param.grad) for index in present]
+        flags[[len(entries) + index for index in present]] = non_finite(grads).to(flags)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    values = flags.tolist()
+    for entry, bad in zip(entries, values[len(entries):]):
+        if bad:
+            raise FloatingPointError(
+                f"The gradient of parameter {entry.name!r} (shape {tuple(entry.param.shape)}) holds "
+                "NaN or Inf on some rank; the step was not taken. Lower the learning rate, clip "
+                "gradients or check the loss."
+            )
+    return [bool(value) for value in values[: len(entries)]]
+
+
 def _local_grad(param: DTensor, local_param: Tensor) -> Tensor:
     """The local block of ``param``'s gradient, laid out like the parameter; zeros when ``None``."""
     grad = param.grad
@@ -236,12 +272,13 @@ class _GroupStep:
         self,
         engine: MeshEngine,
         exchange: MicroGroupExchange,
+        dtype: torch.dtype,
         rules: list[MatrixRule],
         prepared: list[Tensor],
         stepped: list[bool],
         state: dict[Tensor, State],
     ) -> None:
-        self.engine, self.exchange, self.rules = engine, exchange, rules
+        self.engine, self.exchange, self.dtype, self.rules = engine, exchange, dtype, rules
         self.prepared, self.stepped, self.state = prepared, stepped, state
         self.device = engine._entries[0].param.device
         self.directions: dict[int, Tensor] = {}
@@ -249,28 +286,38 @@ class _GroupStep:
     def launch_gather(self) -> None:
         prepared = {m: self.prepared[m] for m in self.exchange.members}
         self.gathered, self.gather_work = self.exchange.launch_gather(
-            prepared, self.engine._dtype, self.device, self.engine.group
+            prepared, self.dtype, self.device, self.engine.group
         )
+        self._count(self.gathered.element_size() * sum(self.exchange.gather_send_sizes))
 
     def compute(self) -> None:
+        stats = self.engine.stats
+        start = time.perf_counter()
         self.gather_work.wait()
+        computing = time.perf_counter()
+        stats.wait_seconds += computing - start
         for m, matrix in self.exchange.assemble(self.gathered).items():
             if self.stepped[m]:
                 param_state = self.state[self.engine._entries[m].param]
                 self.directions[m] = self.rules[m].direction(matrix, param_state)
+                stats.matrices_computed += 1
             else:
                 self.directions[m] = torch.zeros_like(matrix)
+        stats.compute_seconds += time.perf_counter() - computing
 
     def launch_scatter(self) -> None:
         self.scattered = None
         if self.exchange.scatters:
             self.scattered, self.scatter_work = self.exchange.launch_scatter(
-                self.directions, self.engine._dtype, self.device, self.engine.group
+                self.directions, self.dtype, self.device, self.engine.group
             )
+            self._count(self.scattered.element_size() * sum(self.exchange.scatter_send_sizes))
 
     def finish(self) -> None:
         if self.scattered is not None:
+            start = time.perf_counter()
             self.scatter_work.wait()
+            self.engine.stats.wait_seconds += time.perf_counter() - start
         for m, update in self.exchange.my_updates(self.scattered, self.directions).items():
             if not self.stepped[m]:
                 continue
@@ -282,3 +329,7 @@ class _GroupStep:
                 weight_decay=entry.group["weight_decay"],
                 shape=entry.param.shape,
             )
+
+    def _count(self, bytes_sent: int) -> None:
+        self.engine.stats.all_to_alls += 1
+        self.engine.stats.bytes_sent += bytes_sent

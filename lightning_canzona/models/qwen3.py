@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,8 @@ _QWEN3_VOCAB = 151_936
 
 PRESETS: dict[str, Qwen3Config] = {
     "tiny": Qwen3Config(256, 128, 384, 4, 4, 2, head_dim=32, rope_theta=10_000.0),
+    # CPU-sized but with Qwen3's heterogeneity: a 6× wide MLP and narrow key/value projections.
+    "small": Qwen3Config(256, 256, 1536, 4, 8, 2, head_dim=32, rope_theta=10_000.0),
     "0.6B": Qwen3Config(_QWEN3_VOCAB, 1024, 3072, 28, 16, 8, tie_word_embeddings=True),
     "1.7B": Qwen3Config(_QWEN3_VOCAB, 2048, 6144, 28, 16, 8, tie_word_embeddings=True),
     "4B": Qwen3Config(_QWEN3_VOCAB, 2560, 9728, 36, 32, 8, tie_word_embeddings=True),
@@ -164,3 +167,21 @@ class Qwen3(nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.lm_head(self.norm(x))
+
+
+def tensor_parallel_plan(model: Qwen3) -> dict[str, ParallelStyle]:
+    """Megatron-style TP plan of the decoder blocks, for ``parallelize_module``.
+
+    Query/key/value and gate/up projections split their output features (``ColwiseParallel``:
+    each rank computes whole heads and a slice of the MLP), output and down projections split
+    their input features (``RowwiseParallel``: partial sums reduced once per sub-block). The
+    embedding, norms and head stay whole on every tensor-parallel rank.
+    """
+    plan: dict[str, ParallelStyle] = {}
+    for index in range(len(model.layers)):
+        prefix = f"layers.{index}"
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            plan[f"{prefix}.{name}"] = ColwiseParallel()
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            plan[f"{prefix}.{name}"] = RowwiseParallel()
+    return plan

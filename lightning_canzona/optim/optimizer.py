@@ -20,10 +20,10 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_canzona.distributed.engine import Entry, MeshEngine
+from lightning_canzona.distributed.engine import Entry, MeshEngine, gradient_flags
 from lightning_canzona.optim.rules.adamw import ALGORITHM as ADAMW
 from lightning_canzona.optim.rules.adamw import adamw_step, init_adamw_state
-from lightning_canzona.optim.rules.base import MatrixRule
+from lightning_canzona.optim.rules.base import MatrixRule, non_finite
 from lightning_canzona.planning import PlanSettings
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
@@ -180,10 +180,12 @@ class MatrixOptimizer(Optimizer):
                 self._adamw_group_step(group)
             else:
                 self._matrix_group_step(group, self.matrix_rule(group))
-        for mesh, entries in distributed.items():
-            if mesh not in self.engines:
-                self.engines[mesh] = MeshEngine(mesh, self.plan_settings, self.overlap)
-            self.engines[mesh].step(entries, self.state, self.matrix_rule, self.check_finite)
+        if distributed:
+            flags = iter(gradient_flags([e for es in distributed.values() for e in es], self.check_finite))
+            for mesh, entries in distributed.items():
+                if mesh not in self.engines:
+                    self.engines[mesh] = MeshEngine(mesh, self.plan_settings, self.overlap)
+                self.engines[mesh].step(entries, [next(flags) for _ in entries], self.state, self.matrix_rule)
         return loss
 
     def _matrix_group_step(self, group: dict[str, Any], rule: MatrixRule) -> None:
@@ -215,22 +217,19 @@ class MatrixOptimizer(Optimizer):
             )
 
     def _raise_on_non_finite_gradients(self) -> None:
-        grads = [
-            param.grad
-            for group in self.param_groups
-            for param in group["params"]
+        named = [
+            (_param_name(group, index, position), param)
+            for index, group in enumerate(self.param_groups)
+            for position, param in enumerate(group["params"])
             if param.grad is not None and not isinstance(param, DTensor)
         ]
-        if not grads or torch.isfinite(torch.nn.utils.get_total_norm(grads, norm_type=math.inf)):
-            return
-        for index, group in enumerate(self.param_groups):
-            for position, param in enumerate(group["params"]):
-                if param.grad is not None and not isinstance(param, DTensor) and not torch.isfinite(param.grad).all():
-                    raise FloatingPointError(
-                        f"The gradient of parameter {_param_name(group, index, position)} "
-                        f"(shape {tuple(param.shape)}) holds NaN or Inf; the step was not taken. "
-                        "Lower the learning rate, clip gradients or check the loss."
-                    )
+        flags = non_finite([param.grad for _, param in named])
+        if named and flags.any():
+            name, param = named[int(flags.nonzero()[0])]
+            raise FloatingPointError(
+                f"The gradient of parameter {name} (shape {tuple(param.shape)}) holds NaN or Inf; "
+                "the step was not taken. Lower the learning rate, clip gradients or check the loss."
+            )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load state, keeping each state tensor in the dtype it was saved with.

@@ -28,7 +28,7 @@ POLICIES: tuple[str, ...] = ("canzona", "lpt", "round_robin", "sync")
 
 #: The default capacity leaves about this many micro-groups per rank, so that gathers and
 #: scatters of neighbouring groups can hide behind compute.
-GROUPS_PER_RANK = 4
+GROUPS_PER_RANK = 2
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class PlanSettings:
         alpha: ``canzona``'s balance between per-bucket uniformity (0) and global balance (1).
         cost: What to balance: ``flops`` of the updates or ``numel`` of the matrices.
         capacity: Largest host load of a micro-group, in the cost's unit; ``None`` derives it from
-            the model: a quarter of the mean per-rank load, at least the largest matrix.
+            the model: half the mean per-rank load, at least the largest matrix.
     """
 
     policy: str = "canzona"

@@ -82,6 +82,11 @@ class MatrixRule(ABC):
     def direction(self, matrix: Tensor, state: State) -> Tensor:
         """The update direction for the full ``matrix`` (a ``(…, m, n)`` tensor)."""
 
+    def exchange_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
+        """The dtype in which full matrices travel to and from the owner without changing the
+        result: what `direction` converts its input to first, and what it returns."""
+        return torch.promote_types(param_dtype, torch.float32)
+
     def lr_scale(self, shape: Sequence[int]) -> float:
         """Factor applied to the learning rate for a matrix of ``shape``."""
         return 1.0
@@ -100,3 +105,14 @@ class MatrixRule(ABC):
     @abstractmethod
     def cost(self, shape: Sequence[int]) -> UpdateCost:
         """Cost of one step on a matrix (or stack) of ``shape``."""
+
+
+def non_finite(tensors: Sequence[Tensor]) -> Tensor:
+    """Which tensors hold a NaN or Inf, as one bool tensor.
+
+    A float64 sum is finite exactly when every element is (float32 values cannot overflow it),
+    and it costs one fast reduction per tensor instead of an elementwise test.
+    """
+    if not tensors:
+        return torch.zeros(0, dtype=torch.bool)
+    return ~torch.isfinite(torch.stack([t.sum(dtype=torch.float64) for t in tensors]))

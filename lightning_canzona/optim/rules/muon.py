@@ -57,6 +57,11 @@ class MuonRule(MatrixRule):
     def direction(self, matrix: Tensor, state: State) -> Tensor:
         return newton_schulz(matrix, self.schedule, self.ns_steps, self.eps, self.compute_dtype)
 
+    def exchange_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
+        # Newton–Schulz starts by rounding to compute_dtype and returns compute_dtype: sending bf16
+        # both ways halves the traffic and changes no bit of the result.
+        return self.compute_dtype
+
     def lr_scale(self, shape: Sequence[int]) -> float:
         _, rows, cols = matrix_dims(shape)
         if self.adjust_lr_fn == "match_rms_adamw":

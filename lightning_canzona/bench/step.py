@@ -1,0 +1,189 @@
+"""Optimizer-step latency under FSDP2 × TP: Canzona against the alternatives, in one run.
+
+Spawns ``dp × tp`` gloo ranks (one thread each), parallelizes a Qwen3-style decoder with its TP
+plan and ``fully_shard`` per block, gives every parameter a fixed gradient, and times
+``optimizer.step()`` of each variant in turn, interleaved so that machine noise hits all alike:
+
+- ``sync``: `lightning_canzona.Muon` with every rank computing every matrix (packed all-gather);
+- ``torch.optim.Muon``: PyTorch's Muon on the DTensor parameters (what a Lightning user gets today),
+  with ``torch.optim.AdamW`` for the rest;
+- ``round_robin``: one owner per matrix by index;
+- ``lpt (no overlap)``: one owner per matrix by LPT, micro-groups run one after another;
+- ``canzona``: α-balanced owners and micro-groups, pipelined.
+
+A step's latency is the slowest rank's. Busy time is the time each rank spends in full-matrix
+updates; its max/mean across ranks measures the balance actually achieved.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.parallel import parallelize_module
+
+import lightning_canzona as lc
+from lightning_canzona.models.qwen3 import Qwen3, tensor_parallel_plan
+from lightning_canzona.planning import report
+
+VARIANTS = ("sync", "torch.optim.Muon", "round_robin", "lpt (no overlap)", "canzona")
+
+
+@dataclass(frozen=True)
+class VariantResult:
+    """Medians over the timed steps."""
+
+    name: str
+    step_ms: float
+    busy_max_over_mean: float | None
+    state_bytes: list[int]
+    plan_max_over_mean: float | None
+
+
+class _TorchMuonWithAdamW:
+    """``torch.optim.Muon`` for the matrices and ``torch.optim.AdamW`` for the rest."""
+
+    def __init__(self, groups: list[dict]) -> None:
+        matrices = [p for g in groups if "algorithm" not in g for _, p in g["params"]]
+        others = [p for g in groups if g.get("algorithm") == "adamw" for _, p in g["params"]]
+        self.optimizers = [torch.optim.Muon(matrices, lr=0.02), torch.optim.AdamW(others, lr=3e-3)]
+        self.state = {k: v for o in self.optimizers for k, v in o.state.items()}
+        self.engines: dict = {}
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+
+def _build(variant: str, groups: list[dict]) -> object:
+    if variant == "torch.optim.Muon":
+        return _TorchMuonWithAdamW(groups)
+    policy, overlap = {
+        "sync": ("sync", True),
+        "round_robin": ("round_robin", True),
+        "lpt (no overlap)": ("lpt", False),
+        "canzona": ("canzona", True),
+    }[variant]
+    return lc.Muon(groups, lr=0.02, adamw_lr=3e-3, policy=policy, overlap=overlap)
+
+
+def _state_bytes(optimizer: object) -> int:
+    total = 0
+    states = optimizer.state if not isinstance(optimizer, _TorchMuonWithAdamW) else {
+        k: v for o in optimizer.optimizers for k, v in o.state.items()
+    }
+    for state in states.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                local = value.to_local() if isinstance(value, DTensor) else value
+                total += local.numel() * local.element_size()
+    return total
+
+
+def _gather(value: object) -> list:
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, value)
+    return everyone
+
+
+def _worker(rank: int, world: int, port: int, dp: int, tp: int, preset: str, steps: int, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=10))
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = Qwen3(preset)
+    parallelize_module(model, mesh["tp"], tensor_parallel_plan(model))
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    generator = torch.Generator().manual_seed(1)
+    for param in model.parameters():
+        full = torch.randn(param.shape, generator=generator) * 1e-3
+        param.grad = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+
+    optimizers = {variant: _build(variant, lc.matrix_param_groups(model)) for variant in VARIANTS}
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    busy: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for repeat in range(steps + 2):  # two warm-up steps: plans, state, allocator
+        for variant, optimizer in optimizers.items():
+            dist.barrier()
+            start = time.perf_counter()
+            optimizer.step()
+            elapsed = torch.tensor(time.perf_counter() - start)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if repeat >= 2:
+                times[variant].append(float(elapsed))
+                engines = list(optimizer.engines.values())
+                busy[variant].append(sum(e.stats.compute_seconds for e in engines))
+    results = []
+    for variant, optimizer in optimizers.items():
+        rank_busy = _gather(statistics.median(busy[variant]))
+        mean_busy = sum(rank_busy) / len(rank_busy)
+        engines = list(optimizer.engines.values())
+        results.append(
+            VariantResult(
+                name=variant,
+                step_ms=1e3 * statistics.median(times[variant]),
+                busy_max_over_mean=max(rank_busy) / mean_busy if engines and mean_busy > 0 else None,
+                state_bytes=_gather(_state_bytes(optimizer)),
+                plan_max_over_mean=report(engines[0].plan).max_over_mean if engines else None,
+            )
+        )
+    if rank == 0:
+        queue.put(results)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def measure(preset: str, dp: int = 2, tp: int = 2, steps: int = 10) -> list[VariantResult]:
+    """Run the benchmark for one model preset on a ``dp × tp`` mesh of CPU processes."""
+    context = mp.get_context("spawn")
+    queue = context.SimpleQueue()
+    world = dp * tp
+    mp.start_processes(
+        _worker, args=(world, _free_port(), dp, tp, preset, steps, queue), nprocs=world, start_method="spawn"
+    )
+    return queue.get()
+
+
+def format_table(preset: str, results: list[VariantResult]) -> str:
+    """The results, with ratios against ``canzona``."""
+    reference = next(r for r in results if r.name == "canzona").step_ms
+    lines = [
+        f"preset {preset}: optimizer step, median over ranks' slowest",
+        f"{'variant':>18} {'step ms':>9} {'÷ canzona':>10} {'busy max/mean':>14} {'plan max/mean':>14} "
+        f"{'state MiB per rank':>24}",
+    ]
+    for result in results:
+        busy = f"{result.busy_max_over_mean:.2f}" if result.busy_max_over_mean else "-"
+        planned = f"{result.plan_max_over_mean:.2f}" if result.plan_max_over_mean else "-"
+        state = " ".join(f"{b / 2**20:.2f}" for b in result.state_bytes)
+        lines.append(
+            f"{result.name:>18} {result.step_ms:9.1f} {result.step_ms / reference:10.2f} {busy:>14} "
+            f"{planned:>14} {state:>24}"
+        )
+    return "\n".join(lines)
+
+
+def run(presets: list[str], dp: int, tp: int, steps: int, echo: Callable[[str], None] = print) -> None:
+    """Measure and print every preset."""
+    for preset in presets:
+        echo(format_table(preset, measure(preset, dp, tp, steps)))
