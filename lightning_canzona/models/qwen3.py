@@ -48,8 +48,9 @@ _QWEN3_VOCAB = 151_936
 
 PRESETS: dict[str, Qwen3Config] = {
     "tiny": Qwen3Config(256, 128, 384, 4, 4, 2, head_dim=32, rope_theta=10_000.0),
-    # CPU-sized but with Qwen3's heterogeneity: a 6× wide MLP and narrow key/value projections.
-    "small": Qwen3Config(256, 256, 1536, 4, 8, 2, head_dim=32, rope_theta=10_000.0),
+    # CPU-sized with Qwen3's heterogeneity (a 3× wide MLP, 4× narrower key/value projections) and
+    # an odd number of blocks, so that owners by index (round-robin) are visibly unbalanced.
+    "small": Qwen3Config(256, 256, 768, 3, 8, 2, head_dim=32, rope_theta=10_000.0),
     "0.6B": Qwen3Config(_QWEN3_VOCAB, 1024, 3072, 28, 16, 8, tie_word_embeddings=True),
     "1.7B": Qwen3Config(_QWEN3_VOCAB, 2048, 6144, 28, 16, 8, tie_word_embeddings=True),
     "4B": Qwen3Config(_QWEN3_VOCAB, 2560, 9728, 36, 32, 8, tie_word_embeddings=True),
