@@ -11,7 +11,7 @@ from multiprocess import run_on_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -152,3 +152,54 @@ def _bad_input(rank: int, world_size: int) -> None:
 
 def test_bad_input_raises_a_clear_error_on_every_rank() -> None:
     run_on_ranks(4, _bad_input)
+
+
+def _step_both(distributed, reference, params, reference_params, steps, seed):
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for param, twin in zip(params, reference_params):
+            full = torch.randn(twin.shape, generator=generator)
+            twin.grad = full
+            param.grad = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+        distributed.step()
+        reference.step()
+
+
+def _replicated_and_replanned(rank: int, world_size: int) -> None:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    layouts = {
+        "replicated": [Replicate(), Replicate()],
+        "dp-sharded, tp-replicated": [Shard(0), Replicate()],
+        "dp-replicated, tp-sharded cols": [Replicate(), Shard(1)],
+    }
+    torch.manual_seed(0)
+    fulls = [torch.randn(24, 10), torch.randn(9, 30), torch.randn(16, 16), torch.randn(12, 20)]
+    params = [
+        nn.Parameter(distribute_tensor(full, mesh, placements, src_data_rank=None))
+        for full, placements in zip(fulls, [*layouts.values(), [Shard(0), Shard(1)]])
+    ]
+    twins = [nn.Parameter(full.clone()) for full in fulls]
+    settings = dict(lr=1e-2, precondition_frequency=2)
+    distributed = lc.SOAP([(f"m{i}", p) for i, p in enumerate(params[:3])], **settings)
+    reference = lc.SOAP([(f"m{i}", p) for i, p in enumerate(twins[:3])], **settings)
+    _step_both(distributed, reference, params[:3], twins[:3], steps=3, seed=1)
+
+    # Matrix state lives on the owner only, in full.
+    engine = next(iter(distributed.engines.values()))
+    for index, param in enumerate(params[:3]):
+        owned = engine.plan.owners[index] == rank
+        assert ("left_basis" in distributed.state[param]) == owned
+    first_owners = engine.plan.owners
+
+    # A new parameter changes the plan: an owner moves, and its matrix state moves with it.
+    distributed.add_param_group({"params": [("m3", params[3])]})
+    reference.add_param_group({"params": [("m3", twins[3])]})
+    _step_both(distributed, reference, params, twins, steps=3, seed=2)
+    assert engine.plan.owners[:3] != first_owners, "these shapes move m2 to another owner"
+    for index, (param, twin) in enumerate(zip(params, twins)):
+        torch.testing.assert_close(param.full_tensor(), twin.detach(), rtol=1e-5, atol=1e-6, msg=f"m{index}")
+        assert ("left_basis" in distributed.state[param]) == (engine.plan.owners[index] == rank)
+
+
+def test_replicated_layouts_are_exact_and_state_follows_a_replanned_owner() -> None:
+    run_on_ranks(4, _replicated_and_replanned)
