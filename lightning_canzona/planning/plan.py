@@ -40,7 +40,7 @@ class PlanSettings:
         alpha: ``canzona``'s balance between per-bucket uniformity (0) and global balance (1).
         cost: What to balance: ``flops`` of the updates or ``numel`` of the matrices.
         capacity: Largest host load of a micro-group, in the cost's unit; ``None`` derives it from
-            the model: half the mean per-rank load, at least the largest matrix.
+            the model: 1.25 × half the mean per-rank load, at least the largest matrix.
     """
 
     policy: str = "canzona"
@@ -114,7 +114,9 @@ def _capacity(settings: PlanSettings, loads: list[float], per_rank: float) -> fl
     largest = max(loads, default=0.0)
     if settings.capacity is not None:
         return settings.capacity
-    return max(largest, per_rank / GROUPS_PER_RANK, 1e-30)
+    # A quarter of slack lets first-fit packing fit each rank's share into GROUPS_PER_RANK groups
+    # instead of spilling a sliver into one more group (and two more collectives).
+    return max(largest, 1.25 * per_rank / GROUPS_PER_RANK, 1e-30)
 
 
 def _max_over_mean(plan: Plan) -> float:
