@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 import socket
-from datetime import timedelta
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch

@@ -12,8 +12,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.placement_types import _StridedShard
 
 import lightning_canzona as lc
 from lightning_canzona.optim.rules.muon import MuonRule
@@ -70,7 +70,7 @@ def _counts(rank: int, world_size: int) -> None:
         for policy in ("canzona", "lpt", "round_robin", "sync"):
             model = _sharded_blocks(mesh)
             optimizer = lc.Muon(lc.matrix_param_groups(model), policy=policy, micro_group_capacity=1.0)
-            for step in range(2):
+            for _ in range(2):
                 for param in model.parameters():
                     param.grad = torch.ones_like(param)
                 calls.clear()
@@ -116,12 +116,16 @@ def _bad_input(rank: int, world_size: int) -> None:
     # Strided sharding in the reverse order gives each rank rows {0, 2} or {1, 3}: no block.
     local = distribute_tensor(full, mesh, [Shard(0), Shard(0)], src_data_rank=None).to_local()
     scattered = nn.Parameter(
-        DTensor.from_local(local, mesh, [Shard(0), _StridedShard(0, split_factor=2)], shape=full.shape, stride=full.stride())
+        DTensor.from_local(
+            local, mesh, [Shard(0), _StridedShard(0, split_factor=2)], shape=full.shape, stride=full.stride()
+        )
     )
     optimizer = lc.Muon([("scattered.weight", scattered)])
     scattered.grad = torch.zeros_like(scattered)
     _expect_everywhere(
-        RuntimeError, r"Cannot rebuild parameter 'scattered.weight' of shape \(8, 6\).*_StridedShard", optimizer.step
+        RuntimeError,
+        r"Cannot rebuild parameter 'scattered.weight' of shape \(8, 6\).*_StridedShard",
+        optimizer.step,
     )
 
     on_2d = nn.Parameter(distribute_tensor(full, mesh, [Shard(0), Shard(1)], src_data_rank=None))
@@ -135,7 +139,8 @@ def _bad_input(rank: int, world_size: int) -> None:
     bias = nn.Parameter(distribute_tensor(torch.zeros(8), mesh, [Shard(0), Shard(0)], src_data_rank=None))
     _expect_everywhere(
         ValueError,
-        r"Parameter 'bias' of shape \(8,\), placements \(Shard\(dim=0\), Shard\(dim=0\)\) is in a 'muon' group",
+        r"Parameter 'bias' of shape \(8,\), placements \(Shard\(dim=0\), Shard\(dim=0\)\) "
+        r"is in a 'muon' group",
         lambda: lc.Muon([{"params": [("bias", bias)], "algorithm": "muon"}]),
     )
 
@@ -146,7 +151,9 @@ def _bad_input(rank: int, world_size: int) -> None:
         grad[7, 5] = float("nan")  # in rank 3's block only: every rank must still raise
     weight.grad = distribute_tensor(grad, mesh, [Shard(0), Shard(1)], src_data_rank=None)
     before = weight.to_local().clone()
-    _expect_everywhere(FloatingPointError, r"parameter 'weight' \(shape \(8, 6\)\) holds NaN or Inf", optimizer.step)
+    _expect_everywhere(
+        FloatingPointError, r"parameter 'weight' \(shape \(8, 6\)\) holds NaN or Inf", optimizer.step
+    )
     assert torch.equal(weight.to_local(), before)
 
 

@@ -115,7 +115,9 @@ def _run_combination(rank: int, mesh, optimizer_name: str, plan: dict, overlap: 
     for name, expected in reference_model.named_parameters():
         actual = params[name]
         actual = actual.full_tensor() if isinstance(actual, DTensor) else actual
-        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{label}, {name}: {m}")
+        torch.testing.assert_close(
+            actual, expected, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{label}, {name}: {m}"
+        )
 
 
 def _exactness_on_mesh(rank: int, world_size: int, mesh_name: str) -> None:

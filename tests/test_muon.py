@@ -64,7 +64,9 @@ def _reference_muon_float32(initial, grads, *, lr, momentum, weight_decay, ns_st
 def test_float32_mode_matches_a_float32_reference_tightly(shape, preset) -> None:
     grads = [torch.randn(shape) for _ in range(3)]
     settings = dict(lr=0.02, momentum=0.95, weight_decay=0.1, ns_steps=5, eps=1e-7)
-    initial, ours = _run(lc.Muon, shape, grads=grads, ns_coefficients=preset, compute_dtype="float32", **settings)
+    initial, ours = _run(
+        lc.Muon, shape, grads=grads, ns_coefficients=preset, compute_dtype="float32", **settings
+    )
     schedule = lc.optim.PRESETS[preset]
     assert schedule.norm_safety in (1.0, 1.01)
     # Polar Express divides by 1.01·‖X‖; fold that into the reference's first polynomial.

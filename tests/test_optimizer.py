@@ -50,7 +50,11 @@ def test_matrix_param_groups_send_embeddings_heads_norms_and_biases_to_adamw() -
     assert [name for name, _ in groups[0]["params"]] == ["up.weight", "down.weight"]
     assert groups[1]["algorithm"] == "adamw"
     assert [name for name, _ in groups[1]["params"]] == [
-        "embed.weight", "up.bias", "norm.weight", "norm.bias", "lm_head.weight",
+        "embed.weight",
+        "up.bias",
+        "norm.weight",
+        "norm.bias",
+        "lm_head.weight",
     ]
     overridden = lc.matrix_param_groups(TinyLM(), matrix=["lm_head.*"], elementwise=["down.*"])
     assert [name for name, _ in overridden[0]["params"]] == ["up.weight", "lm_head.weight"]
@@ -161,13 +165,19 @@ def test_parameters_without_gradients_are_left_alone() -> None:
 @pytest.mark.parametrize(
     "build, message",
     [
-        (lambda p: lc.Muon(p, lr=-1.0), r"param_groups\[0\] \(muon\): lr must be a finite number >= 0, got -1.0"),
+        (
+            lambda p: lc.Muon(p, lr=-1.0),
+            r"param_groups\[0\] \(muon\): lr must be a finite number >= 0, got -1.0",
+        ),
         (lambda p: lc.Muon(p, ns_steps=0), r"ns_steps must be an integer >= 1, got 0"),
         (lambda p: lc.Muon(p, ns_coefficients="cubic"), r"Unknown ns_coefficients preset 'cubic'"),
         (lambda p: lc.Muon(p, adjust_lr_fn="sqrt"), r"adjust_lr_fn must be one of"),
         (lambda p: lc.Muon(p, compute_dtype="float16"), r"compute_dtype must be one of"),
         (lambda p: lc.Muon(p, momentum=1.0), r"momentum must lie in \[0, 1\)"),
-        (lambda p: lc.Shampoo(p, precondition_frequency=0), r"precondition_frequency must be an integer >= 1"),
+        (
+            lambda p: lc.Shampoo(p, precondition_frequency=0),
+            r"precondition_frequency must be an integer >= 1",
+        ),
         (lambda p: lc.SOAP(p, betas=(0.9, 1.5)), r"betas must be two numbers in \[0, 1\)"),
         (lambda p: lc.Muon(p, adamw_betas=(1.0, 0.9)), r"param_groups\[1\] \(adamw\): betas must be"),
     ],
@@ -180,7 +190,9 @@ def test_bad_settings_are_named(build, message) -> None:
 def test_a_vector_forced_into_a_matrix_group_is_named() -> None:
     model = TinyLM()
     with pytest.raises(ValueError, match=r"Parameter 'up.bias' of shape \(48,\) is in a 'muon' group"):
-        lc.Muon([{"params": [("up.weight", model.up.weight), ("up.bias", model.up.bias)], "algorithm": "muon"}])
+        lc.Muon(
+            [{"params": [("up.weight", model.up.weight), ("up.bias", model.up.bias)], "algorithm": "muon"}]
+        )
     with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] of shape \(48,\)"):
         lc.SOAP([{"params": [model.up.bias], "algorithm": "soap"}])
     with pytest.raises(ValueError, match="has algorithm 'lion'"):
@@ -195,7 +207,9 @@ def test_non_finite_gradient_is_named_and_nothing_is_written(optimizer_class, kw
     for param in model.parameters():
         param.grad = torch.randn_like(param)
     model.down.weight.grad[3, 4] = float("nan")
-    with pytest.raises(FloatingPointError, match=r"parameter 'down.weight' \(shape \(24, 48\)\) holds NaN or Inf"):
+    with pytest.raises(
+        FloatingPointError, match=r"parameter 'down.weight' \(shape \(24, 48\)\) holds NaN or Inf"
+    ):
         optimizer.step()
     for key, value in model.state_dict().items():
         assert torch.equal(value, before[key]), key

@@ -8,11 +8,24 @@ from hypothesis import strategies as st
 from lightning_canzona.models import Qwen3
 from lightning_canzona.optim import PRESETS, matrix_param_groups
 from lightning_canzona.optim.rules import MuonRule, SOAPRule, UpdateCost
-from lightning_canzona.planning import POLICIES, MatrixSpec, PlanSettings, block_of, build_plan, describe, report
+from lightning_canzona.planning import (
+    POLICIES,
+    MatrixSpec,
+    PlanSettings,
+    block_of,
+    build_plan,
+    describe,
+    report,
+)
 
 
 def _spec(index: int, rows: int, cols: int, bucket: int) -> MatrixSpec:
-    return MatrixSpec(f"layers.{bucket}.w{index}", (rows, cols), f"layers.{bucket}", MuonRule(PRESETS["quintic"]).cost((rows, cols)))
+    return MatrixSpec(
+        f"layers.{bucket}.w{index}",
+        (rows, cols),
+        f"layers.{bucket}",
+        MuonRule(PRESETS["quintic"]).cost((rows, cols)),
+    )
 
 
 matrix_lists = st.lists(
@@ -30,7 +43,9 @@ plan_settings = st.builds(
 
 @settings(max_examples=200, deadline=None)
 @given(matrices=matrix_lists, mesh=meshes, plan_settings=plan_settings)
-def test_every_matrix_is_owned_once_cost_is_conserved_and_capacity_holds(matrices, mesh, plan_settings) -> None:
+def test_every_matrix_is_owned_once_cost_is_conserved_and_capacity_holds(
+    matrices, mesh, plan_settings
+) -> None:
     dp, tp = mesh
     plan = build_plan(matrices, dp, tp, plan_settings)
     grouped = sorted(index for group in plan.micro_groups for index in group)
@@ -47,7 +62,12 @@ def test_every_matrix_is_owned_once_cost_is_conserved_and_capacity_holds(matrice
 
 
 @settings(max_examples=200, deadline=None)
-@given(matrices=matrix_lists, mesh=meshes, alpha=st.sampled_from([0.0, 0.5, 1.0]), cost=st.sampled_from(["flops", "numel"]))
+@given(
+    matrices=matrix_lists,
+    mesh=meshes,
+    alpha=st.sampled_from([0.0, 0.5, 1.0]),
+    cost=st.sampled_from(["flops", "numel"]),
+)
 def test_canzona_is_never_worse_than_round_robin_by_max_over_mean(matrices, mesh, alpha, cost) -> None:
     canzona = report(build_plan(matrices, *mesh, PlanSettings("canzona", alpha, cost)))
     naive = report(build_plan(matrices, *mesh, PlanSettings("round_robin", alpha, cost)))

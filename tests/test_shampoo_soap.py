@@ -78,7 +78,10 @@ def _reference_soap(initial, grads, *, lr, betas, eps, weight_decay, frequency):
     beta1, beta2 = betas
     weight = initial.clone()
     m, v = torch.zeros_like(initial), torch.zeros_like(initial)
-    left, right = torch.zeros(initial.shape[0], initial.shape[0]), torch.zeros(initial.shape[1], initial.shape[1])
+    left, right = (
+        torch.zeros(initial.shape[0], initial.shape[0]),
+        torch.zeros(initial.shape[1], initial.shape[1]),
+    )
     bases = []
     for t, g in enumerate(grads, start=1):
         # Written as lerp, the EMA rounds like the optimizer's: eigh's choice of eigenvectors
@@ -118,7 +121,9 @@ def test_soap_matches_the_papers_algorithm_over_two_refresh_periods(shape) -> No
     bases = [state["left_basis"] for state in states]
     for step in (3, 6):  # refreshes happen at steps 3 and 6 and change the basis
         assert (bases[step - 1] - bases[step - 2]).abs().max() > 1e-3
-        torch.testing.assert_close(bases[step - 1].abs(), reference_bases[step - 1].abs(), rtol=1e-3, atol=1e-4)
+        torch.testing.assert_close(
+            bases[step - 1].abs(), reference_bases[step - 1].abs(), rtol=1e-3, atol=1e-4
+        )
     for step in (2, 4, 5, 7, 8):
         assert torch.equal(bases[step - 1], bases[step - 2])
 

@@ -23,8 +23,12 @@ def main(argv: list[str] | None = None) -> None:
     ns.add_argument("--ns-steps", type=int, default=5)
     ns.add_argument("--repeats", type=int, default=7)
     ns.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
-    steps = commands.add_parser("step", help="optimizer-step latency on dp×tp CPU ranks: canzona vs the alternatives")
-    steps.add_argument("--presets", nargs="+", default=["tiny", "small"], help="Qwen3 presets (see models.qwen3)")
+    steps = commands.add_parser(
+        "step", help="optimizer-step latency on dp×tp CPU ranks: canzona vs the alternatives"
+    )
+    steps.add_argument(
+        "--presets", nargs="+", default=["tiny", "small"], help="Qwen3 presets (see models.qwen3)"
+    )
     steps.add_argument("--dp", type=int, default=2)
     steps.add_argument("--tp", type=int, default=2)
     steps.add_argument("--steps", type=int, default=10, help="timed steps per variant")

@@ -7,6 +7,7 @@ the two rates is the efficiency of the implementation (normalisation, scaling, t
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -49,8 +50,8 @@ def measure(
             small, large = wide.shape
             seconds = median_seconds(
                 {
-                    "ns": lambda: newton_schulz(matrix, schedule, ns_steps, dtype=dtype),
-                    "matmul": lambda: wide @ wide.mT,
+                    "ns": functools.partial(newton_schulz, matrix, schedule, ns_steps, dtype=dtype),
+                    "matmul": functools.partial(torch.matmul, wide, wide.mT),
                 },
                 repeats=repeats,
             )
@@ -70,7 +71,9 @@ def measure(
 
 def format_table(rows: list[ThroughputRow]) -> str:
     """A plain-text table of the rows."""
-    lines = [f"{'shape':>11} {'dtype':>9} {'NS ms':>9} {'NS GFLOP/s':>11} {'matmul GFLOP/s':>15} {'ratio':>6}"]
+    lines = [
+        f"{'shape':>11} {'dtype':>9} {'NS ms':>9} {'NS GFLOP/s':>11} {'matmul GFLOP/s':>15} {'ratio':>6}"
+    ]
     for row in rows:
         shape = f"{row.shape[0]}x{row.shape[1]}"
         lines.append(

@@ -80,9 +80,11 @@ def _build(variant: str, groups: list[dict]) -> object:
 
 def _state_bytes(optimizer: object) -> int:
     total = 0
-    states = optimizer.state if not isinstance(optimizer, _TorchMuonWithAdamW) else {
-        k: v for o in optimizer.optimizers for k, v in o.state.items()
-    }
+    states = (
+        optimizer.state
+        if not isinstance(optimizer, _TorchMuonWithAdamW)
+        else {k: v for o in optimizer.optimizers for k, v in o.state.items()}
+    )
     for state in states.values():
         for value in state.values():
             if isinstance(value, torch.Tensor):

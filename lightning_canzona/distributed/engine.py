@@ -154,15 +154,21 @@ class MeshEngine:
         ]
         pipeline.run(steps, self.overlap)
 
-    def _ensure_plan(self, matrices: list[Entry], rules: list[MatrixRule], state: dict[Tensor, State]) -> None:
+    def _ensure_plan(
+        self, matrices: list[Entry], rules: list[MatrixRule], state: dict[Tensor, State]
+    ) -> None:
         specs = [
-            MatrixSpec(entry.name, tuple(entry.param.shape), block_of(entry.name), rule.cost(entry.param.shape))
+            MatrixSpec(
+                entry.name, tuple(entry.param.shape), block_of(entry.name), rule.cost(entry.param.shape)
+            )
             for entry, rule in zip(matrices, rules)
         ]
         key = tuple((id(entry.param), spec) for entry, spec in zip(matrices, specs))
         if key == self._key:
             return
-        previous_owners = {id(e.param): self.owner(i) for i, e in enumerate(self._entries)} if self.plan else {}
+        previous_owners = (
+            {id(e.param): self.owner(i) for i, e in enumerate(self._entries)} if self.plan else {}
+        )
         self._layouts = exchange_layouts([e.name for e in matrices], [e.param for e in matrices], self.group)
         self.plan = build_plan(specs, *mesh_sizes(self.mesh), self.settings)
         self._entries, self._key = matrices, key
@@ -172,7 +178,9 @@ class MeshEngine:
         ]
         # Each group travels in one dtype, wide enough for every member's rule.
         self._exchange_dtypes = [
-            functools.reduce(torch.promote_types, (rules[m].exchange_dtype(matrices[m].param.dtype) for m in members))
+            functools.reduce(
+                torch.promote_types, (rules[m].exchange_dtype(matrices[m].param.dtype) for m in members)
+            )
             for members in self.plan.micro_groups
         ]
         self._move_matrix_state(previous_owners, rules, state)
@@ -192,7 +200,9 @@ class MeshEngine:
                 del held[key]
             payload = [matrix_state if old in (None, self.rank) else None]
             source = 0 if old is None else old
-            dist.broadcast_object_list(payload, src=dist.get_global_rank(self.group, source), group=self.group)
+            dist.broadcast_object_list(
+                payload, src=dist.get_global_rank(self.group, source), group=self.group
+            )
             if new is None or new == self.rank:
                 state.setdefault(entry.param, {}).update(
                     {k: v.to(entry.param.device) for k, v in (payload[0] or {}).items()}
@@ -245,7 +255,7 @@ def gradient_flags(
         flags[[len(entries) + index for index in present]] = non_finite(grads).to(flags)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
     values = flags.tolist()
-    for entry, bad in zip(entries, values[len(entries):]):
+    for entry, bad in zip(entries, values[len(entries) :]):
         if bad:
             raise FloatingPointError(
                 f"The gradient of parameter {entry.name!r} (shape {tuple(entry.param.shape)}) holds "

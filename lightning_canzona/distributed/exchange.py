@@ -89,17 +89,26 @@ class MicroGroupExchange:
 
     def assemble(self, received: Tensor) -> dict[int, Tensor]:
         """Full matrices of the members this rank computes, from the gather's buffer."""
-        full = {m: torch.empty(self.shapes[m], dtype=received.dtype, device=received.device) for m in self.computed}
+        full = {
+            m: torch.empty(self.shapes[m], dtype=received.dtype, device=received.device)
+            for m in self.computed
+        }
         chunks = received.split([b.numel for pieces in self.gather_recv for _, b in pieces])
         for chunk, (m, block) in zip(chunks, (piece for pieces in self.gather_recv for piece in pieces)):
             full[m][block.slices] = chunk.view(block.shape)
         return full
 
     def launch_scatter(
-        self, directions: dict[int, Tensor], dtype: torch.dtype, device: torch.device, group: dist.ProcessGroup
+        self,
+        directions: dict[int, Tensor],
+        dtype: torch.dtype,
+        device: torch.device,
+        group: dist.ProcessGroup,
     ) -> tuple[Tensor, dist.Work | None]:
         """Start returning every rank's block of the computed ``directions``."""
-        pieces = [directions[m][block.slices].reshape(-1).to(dtype) for ps in self.scatter_send for m, block in ps]
+        pieces = [
+            directions[m][block.slices].reshape(-1).to(dtype) for ps in self.scatter_send for m, block in ps
+        ]
         send = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype, device=device)
         receive = torch.empty(sum(self.scatter_recv_sizes), dtype=dtype, device=device)
         work = dist.all_to_all_single(
@@ -111,7 +120,9 @@ class MicroGroupExchange:
         """This rank's block of each member's direction: from the scatter, or (``sync``) sliced
         out of the locally computed full directions."""
         if received is None:
-            return {m: directions[m][self.my_blocks[m].slices] for m in self.members if self.my_blocks[m].numel}
+            return {
+                m: directions[m][self.my_blocks[m].slices] for m in self.members if self.my_blocks[m].numel
+            }
         chunks = received.split([b.numel for pieces in self.scatter_recv for _, b in pieces])
         pieces = (piece for pieces in self.scatter_recv for piece in pieces)
         return {m: chunk.view(block.shape) for chunk, (m, block) in zip(chunks, pieces)}

@@ -66,8 +66,10 @@ def _tiles(shape: tuple[int, ...], blocks: Sequence[Block]) -> bool:
     if any(o < 0 or o + s > n for b in distinct for o, s, n in zip(b.offset, b.shape, shape)):
         return False
     # Overlaps show on the grid spanned by all block edges: count coverage per grid cell.
-    edges = [sorted({0, n, *(o for b in distinct for o in (b.offset[d], b.offset[d] + b.shape[d]))})
-             for d, n in enumerate(shape)]
+    edges = [
+        sorted({0, n, *(o for b in distinct for o in (b.offset[d], b.offset[d] + b.shape[d]))})
+        for d, n in enumerate(shape)
+    ]
     coverage = torch.zeros([len(e) - 1 for e in edges], dtype=torch.int32)
     for block in distinct:
         index = tuple(

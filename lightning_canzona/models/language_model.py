@@ -6,7 +6,6 @@ import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import torch
 import torch.nn.functional as F
 from lightning import LightningModule
 from torch import Tensor

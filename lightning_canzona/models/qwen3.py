@@ -72,7 +72,9 @@ def resolve_config(preset: str | Qwen3Config) -> Qwen3Config:
 
 def rotary_tables(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[Tensor, Tensor]:
     """``cos`` and ``sin`` of RoPE angles, each ``(seq_len, head_dim)`` (halves repeated)."""
-    inverse_frequency = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    inverse_frequency = theta ** (
+        -torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
+    )
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inverse_frequency)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
@@ -181,7 +183,13 @@ def tensor_parallel_plan(model: Qwen3) -> dict[str, ParallelStyle]:
     plan: dict[str, ParallelStyle] = {}
     for index in range(len(model.layers)):
         prefix = f"layers.{index}"
-        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+        for name in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+        ):
             plan[f"{prefix}.{name}"] = ColwiseParallel()
         for name in ("self_attn.o_proj", "mlp.down_proj"):
             plan[f"{prefix}.{name}"] = RowwiseParallel()

@@ -58,12 +58,20 @@ class MatrixOptimizer(Optimizer):
     Args:
         params: Tensors, ``(name, tensor)`` pairs or param-group dicts.
         defaults: Matrix-group hyperparameters (``lr`` and ``weight_decay`` among them).
-        adamw_lr: Learning rate of AdamW groups; ``None`` takes the matrix ``lr``.
+        adamw_lr: Learning rate of the AdamW groups; ``None`` takes the matrix ``lr``.
         adamw_betas: AdamW's ``(β₁, β₂)``.
         adamw_eps: AdamW's ε.
         adamw_weight_decay: AdamW's decoupled weight decay; ``None`` takes ``weight_decay``.
         check_finite: Raise `FloatingPointError` naming the parameter when a gradient holds
             NaN or Inf, instead of writing it into the weights. Costs one host sync per step.
+        policy: Who computes each matrix of DTensor parameters: ``canzona`` (α-balanced owners
+            and micro-groups), ``lpt``, ``round_robin`` or ``sync`` (every rank, redundantly).
+        alpha: ``canzona``'s balance between per-bucket uniformity (0) and global balance (1).
+        cost: What the plan balances: ``flops`` of the updates or ``numel`` of the matrices.
+        micro_group_capacity: Largest per-rank cost of one micro-group, in the cost's unit;
+            ``None`` derives it from the model.
+        overlap: Pipeline the micro-groups: gather the next and scatter the previous group while
+            the current one computes.
     """
 
     #: The value of ``param_groups[i]["algorithm"]`` for the matrix groups.
@@ -74,11 +82,11 @@ class MatrixOptimizer(Optimizer):
         params: Iterable[Any],
         defaults: dict[str, Any],
         *,
-        adamw_lr: float | None,
-        adamw_betas: tuple[float, float],
-        adamw_eps: float,
-        adamw_weight_decay: float | None,
-        check_finite: bool,
+        adamw_lr: float | None = None,
+        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float | None = None,
+        check_finite: bool = True,
         policy: str = "canzona",
         alpha: float = 0.5,
         cost: str = "flops",
@@ -140,7 +148,11 @@ class MatrixOptimizer(Optimizer):
             self.param_groups.pop()
             described = ", ".join(
                 f"{_param_name(group, index, position)} "
-                + (f"on {p.device_mesh} with {tuple(p.placements)}" if isinstance(p, DTensor) else "(not a DTensor)")
+                + (
+                    f"on {p.device_mesh} with {tuple(p.placements)}"
+                    if isinstance(p, DTensor)
+                    else "(not a DTensor)"
+                )
                 for position, p in enumerate(group["params"])
             )
             raise ValueError(
@@ -151,11 +163,13 @@ class MatrixOptimizer(Optimizer):
             for position, param in enumerate(group["params"]):
                 if param.ndim < 2:
                     self.param_groups.pop()
-                    placements = f", placements {tuple(param.placements)}" if isinstance(param, DTensor) else ""
+                    placements = (
+                        f", placements {tuple(param.placements)}" if isinstance(param, DTensor) else ""
+                    )
                     raise ValueError(
                         f"Parameter {_param_name(group, index, position)} of shape "
-                        f"{tuple(param.shape)}{placements} is in a {self.algorithm!r} group, but matrix rules "
-                        "need 2-D weights or stacks of them. Put it in an AdamW group "
+                        f"{tuple(param.shape)}{placements} is in a {self.algorithm!r} group, but matrix "
+                        "rules need 2-D weights or stacks of them. Put it in an AdamW group "
                         "({'params': [...], 'algorithm': 'adamw'}) or build the groups with "
                         "lightning_canzona.matrix_param_groups(model)."
                     )
@@ -197,7 +211,9 @@ class MatrixOptimizer(Optimizer):
                 state.update(rule.init_elementwise_state(param))
                 state.update(rule.init_matrix_state(param.shape, param.device))
             direction = rule.direction(rule.prepare(param.grad, state), state)
-            rule.apply(param, direction, lr=group["lr"], weight_decay=group["weight_decay"], shape=param.shape)
+            rule.apply(
+                param, direction, lr=group["lr"], weight_decay=group["weight_decay"], shape=param.shape
+            )
 
     def _adamw_group_step(self, group: dict[str, Any]) -> None:
         for param in group["params"]:

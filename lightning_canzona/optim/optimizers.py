@@ -55,18 +55,9 @@ class Muon(MatrixOptimizer):
             (``0.2·√max(rows, cols)``); ``None`` means ``"original"``.
         compute_dtype: Dtype of the Newton–Schulz iteration: ``"bfloat16"`` (as ``torch.optim.Muon``)
             or ``"float32"``.
-        adamw_lr: Learning rate of the AdamW groups; ``None`` takes ``lr``.
-        adamw_betas: AdamW's ``(β₁, β₂)``.
-        adamw_eps: AdamW's ε.
-        adamw_weight_decay: AdamW's weight decay; ``None`` takes ``weight_decay``.
-        check_finite: Raise naming the parameter when a gradient holds NaN or Inf.
-        policy: Who computes each matrix of DTensor parameters: ``canzona`` (α-balanced owners and
-            micro-groups), ``lpt``, ``round_robin`` or ``sync`` (every rank, redundantly).
-        alpha: ``canzona``'s balance between per-bucket uniformity (0) and global balance (1).
-        cost: What the plan balances: ``flops`` of the updates or ``numel`` of the matrices.
-        micro_group_capacity: Largest per-rank cost of a micro-group (in the cost's unit);
-            ``None`` derives it from the model.
-        overlap: Pipeline the micro-groups' communication with their compute.
+        **kwargs: AdamW-group settings (``adamw_lr``, ``adamw_betas``, ``adamw_eps``,
+            ``adamw_weight_decay``), ``check_finite``, and the distributed plan (``policy``,
+            ``alpha``, ``cost``, ``micro_group_capacity``, ``overlap``): see `MatrixOptimizer`.
     """
 
     algorithm = "muon"
@@ -83,16 +74,7 @@ class Muon(MatrixOptimizer):
         ns_steps: int = 5,
         adjust_lr_fn: str | None = None,
         compute_dtype: str = "bfloat16",
-        adamw_lr: float | None = None,
-        adamw_betas: tuple[float, float] = (0.9, 0.95),
-        adamw_eps: float = 1e-8,
-        adamw_weight_decay: float | None = None,
-        check_finite: bool = True,
-        policy: str = "canzona",
-        alpha: float = 0.5,
-        cost: str = "flops",
-        micro_group_capacity: float | None = None,
-        overlap: bool = True,
+        **kwargs: Any,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -105,20 +87,7 @@ class Muon(MatrixOptimizer):
             adjust_lr_fn=adjust_lr_fn,
             compute_dtype=compute_dtype,
         )
-        super().__init__(
-            params,
-            defaults,
-            adamw_lr=adamw_lr,
-            adamw_betas=adamw_betas,
-            adamw_eps=adamw_eps,
-            adamw_weight_decay=adamw_weight_decay,
-            check_finite=check_finite,
-            policy=policy,
-            alpha=alpha,
-            cost=cost,
-            micro_group_capacity=micro_group_capacity,
-            overlap=overlap,
-        )
+        super().__init__(params, defaults, **kwargs)
 
     def matrix_rule(self, group: dict[str, Any]) -> MuonRule:
         _check_positive_int(ns_steps=group["ns_steps"])
@@ -155,18 +124,9 @@ class Shampoo(MatrixOptimizer):
         start_preconditioning_step: First step that uses the Shampoo direction (plain grafted Adam
             before it).
         max_precond_dim: Sides longer than this are not preconditioned.
-        adamw_lr: Learning rate of the AdamW groups; ``None`` takes ``lr``.
-        adamw_betas: AdamW's ``(β₁, β₂)``.
-        adamw_eps: AdamW's ε.
-        adamw_weight_decay: AdamW's weight decay; ``None`` takes ``weight_decay``.
-        check_finite: Raise naming the parameter when a gradient holds NaN or Inf.
-        policy: Who computes each matrix of DTensor parameters: ``canzona`` (α-balanced owners and
-            micro-groups), ``lpt``, ``round_robin`` or ``sync`` (every rank, redundantly).
-        alpha: ``canzona``'s balance between per-bucket uniformity (0) and global balance (1).
-        cost: What the plan balances: ``flops`` of the updates or ``numel`` of the matrices.
-        micro_group_capacity: Largest per-rank cost of a micro-group (in the cost's unit);
-            ``None`` derives it from the model.
-        overlap: Pipeline the micro-groups' communication with their compute.
+        **kwargs: AdamW-group settings (``adamw_lr``, ``adamw_betas``, ``adamw_eps``,
+            ``adamw_weight_decay``), ``check_finite``, and the distributed plan (``policy``,
+            ``alpha``, ``cost``, ``micro_group_capacity``, ``overlap``): see `MatrixOptimizer`.
     """
 
     algorithm = "shampoo"
@@ -182,16 +142,7 @@ class Shampoo(MatrixOptimizer):
         precondition_frequency: int = 10,
         start_preconditioning_step: int = 10,
         max_precond_dim: int = 8192,
-        adamw_lr: float | None = None,
-        adamw_betas: tuple[float, float] = (0.9, 0.999),
-        adamw_eps: float = 1e-8,
-        adamw_weight_decay: float | None = None,
-        check_finite: bool = True,
-        policy: str = "canzona",
-        alpha: float = 0.5,
-        cost: str = "flops",
-        micro_group_capacity: float | None = None,
-        overlap: bool = True,
+        **kwargs: Any,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -203,20 +154,7 @@ class Shampoo(MatrixOptimizer):
             start_preconditioning_step=start_preconditioning_step,
             max_precond_dim=max_precond_dim,
         )
-        super().__init__(
-            params,
-            defaults,
-            adamw_lr=adamw_lr,
-            adamw_betas=adamw_betas,
-            adamw_eps=adamw_eps,
-            adamw_weight_decay=adamw_weight_decay,
-            check_finite=check_finite,
-            policy=policy,
-            alpha=alpha,
-            cost=cost,
-            micro_group_capacity=micro_group_capacity,
-            overlap=overlap,
-        )
+        super().__init__(params, defaults, **kwargs)
 
     def matrix_rule(self, group: dict[str, Any]) -> ShampooRule:
         _check_betas("betas", group["betas"])
@@ -250,18 +188,9 @@ class SOAP(MatrixOptimizer):
         weight_decay: Decoupled weight decay λ.
         precondition_frequency: Steps between QR refreshes of the eigenbases.
         max_precond_dim: Sides longer than this keep the identity basis.
-        adamw_lr: Learning rate of the AdamW groups; ``None`` takes ``lr``.
-        adamw_betas: AdamW's ``(β₁, β₂)``.
-        adamw_eps: AdamW's ε.
-        adamw_weight_decay: AdamW's weight decay; ``None`` takes ``weight_decay``.
-        check_finite: Raise naming the parameter when a gradient holds NaN or Inf.
-        policy: Who computes each matrix of DTensor parameters: ``canzona`` (α-balanced owners and
-            micro-groups), ``lpt``, ``round_robin`` or ``sync`` (every rank, redundantly).
-        alpha: ``canzona``'s balance between per-bucket uniformity (0) and global balance (1).
-        cost: What the plan balances: ``flops`` of the updates or ``numel`` of the matrices.
-        micro_group_capacity: Largest per-rank cost of a micro-group (in the cost's unit);
-            ``None`` derives it from the model.
-        overlap: Pipeline the micro-groups' communication with their compute.
+        **kwargs: AdamW-group settings (``adamw_lr``, ``adamw_betas``, ``adamw_eps``,
+            ``adamw_weight_decay``), ``check_finite``, and the distributed plan (``policy``,
+            ``alpha``, ``cost``, ``micro_group_capacity``, ``overlap``): see `MatrixOptimizer`.
     """
 
     algorithm = "soap"
@@ -276,16 +205,7 @@ class SOAP(MatrixOptimizer):
         weight_decay: float = 0.01,
         precondition_frequency: int = 10,
         max_precond_dim: int = 10_000,
-        adamw_lr: float | None = None,
-        adamw_betas: tuple[float, float] = (0.9, 0.999),
-        adamw_eps: float = 1e-8,
-        adamw_weight_decay: float | None = None,
-        check_finite: bool = True,
-        policy: str = "canzona",
-        alpha: float = 0.5,
-        cost: str = "flops",
-        micro_group_capacity: float | None = None,
-        overlap: bool = True,
+        **kwargs: Any,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -296,20 +216,7 @@ class SOAP(MatrixOptimizer):
             precondition_frequency=precondition_frequency,
             max_precond_dim=max_precond_dim,
         )
-        super().__init__(
-            params,
-            defaults,
-            adamw_lr=adamw_lr,
-            adamw_betas=adamw_betas,
-            adamw_eps=adamw_eps,
-            adamw_weight_decay=adamw_weight_decay,
-            check_finite=check_finite,
-            policy=policy,
-            alpha=alpha,
-            cost=cost,
-            micro_group_capacity=micro_group_capacity,
-            overlap=overlap,
-        )
+        super().__init__(params, defaults, **kwargs)
 
     def matrix_rule(self, group: dict[str, Any]) -> SOAPRule:
         _check_betas("betas", group["betas"])
@@ -326,5 +233,3 @@ class SOAP(MatrixOptimizer):
             precondition_frequency=group["precondition_frequency"],
             max_precond_dim=group["max_precond_dim"],
         )
-
-

@@ -127,7 +127,9 @@ def _max_over_mean(plan: Plan) -> float:
 
 def _fixed_owner_plan(settings, matrices, dp, tp, owners, capacity, fell_back=False) -> Plan:
     groups = sequential_groups(owners, [m.load(settings.cost) for m in matrices], capacity)
-    return Plan(settings, tuple(matrices), dp, tp, tuple(owners), tuple(map(tuple, groups)), capacity, fell_back)
+    return Plan(
+        settings, tuple(matrices), dp, tp, tuple(owners), tuple(map(tuple, groups)), capacity, fell_back
+    )
 
 
 def build_plan(matrices: list[MatrixSpec], dp: int, tp: int, settings: PlanSettings | None = None) -> Plan:
@@ -153,7 +155,9 @@ def build_plan(matrices: list[MatrixSpec], dp: int, tp: int, settings: PlanSetti
         return Plan(settings, tuple(matrices), dp, tp, None, tuple(map(tuple, groups)), capacity)
     capacity = _capacity(settings, loads, sum(loads) / num_ranks)
     if settings.policy == "round_robin":
-        return _fixed_owner_plan(settings, matrices, dp, tp, partition.round_robin(loads, num_ranks), capacity)
+        return _fixed_owner_plan(
+            settings, matrices, dp, tp, partition.round_robin(loads, num_ranks), capacity
+        )
     if settings.policy == "lpt":
         owners = partition.longest_processing_time(loads, num_ranks)
         return _fixed_owner_plan(settings, matrices, dp, tp, owners, capacity)

@@ -50,7 +50,9 @@ class PlanReport:
         """A per-rank table with the summary underneath."""
         scale, unit = _UNITS[self.cost]
         lines = [f"{'rank':>5} {'load [' + unit + ']':>18} {'matrices':>9} {'state [MiB]':>12}"]
-        for rank, (load, count, state) in enumerate(zip(self.rank_loads, self.rank_matrices, self.rank_state_bytes)):
+        for rank, (load, count, state) in enumerate(
+            zip(self.rank_loads, self.rank_matrices, self.rank_state_bytes)
+        ):
             lines.append(f"{rank:>5} {load / scale:>18.3f} {count:>9} {state / 2**20:>12.2f}")
         lines.append(
             f"policy {self.policy}, cost {self.cost}: max/mean {self.max_over_mean:.3f}, "

@@ -7,10 +7,12 @@ For gradients ``G`` of shape ``(…, m, n)`` the left factor ``L`` (``m × m``) 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
-from lightning_canzona.optim.rules.base import State
+from lightning_canzona.optim.rules.base import State, UpdateCost, matrix_dims
 
 SIDES = ("left", "right")
 
@@ -20,13 +22,24 @@ def preconditioned_sides(rows: int, cols: int, max_precond_dim: int) -> dict[str
     return {side: dim for side, dim in zip(SIDES, (rows, cols)) if dim <= max_precond_dim}
 
 
-def init_factors(shape: torch.Size, device: torch.device, max_precond_dim: int) -> State:
-    """Zero factors for every preconditioned side, float32, batched like ``shape``."""
-    batch = tuple(shape[:-2])
-    return {
-        side: torch.zeros(*batch, dim, dim, device=device, dtype=torch.float32)
-        for side, dim in preconditioned_sides(shape[-2], shape[-1], max_precond_dim).items()
+def init_state(shape: torch.Size, device: torch.device, max_precond_dim: int, companion: str) -> State:
+    """Owner-held state of a Kronecker-factored rule, all float32 and batched like ``shape``.
+
+    A step counter (on the host), the two moments, and for each preconditioned side its factor
+    (``"left"``, ``"right"``) and the factor's companion (``"left_<companion>"``: an inverse root
+    for Shampoo, an eigenbasis for SOAP).
+    """
+    full = dict(device=device, dtype=torch.float32)
+    state = {
+        "step": torch.zeros((), dtype=torch.int64),
+        "exp_avg": torch.zeros(shape, **full),
+        "exp_avg_sq": torch.zeros(shape, **full),
     }
+    batch = tuple(shape[:-2])
+    for side, dim in preconditioned_sides(shape[-2], shape[-1], max_precond_dim).items():
+        state[side] = torch.zeros(*batch, dim, dim, **full)
+        state[f"{side}_{companion}"] = torch.zeros(*batch, dim, dim, **full)
+    return state
 
 
 def update_factors(state: State, grad: Tensor, beta: float) -> None:
@@ -37,6 +50,23 @@ def update_factors(state: State, grad: Tensor, beta: float) -> None:
         state["right"].lerp_(grad.mT @ grad, 1.0 - beta)
 
 
-def factor_flops(rows: int, cols: int, sides: dict[str, int]) -> float:
-    """FLOPs of one factor update: ``2m²n`` for ``L``, ``2mn²`` for ``R``."""
-    return float(sum(2 * dim * rows * cols for dim in sides.values()))
+def cost(shape: Sequence[int], max_precond_dim: int, frequency: int, products: int) -> UpdateCost:
+    """Cost of a Kronecker-factored rule on a matrix (or stack) of ``shape``.
+
+    Per step and preconditioned side ``d ∈ {m, n}``: ``products`` one-sided ``d × d`` by ``m × n``
+    products (``2d·mn`` FLOPs each, the factor update among them) and a ``≈ 10d³`` eigensolve or
+    refresh every ``frequency`` steps; plus ``≈ 10·mn`` elementwise. State: both moments, and a
+    factor and its companion per side, in float32.
+    """
+    batch, rows, cols = matrix_dims(shape)
+    sides = preconditioned_sides(rows, cols, max_precond_dim).values()
+    flops = (
+        sum(products * 2 * dim * rows * cols + 10 * dim**3 / frequency for dim in sides) + 10 * rows * cols
+    )
+    numel = batch * rows * cols
+    return UpdateCost(
+        flops=float(batch * flops),
+        numel=numel,
+        matrix_state_bytes=4 * (2 * numel + batch * sum(2 * dim * dim for dim in sides)),
+        elementwise_state_bytes=0,
+    )

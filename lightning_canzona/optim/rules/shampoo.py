@@ -29,14 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_canzona.optim.rules.base import MatrixRule, State, UpdateCost, matrix_dims
-from lightning_canzona.optim.rules.kronecker import (
-    factor_flops,
-    init_factors,
-    preconditioned_sides,
-    update_factors,
-)
-
+from lightning_canzona.optim.rules import kronecker
+from lightning_canzona.optim.rules.base import MatrixRule, State, UpdateCost
 
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -67,23 +61,14 @@ class ShampooRule(MatrixRule):
     name = "shampoo"
 
     def init_matrix_state(self, shape: torch.Size, device: torch.device) -> State:
-        full = dict(device=device, dtype=torch.float32)
-        state = {
-            "step": torch.zeros((), dtype=torch.int64),
-            "exp_avg": torch.zeros(shape, **full),
-            "exp_avg_sq": torch.zeros(shape, **full),
-        }
-        factors = init_factors(shape, device, self.max_precond_dim)
-        state.update(factors)
-        state.update({f"{side}_root": torch.zeros_like(factor) for side, factor in factors.items()})
-        return state
+        return kronecker.init_state(shape, device, self.max_precond_dim, companion="root")
 
     def direction(self, matrix: Tensor, state: State) -> Tensor:
         beta1, beta2 = self.betas
         state["step"] += 1
         step = int(state["step"])
         grad = matrix.float()
-        update_factors(state, grad, beta2)
+        kronecker.update_factors(state, grad, beta2)
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
         exp_avg.lerp_(grad, 1.0 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
@@ -104,15 +89,4 @@ class ShampooRule(MatrixRule):
         return preconditioned * (_frobenius(adam) / _frobenius(preconditioned).clamp_min(_TINY))
 
     def cost(self, shape: Sequence[int]) -> UpdateCost:
-        batch, rows, cols = matrix_dims(shape)
-        sides = preconditioned_sides(rows, cols, self.max_precond_dim)
-        eigh = sum(10 * dim**3 for dim in sides.values()) / self.precondition_frequency
-        flops = 2 * factor_flops(rows, cols, sides) + eigh + 10 * rows * cols
-        factor_elements = sum(2 * dim * dim for dim in sides.values())  # factor and its root
-        numel = batch * rows * cols
-        return UpdateCost(
-            flops=float(batch * flops),
-            numel=numel,
-            matrix_state_bytes=4 * (2 * numel + batch * factor_elements),
-            elementwise_state_bytes=0,
-        )
+        return kronecker.cost(shape, self.max_precond_dim, self.precondition_frequency, products=2)

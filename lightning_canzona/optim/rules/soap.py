@@ -30,14 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_canzona.optim.rules.base import MatrixRule, State, UpdateCost, matrix_dims
-from lightning_canzona.optim.rules.kronecker import (
-    SIDES,
-    factor_flops,
-    init_factors,
-    preconditioned_sides,
-    update_factors,
-)
+from lightning_canzona.optim.rules import kronecker
+from lightning_canzona.optim.rules.base import MatrixRule, State, UpdateCost
 
 
 def _project(matrix: Tensor, state: State, *, back: bool = False) -> Tensor:
@@ -60,7 +54,7 @@ def _eigenbasis(factor: Tensor) -> Tensor:
 def _refresh(state: State) -> None:
     """One QR power iteration per side, re-ordering ``exp_avg_sq`` with the basis columns."""
     exp_avg_sq = state["exp_avg_sq"]
-    for axis, side in zip((-2, -1), SIDES):
+    for axis, side in zip((-2, -1), kronecker.SIDES):
         if side not in state:
             continue
         factor, basis = state[side], state[f"{side}_basis"]
@@ -85,25 +79,16 @@ class SOAPRule(MatrixRule):
     name = "soap"
 
     def init_matrix_state(self, shape: torch.Size, device: torch.device) -> State:
-        full = dict(device=device, dtype=torch.float32)
-        state = {
-            "step": torch.zeros((), dtype=torch.int64),
-            "exp_avg": torch.zeros(shape, **full),
-            "exp_avg_sq": torch.zeros(shape, **full),
-        }
-        factors = init_factors(shape, device, self.max_precond_dim)
-        state.update(factors)
-        state.update({f"{side}_basis": torch.zeros_like(factor) for side, factor in factors.items()})
-        return state
+        return kronecker.init_state(shape, device, self.max_precond_dim, companion="basis")
 
     def direction(self, matrix: Tensor, state: State) -> Tensor:
         beta1, beta2 = self.betas
         state["step"] += 1
         step = int(state["step"])
         grad = matrix.float()
-        update_factors(state, grad, beta2 if self.shampoo_beta is None else self.shampoo_beta)
+        kronecker.update_factors(state, grad, beta2 if self.shampoo_beta is None else self.shampoo_beta)
         if step == 1:
-            for side in SIDES:
+            for side in kronecker.SIDES:
                 if side in state:
                     state[f"{side}_basis"].copy_(_eigenbasis(state[side]))
         elif step % self.precondition_frequency == 0:
@@ -117,15 +102,4 @@ class SOAPRule(MatrixRule):
         return _project(rotated_step.mul_(correction), state, back=True)
 
     def cost(self, shape: Sequence[int]) -> UpdateCost:
-        batch, rows, cols = matrix_dims(shape)
-        sides = preconditioned_sides(rows, cols, self.max_precond_dim)
-        refresh = sum(10 * dim**3 for dim in sides.values()) / self.precondition_frequency
-        flops = 4 * factor_flops(rows, cols, sides) + refresh + 10 * rows * cols
-        numel = batch * rows * cols
-        factor_elements = sum(2 * dim * dim for dim in sides.values())  # factor and its basis
-        return UpdateCost(
-            flops=float(batch * flops),
-            numel=numel,
-            matrix_state_bytes=4 * (2 * numel + batch * factor_elements),
-            elementwise_state_bytes=0,
-        )
+        return kronecker.cost(shape, self.max_precond_dim, self.precondition_frequency, products=4)
