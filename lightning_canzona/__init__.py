@@ -1,6 +1,25 @@
-"""lightning_canzona: exact, non-redundant, load-balanced matrix optimizers for Lightning."""
+"""lightning_canzona: exact, non-redundant, load-balanced matrix optimizers for Lightning.
+
+Importing the package registers the strategies ``"canzona"`` and ``"canzona_notebook"`` (which
+starts its ranks by forking, for Jupyter) in Lightning's strategy registry.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_canzona.optim import SOAP, Muon, Shampoo, matrix_param_groups
+from lightning_canzona.strategy import CanzonaStrategy
 
-__all__ = ["SOAP", "Muon", "Shampoo", "matrix_param_groups"]
+__all__ = ["SOAP", "CanzonaStrategy", "Muon", "Shampoo", "matrix_param_groups"]
 __version__ = "0.1.0"
+
+if "canzona" not in StrategyRegistry:
+    StrategyRegistry.register(
+        "canzona", CanzonaStrategy, description="FSDP2 × TP with exact, non-redundant matrix optimizers"
+    )
+if "canzona_notebook" not in StrategyRegistry:
+    StrategyRegistry.register(
+        "canzona_notebook",
+        CanzonaStrategy,
+        description="CanzonaStrategy that forks its ranks (Jupyter notebooks)",
+        start_method="fork",
+    )

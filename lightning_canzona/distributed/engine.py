@@ -147,12 +147,27 @@ class MeshEngine:
             if entry.algorithm == ADAMW and stepped:
                 self._adamw(entry, state)
         stepped = [flag for entry, flag in zip(entries, has_grad) if entry.algorithm != ADAMW]
-        prepared = [self._prepare(i, rule, state, stepped[i]) for i, rule in enumerate(rules)]
+        prepared = [self._prepare_matrix(i, rule, state, stepped[i]) for i, rule in enumerate(rules)]
         steps = [
             _GroupStep(self, exchange, dtype, rules, prepared, stepped, state)
             for exchange, dtype in zip(self._exchanges, self._exchange_dtypes)
         ]
         pipeline.run(steps, self.overlap)
+
+    def prepare(
+        self,
+        entries: Sequence[Entry],
+        state: dict[Tensor, State],
+        rule_of: Callable[[dict[str, Any]], MatrixRule],
+    ) -> Plan:
+        """Build the plan (sharing the layouts once) if the matrices changed, and return it.
+
+        Collective on the first call and whenever the parameter set changed.
+        """
+        matrices = [entry for entry in entries if entry.algorithm != ADAMW]
+        self._ensure_plan(matrices, [rule_of(entry.group) for entry in matrices], state)
+        assert self.plan is not None
+        return self.plan
 
     def _ensure_plan(
         self, matrices: list[Entry], rules: list[MatrixRule], state: dict[Tensor, State]
@@ -224,7 +239,9 @@ class MeshEngine:
             weight_decay=group["weight_decay"],
         )
 
-    def _prepare(self, index: int, rule: MatrixRule, state: dict[Tensor, State], stepped: bool) -> Tensor:
+    def _prepare_matrix(
+        self, index: int, rule: MatrixRule, state: dict[Tensor, State], stepped: bool
+    ) -> Tensor:
         entry = self._entries[index]
         param = local_tensor(entry.param)
         if not stepped:  # joins the collectives with zeros; nobody computes or applies it

@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch.nn.functional as F
 from lightning import LightningModule
+from lightning.pytorch.cli import OptimizerCallable
 from torch import Tensor
-from torch.optim import Optimizer
+from torch.distributed.tensor.parallel import ParallelStyle
 from torch.optim.lr_scheduler import LambdaLR
 
-from lightning_canzona.models.qwen3 import Qwen3, Qwen3Config
+from lightning_canzona.models.qwen3 import Qwen3, tensor_parallel_plan
 from lightning_canzona.optim import Muon, matrix_param_groups
-
-OptimizerFactory = Callable[[Iterable[Any]], Optimizer]
 
 
 class CausalLanguageModel(LightningModule):
@@ -32,30 +30,20 @@ class CausalLanguageModel(LightningModule):
     def __init__(
         self,
         preset: str = "tiny",
-        optimizer: OptimizerFactory | None = None,
+        optimizer: OptimizerCallable | None = None,
         warmup_steps: int = 20,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["optimizer"])
         self.optimizer_factory = optimizer
-        self.model: Qwen3 | None = None
+        self.model = Qwen3(preset)
 
-    @property
-    def config(self) -> Qwen3Config:
-        return self.decoder.config
-
-    @property
-    def decoder(self) -> Qwen3:
-        if self.model is None:
-            raise RuntimeError("The decoder is built in configure_model(); call it (or fit) first.")
-        return self.model
-
-    def configure_model(self) -> None:
-        if self.model is None:
-            self.model = Qwen3(self.hparams.preset)
+    def tensor_parallel_plan(self) -> dict[str, ParallelStyle]:
+        """The decoder's TP plan, named from this module (what `CanzonaStrategy` applies)."""
+        return {f"model.{name}": style for name, style in tensor_parallel_plan(self.model).items()}
 
     def forward(self, tokens: Tensor) -> Tensor:
-        return self.decoder(tokens)
+        return self.model(tokens)
 
     def _loss(self, batch: Tensor) -> Tensor:
         logits = self(batch[:, :-1])
@@ -70,7 +58,7 @@ class CausalLanguageModel(LightningModule):
         self.log("val_loss", self._loss(batch), prog_bar=True, sync_dist=True)
 
     def configure_optimizers(self) -> dict[str, Any]:
-        groups = matrix_param_groups(self.decoder)
+        groups = matrix_param_groups(self.model)
         if self.optimizer_factory is None:
             optimizer = Muon(groups, lr=0.02, adamw_lr=3e-3, weight_decay=0.01)
         else:

@@ -24,7 +24,7 @@ from lightning_canzona.distributed.engine import Entry, MeshEngine, gradient_fla
 from lightning_canzona.optim.rules.adamw import ALGORITHM as ADAMW
 from lightning_canzona.optim.rules.adamw import adamw_step, init_adamw_state
 from lightning_canzona.optim.rules.base import MatrixRule, non_finite
-from lightning_canzona.planning import PlanSettings
+from lightning_canzona.planning import Plan, PlanSettings
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 
@@ -102,7 +102,7 @@ class MatrixOptimizer(Optimizer):
         self.check_finite = check_finite
         self.plan_settings = PlanSettings(policy, alpha, cost, micro_group_capacity)  # type: ignore[arg-type]
         self.overlap = overlap
-        self.engines: dict[Any, Any] = {}
+        self.engines: dict[Any, MeshEngine] = {}
         super().__init__(params, defaults)
 
     @abstractmethod
@@ -143,21 +143,23 @@ class MatrixOptimizer(Optimizer):
         except ValueError as error:
             self.param_groups.pop()
             raise ValueError(f"param_groups[{index}] ({algorithm}): {error}") from None
-        meshes = {param.device_mesh for param in group["params"] if isinstance(param, DTensor)}
-        if len(meshes) > 1 or (meshes and not all(isinstance(p, DTensor) for p in group["params"])):
+        first_on_mesh: dict[Any, tuple[int, Tensor]] = {}
+        for position, param in enumerate(group["params"]):
+            first_on_mesh.setdefault(getattr(param, "device_mesh", None), (position, param))
+        if len(first_on_mesh) > 1:
             self.param_groups.pop()
-            described = ", ".join(
+            described = " and ".join(
                 f"{_param_name(group, index, position)} "
                 + (
                     f"on {p.device_mesh} with {tuple(p.placements)}"
-                    if isinstance(p, DTensor)
+                    if mesh is not None
                     else "(not a DTensor)"
                 )
-                for position, p in enumerate(group["params"])
+                for mesh, (position, p) in first_on_mesh.items()
             )
             raise ValueError(
-                f"param_groups[{index}] mixes device meshes: {described}. Put parameters of "
-                "different meshes in different param groups."
+                f"param_groups[{index}] mixes device meshes: {described}. Put parameters of different "
+                "meshes in different param groups (lightning_canzona.matrix_param_groups does)."
             )
         if algorithm != ADAMW:
             for position, param in enumerate(group["params"]):
@@ -181,12 +183,7 @@ class MatrixOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        distributed: dict[Any, list[Entry]] = {}
-        for index, group in enumerate(self.param_groups):
-            for position, param in enumerate(group["params"]):
-                if isinstance(param, DTensor):
-                    entry = Entry(param, group, _param_name(group, index, position).strip("'"))
-                    distributed.setdefault(param.device_mesh, []).append(entry)
+        distributed = self._distributed_entries()
         if self.check_finite:
             self._raise_on_non_finite_gradients()
         for group in self.param_groups:
@@ -197,10 +194,34 @@ class MatrixOptimizer(Optimizer):
         if distributed:
             flags = iter(gradient_flags([e for es in distributed.values() for e in es], self.check_finite))
             for mesh, entries in distributed.items():
-                if mesh not in self.engines:
-                    self.engines[mesh] = MeshEngine(mesh, self.plan_settings, self.overlap)
-                self.engines[mesh].step(entries, [next(flags) for _ in entries], self.state, self.matrix_rule)
+                has_grad = [next(flags) for _ in entries]
+                self._engine(mesh).step(entries, has_grad, self.state, self.matrix_rule)
         return loss
+
+    def plans(self) -> dict[Any, Plan]:
+        """The plan of every device mesh of the DTensor parameters, built now if need be.
+
+        Collective: every rank must call it (it shares the shards' layouts once).
+        """
+        return {
+            mesh: self._engine(mesh).prepare(entries, self.state, self.matrix_rule)
+            for mesh, entries in self._distributed_entries().items()
+        }
+
+    def _distributed_entries(self) -> dict[Any, list[Entry]]:
+        """The DTensor parameters by device mesh, in param-group order (the same on every rank)."""
+        distributed: dict[Any, list[Entry]] = {}
+        for index, group in enumerate(self.param_groups):
+            for position, param in enumerate(group["params"]):
+                if isinstance(param, DTensor):
+                    entry = Entry(param, group, _param_name(group, index, position).strip("'"))
+                    distributed.setdefault(param.device_mesh, []).append(entry)
+        return distributed
+
+    def _engine(self, mesh: Any) -> MeshEngine:
+        if mesh not in self.engines:
+            self.engines[mesh] = MeshEngine(mesh, self.plan_settings, self.overlap)
+        return self.engines[mesh]
 
     def _matrix_group_step(self, group: dict[str, Any], rule: MatrixRule) -> None:
         for param in group["params"]:

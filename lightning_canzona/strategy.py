@@ -1,0 +1,270 @@
+"""`CanzonaStrategy`: FSDP2 × tensor parallelism with exact, non-redundant matrix optimizers.
+
+It is Lightning's `ModelParallelStrategy` (a ``(data_parallel, tensor_parallel)`` device mesh,
+FSDP2 and DTensor TP, distributed checkpoints) plus:
+
+- **composition** for LightningModules that do not override ``configure_model``: the module's
+  ``tensor_parallel_plan()`` is applied on the TP mesh, then ``fully_shard`` wraps every member of
+  an ``nn.ModuleList`` (the transformer blocks) and every top-level submodule over the DP mesh. A
+  module that overrides ``configure_model`` keeps full control and uses ``self.device_mesh``;
+- **optimizer binding**: the strategy's plan settings go to every `lightning_canzona` optimizer, and
+  a ``torch.optim.Muon`` from ``configure_optimizers`` becomes a `lightning_canzona.Muon` with the
+  same settings (its schedulers re-pointed);
+- the optimizer plan printed as a table when fitting starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+import os
+from datetime import timedelta
+from fnmatch import fnmatchcase
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.model_parallel import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_canzona.optim import MatrixOptimizer, Muon
+from lightning_canzona.planning import PlanSettings, report
+
+SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
+
+
+class CanzonaStrategy(ModelParallelStrategy):
+    """FSDP2 × DTensor tensor parallelism with exact, non-redundant Muon, Shampoo and SOAP.
+
+    Args:
+        data_parallel_size: Devices per data-parallel group; ``"auto"``: the number of nodes.
+        tensor_parallel_size: Devices per tensor-parallel group; ``"auto"``: the devices per node.
+        policy: Who computes each matrix update: ``canzona`` (α-balanced owners, micro-groups),
+            ``lpt``, ``round_robin`` or ``sync`` (every rank, redundantly).
+        alpha: ``canzona``'s balance between per-bucket uniformity (0) and global balance (1).
+        cost: What the plan balances: ``flops`` of the updates or ``numel`` of the matrices.
+        micro_group_capacity: Largest per-rank cost of one micro-group, in the cost's unit;
+            ``None`` derives it from the model.
+        overlap: Pipeline the micro-groups' gathers and scatters with their compute.
+        save_distributed_checkpoint: Save one shard per rank (``True``) or one full file.
+        process_group_backend: ``nccl``, ``gloo``…; ``None`` picks the device's default.
+        timeout: Timeout of collective operations.
+        start_method: ``popen`` re-runs the script per rank (scripts, CLI, torchrun, SLURM);
+            ``fork`` (notebooks) or ``spawn`` start the ranks from this process.
+    """
+
+    def __init__(
+        self,
+        data_parallel_size: Literal["auto"] | int = "auto",
+        tensor_parallel_size: Literal["auto"] | int = "auto",
+        policy: str = "canzona",
+        alpha: float = 0.5,
+        cost: str = "flops",
+        micro_group_capacity: float | None = None,
+        overlap: bool = True,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "fork", "spawn"] = "popen",
+    ) -> None:
+        super().__init__(
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self.plan_settings = PlanSettings(policy, alpha, cost, micro_group_capacity)  # type: ignore[arg-type]
+        self.overlap = overlap
+        if start_method not in ("popen", "fork", "spawn"):
+            raise ValueError(f"start_method must be 'popen', 'fork' or 'spawn', got {start_method!r}")
+        self.start_method = start_method
+
+    def _configure_launcher(self) -> None:
+        self._validate_before_launch()
+        if self.start_method == "popen":
+            super()._configure_launcher()
+        else:
+            self._launcher = _InProcessLauncher(self, start_method=self.start_method)
+
+    def _validate_before_launch(self) -> None:
+        """Settings that would fail on every rank fail here, once, before any process starts."""
+        world_size = self.num_processes * self.num_nodes
+        for name, size in (
+            ("tensor_parallel_size", self._tensor_parallel_size),
+            ("data_parallel_size", self._data_parallel_size),
+        ):
+            if size != "auto" and (not isinstance(size, int) or size < 1 or world_size % size):
+                raise ValueError(
+                    f"{name}={size!r} does not divide the {world_size} devices "
+                    f"({self.num_nodes} node(s) × {self.num_processes}); choose a divisor of {world_size}."
+                )
+        precision = getattr(self.precision_plugin, "precision", "32-true")
+        if precision not in SUPPORTED_PRECISION:
+            raise ValueError(
+                f"precision={precision!r} is not supported by CanzonaStrategy; use one of "
+                f"{SUPPORTED_PRECISION}. (fp16 needs loss scaling, which FSDP2 sharded gradients "
+                "and owner-computed matrix updates do not implement.)"
+            )
+
+    def setup_environment(self) -> None:
+        if self.root_device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            # Ranks on one CPU share its cores: oversubscribed threads would fight each other.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.num_processes))
+        super().setup_environment()
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        # ModelParallelStrategy.setup, with composition where it would demand configure_model.
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        if any(isinstance(module, FullyShardedDataParallel) for module in self.model.modules()):
+            raise TypeError(
+                "Found modules wrapped with torch.distributed.fsdp.FullyShardedDataParallel (FSDP1); "
+                "CanzonaStrategy shards with FSDP2 (fully_shard). Remove the FSDP1 wrapping."
+            )
+        if not is_overridden("configure_model", self.lightning_module):
+            self._compose()
+        _materialize_distributed_module(self.model, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _compose(self) -> None:
+        """Apply the module's TP plan on the TP mesh, then FSDP2 per block and per top-level module."""
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        module = self.lightning_module
+        plan_fn = getattr(module, "tensor_parallel_plan", None)
+        plan = plan_fn() if callable(plan_fn) else {}
+        tp_mesh = self.device_mesh["tensor_parallel"]
+        if tp_mesh.size() > 1:
+            if not plan:
+                raise ValueError(
+                    f"tensor_parallel_size={tp_mesh.size()} but {type(module).__name__} declares no "
+                    "tensor_parallel_plan(); add one (see lightning_canzona.models.tensor_parallel_plan) "
+                    "or override configure_model to parallelize it yourself."
+                )
+            _check_plan_targets(module, plan)
+            parallelize_module(module, tp_mesh, plan)
+        dp_mesh = self.device_mesh["data_parallel"]
+        for block in _transformer_blocks(module):
+            fully_shard(block, mesh=dp_mesh)
+        for child in module.children():
+            if _has_parameters(child):
+                fully_shard(child, mesh=dp_mesh)
+        # The module is now sharded like one whose configure_model did the work.
+        module._device_mesh = self.device_mesh
+
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        super().setup_optimizers(trainer)
+        self.optimizers = [self._bind(optimizer) for optimizer in self.optimizers]
+        for optimizer in self.optimizers:
+            if isinstance(optimizer, MatrixOptimizer):
+                for mesh, plan in optimizer.plans().items():
+                    rank_zero_info(
+                        f"lightning_canzona plan on mesh {tuple(mesh.shape)}:\n{report(plan).table()}"
+                    )
+
+    def _bind(self, optimizer: Optimizer) -> Optimizer:
+        """Hand the plan settings to a lightning_canzona optimizer; convert a torch.optim.Muon."""
+        if isinstance(optimizer, MatrixOptimizer):
+            optimizer.plan_settings, optimizer.overlap = self.plan_settings, self.overlap
+            return optimizer
+        if type(optimizer).__name__ == "Muon" and type(optimizer).__module__.startswith("torch.optim"):
+            converted = _convert_torch_muon(
+                optimizer, self.lightning_module, self.plan_settings, self.overlap
+            )
+            for config in self.lr_scheduler_configs:
+                if config.scheduler.optimizer is optimizer:
+                    config.scheduler.optimizer = converted
+            rank_zero_info(
+                "lightning_canzona: converted torch.optim.Muon to lightning_canzona.Muon with the same "
+                "settings, so that each matrix update is computed once, on one owner."
+            )
+            return converted
+        return optimizer
+
+
+class _InProcessLauncher(_MultiProcessingLauncher):
+    """Starts the ranks from this process (``fork`` in notebooks, or ``spawn``).
+
+    Only metrics and the trainer state come back to the launching process: a model sharded over
+    the mesh has no single copy to return, so keep weights with a checkpoint.
+    """
+
+    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:
+        if self._strategy.local_rank != 0:
+            return None
+        callback = trainer.checkpoint_callback
+        best_model_path = getattr(callback, "best_model_path", None) if callback else None
+        return _WorkerOutput(best_model_path, None, trainer.state, results, self.get_extra_results(trainer))
+
+
+def _convert_torch_muon(
+    optimizer: Optimizer, module: nn.Module, settings: PlanSettings, overlap: bool
+) -> Muon:
+    names = {id(param): name for name, param in module.named_parameters()}
+    keys = (
+        "lr",
+        "weight_decay",
+        "momentum",
+        "nesterov",
+        "ns_coefficients",
+        "eps",
+        "ns_steps",
+        "adjust_lr_fn",
+    )
+    groups = []
+    for group in optimizer.param_groups:
+        hyperparameters = {key: group[key] for key in (*keys, "initial_lr") if key in group}
+        by_mesh: dict[Any, list[tuple[str, nn.Parameter]]] = {}  # one group per device mesh
+        for position, param in enumerate(group["params"]):
+            named = (names.get(id(param), f"param{position}"), param)
+            by_mesh.setdefault(getattr(param, "device_mesh", None), []).append(named)
+        groups.extend(
+            {"params": params, "algorithm": "muon", **hyperparameters} for params in by_mesh.values()
+        )
+    return Muon(
+        groups,
+        policy=settings.policy,
+        alpha=settings.alpha,
+        cost=settings.cost,
+        micro_group_capacity=settings.capacity,
+        overlap=overlap,
+    )
+
+
+def _check_plan_targets(module: nn.Module, plan: dict[str, Any]) -> None:
+    names = [name for name, _ in module.named_modules()]
+    missing = [key for key in plan if not any(fnmatchcase(name, key) for name in names)]
+    if missing:
+        raise ValueError(
+            f"The tensor_parallel_plan() of {type(module).__name__} names modules that do not exist: "
+            f"{missing}. Module names look like {names[1:4]}…"
+        )
+
+
+def _transformer_blocks(module: nn.Module) -> Iterator[nn.Module]:
+    """Members of every ``nn.ModuleList``: the repeated blocks FSDP2 should shard one by one."""
+    for child in module.modules():
+        if isinstance(child, nn.ModuleList):
+            yield from (block for block in child if _has_parameters(block))
+
+
+def _has_parameters(module: nn.Module) -> bool:
+    return next(iter(module.parameters()), None) is not None

@@ -1,0 +1,176 @@
+"""`Trainer(strategy="canzona")`: registration, composition, optimizer binding, CLI, bad input."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from lightning import Callback, Trainer
+from lightning.pytorch.strategies import StrategyRegistry
+from torch.distributed.tensor import DTensor
+
+import lightning_canzona as lc
+from lightning_canzona.data import ByteTextDataModule
+from lightning_canzona.models import CausalLanguageModel
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_CONFIG = ROOT / "examples" / "configs" / "tiny.yaml"
+
+
+def _trainer(strategy, callbacks=(), **kwargs) -> Trainer:
+    settings = dict(
+        accelerator="cpu",
+        devices=4,
+        max_steps=4,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    settings.update(kwargs)
+    return Trainer(strategy=strategy, callbacks=list(callbacks), **settings)
+
+
+def test_import_registers_the_strategies_once() -> None:
+    assert StrategyRegistry["canzona"]["strategy"] is lc.CanzonaStrategy
+    assert StrategyRegistry["canzona_notebook"]["init_params"] == {"start_method": "fork"}
+    importlib.reload(lc)  # registering again is a no-op, not an error
+    trainer = Trainer(strategy="canzona", accelerator="cpu", devices=1, logger=False)
+    assert isinstance(trainer.strategy, lc.CanzonaStrategy)
+
+
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (
+            lambda: _trainer(lc.CanzonaStrategy(tensor_parallel_size=3)),
+            r"tensor_parallel_size=3 does not divide the 4",
+        ),
+        (
+            lambda: _trainer(lc.CanzonaStrategy(data_parallel_size=0)),
+            r"data_parallel_size=0 does not divide the 4",
+        ),
+        (
+            lambda: _trainer(lc.CanzonaStrategy(), precision="16-true"),
+            r"precision='16-true' is not supported",
+        ),
+        (lambda: lc.CanzonaStrategy(policy="greedy"), r"policy must be one of"),
+    ],
+)
+def test_bad_settings_fail_before_any_process_starts(build, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
+class CheckComposition(Callback):
+    """Runs on every rank: the model is sharded over both meshes and the optimizer is bound."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if batch_idx != 1:
+            return
+        q_proj = pl_module.model.layers[0].self_attn.q_proj.weight
+        assert isinstance(q_proj, DTensor) and q_proj.device_mesh.ndim == 2  # TP then FSDP2
+        assert isinstance(pl_module.model.embed_tokens.weight, DTensor)  # FSDP2 over the DP mesh
+        optimizer = trainer.optimizers[0]
+        assert isinstance(optimizer, lc.Muon) and optimizer.plan_settings.policy == "lpt"
+        engine = optimizer.engines[q_proj.device_mesh]
+        assert engine.plan is not None and engine.stats.all_to_alls == 2 * len(engine.plan.micro_groups)
+
+
+def test_fit_composes_tp_and_fsdp2_and_binds_the_plan_settings() -> None:
+    module = CausalLanguageModel(preset="tiny", warmup_steps=1)
+    strategy = lc.CanzonaStrategy(
+        data_parallel_size=2, tensor_parallel_size=2, policy="lpt", start_method="spawn"
+    )
+    trainer = _trainer(strategy, callbacks=[CheckComposition()])
+    trainer.fit(module, datamodule=ByteTextDataModule(seq_len=32, batch_size=4))
+    assert torch.isfinite(trainer.callback_metrics["train_loss"])
+
+
+class TorchMuonModel(CausalLanguageModel):
+    def configure_optimizers(self):
+        matrices = [p for p in self.model.parameters() if p.ndim == 2]
+        optimizer = torch.optim.Muon(matrices, lr=0.03, momentum=0.9, nesterov=False, ns_steps=4)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5)
+        return {"optimizer": optimizer, "lr_scheduler": scheduler}
+
+
+class CheckConversion(Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        optimizer = trainer.optimizers[0]
+        assert isinstance(optimizer, lc.Muon)
+        group = optimizer.param_groups[0]
+        assert (group["momentum"], group["nesterov"], group["ns_steps"]) == (0.9, False, 4)
+        assert group["lr"] == pytest.approx(0.015)  # the scheduler drives the converted optimizer
+        assert trainer.lr_scheduler_configs[0].scheduler.optimizer is optimizer
+
+
+def test_torch_optim_muon_is_converted_with_its_settings_and_scheduler() -> None:
+    strategy = lc.CanzonaStrategy(data_parallel_size=2, tensor_parallel_size=2, start_method="spawn")
+    trainer = _trainer(strategy, callbacks=[CheckConversion()], max_steps=2)
+    trainer.fit(TorchMuonModel(preset="tiny"), datamodule=ByteTextDataModule(seq_len=32, batch_size=4))
+
+
+class MissingModulePlan(CausalLanguageModel):
+    def tensor_parallel_plan(self):
+        return {**super().tensor_parallel_plan(), "model.layers.0.mlp.fc9": None}
+
+
+def test_a_tp_plan_naming_a_missing_module_is_a_clear_error() -> None:
+    strategy = lc.CanzonaStrategy(data_parallel_size=2, tensor_parallel_size=2, start_method="spawn")
+    with pytest.raises(Exception, match=r"names modules that do not exist: \['model.layers.0.mlp.fc9'\]"):
+        _trainer(strategy).fit(MissingModulePlan(preset="tiny"), datamodule=ByteTextDataModule(seq_len=32))
+
+
+def test_cli_help_shows_every_strategy_argument() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_canzona.cli", "fit", "--trainer.strategy.help", "CanzonaStrategy"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    for argument in (
+        "data_parallel_size",
+        "tensor_parallel_size",
+        "policy",
+        "alpha",
+        "cost",
+        "micro_group_capacity",
+        "overlap",
+        "save_distributed_checkpoint",
+        "process_group_backend",
+        "timeout",
+    ):
+        assert f"--trainer.strategy.{argument}" in result.stdout, argument
+    assert "balance between per-bucket uniformity" in result.stdout
+
+
+def test_cli_runs_the_main_job_config(tmp_path) -> None:
+    result = subprocess.run(
+        [
+            "canzona",
+            "fit",
+            "--config",
+            str(TINY_CONFIG),
+            "--trainer.max_steps",
+            "3",
+            "--trainer.limit_val_batches",
+            "0",
+            "--trainer.enable_progress_bar",
+            "false",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    assert "lightning_canzona plan on mesh (2, 2)" in output and "policy canzona" in output
+    assert "`max_steps=3` reached" in output
