@@ -15,8 +15,8 @@ FSDP2 and DTensor TP, distributed checkpoints) plus:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 import os
+from collections.abc import Iterator
 from datetime import timedelta
 from fnmatch import fnmatchcase
 from typing import Any, Literal

@@ -132,7 +132,8 @@ def _bad_input(rank: int, world_size: int) -> None:
     on_dp = nn.Parameter(distribute_tensor(full, mesh["dp"], [Shard(0)], src_data_rank=None))
     _expect_everywhere(
         ValueError,
-        r"param_groups\[0\] mixes device meshes: 'a' on .* with \(Shard\(dim=0\), Shard\(dim=1\)\) and 'b' on",
+        r"param_groups\[0\] mixes device meshes: "
+        r"'a' on .* with \(Shard\(dim=0\), Shard\(dim=1\)\) and 'b' on",
         lambda: lc.Muon([{"params": [("a", on_2d), ("b", on_dp)], "algorithm": "muon"}]),
     )
 
