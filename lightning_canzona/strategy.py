@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from fnmatch import fnmatchcase
 from typing import Any, Literal
@@ -34,6 +35,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_canzona.distributed.clipping import clip_grad_norm_
 from lightning_canzona.optim import MatrixOptimizer, Muon
 from lightning_canzona.planning import PlanSettings, report
 
@@ -133,6 +135,7 @@ class CanzonaStrategy(ModelParallelStrategy):
             )
         if not is_overridden("configure_model", self.lightning_module):
             self._compose()
+        self._reduce_metrics_over_data_parallel()
         _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -169,6 +172,46 @@ class CanzonaStrategy(ModelParallelStrategy):
                 fully_shard(child, mesh=dp_mesh)
         # The module is now sharded like one whose configure_model did the work.
         module._device_mesh = self.device_mesh
+
+    def _reduce_metrics_over_data_parallel(self) -> None:
+        """torchmetrics sync over the DP group: TP ranks see the same batch and must count once."""
+        from torchmetrics import Metric
+
+        group = self.device_mesh["data_parallel"].get_group()
+        for module in self.lightning_module.modules():
+            if isinstance(module, Metric) and module.process_group is None:
+                module.process_group = group
+
+    def setup_precision_plugin(self) -> None:
+        super().setup_precision_plugin()
+        plugin = self.precision_plugin
+
+        def clip_grad_by_norm(optimizer: Optimizer, clip_val: float) -> None:
+            clip_grad_norm_(plugin.main_params(optimizer), clip_val)
+
+        # Lightning clips through the precision plugin, whose torch.nn.utils.clip_grad_norm_ cannot
+        # combine DTensors of different meshes; every precision we support clips the same way.
+        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+
+    @contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        """Skip FSDP2's gradient reduce-scatter on micro-batches that do not step the optimizer."""
+        from torch.distributed.fsdp import FSDPModule
+
+        modules = [m for m in self.model.modules() if isinstance(m, FSDPModule)] if self.model else []
+        for module in modules:
+            module.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield None
+        finally:
+            for module in modules:
+                module.set_requires_gradient_sync(True, recurse=False)
+
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        """Reduce over the data-parallel group: tensor-parallel ranks hold replicas of one value."""
+        if group is None and self._device_mesh is not None:
+            group = self.device_mesh["data_parallel"].get_group()
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)

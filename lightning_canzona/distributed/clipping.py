@@ -1,0 +1,44 @@
+"""Gradient clipping by norm across parameters that live on different device meshes.
+
+``torch.nn.utils.clip_grad_norm_`` stacks every gradient's norm into one tensor, which fails when
+DTensors live on different meshes (a 2-D DP×TP mesh for the blocks, a 1-D DP mesh for the
+embedding): DTensor refuses to mix them. Here each mesh's norm is reduced on its own mesh, and the
+per-mesh norms, now plain tensors, are combined.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+
+def total_grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0) -> Tensor:
+    """The ``norm_type``-norm of all gradients together, as a plain tensor on every rank."""
+    by_mesh: dict[object, list[Tensor]] = {}
+    for param in parameters:
+        if param.grad is not None:
+            by_mesh.setdefault(getattr(param.grad, "device_mesh", None), []).append(param.grad)
+    norms = []
+    for grads in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(grads, norm_type)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if not norms:
+        return torch.tensor(0.0)
+    stacked = torch.stack([norm.float().cpu() for norm in norms])
+    return stacked.max() if math.isinf(norm_type) else stacked.pow(norm_type).sum().pow(1.0 / norm_type)
+
+
+def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0) -> Tensor:
+    """Scale all gradients so that their total norm is at most ``max_norm``; return the norm."""
+    parameters = list(parameters)
+    total = total_grad_norm(parameters, norm_type)
+    coefficient = float(max_norm) / (float(total) + 1e-6)
+    if coefficient < 1.0:
+        for param in parameters:
+            if param.grad is not None:
+                param.grad.mul_(coefficient)
+    return total

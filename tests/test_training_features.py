@@ -1,0 +1,107 @@
+"""Training features under CanzonaStrategy: clipping across meshes, accumulation, precision, metrics."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from lightning import Callback, Trainer
+from multiprocess import run_on_ranks
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+import lightning_canzona as lc
+from lightning_canzona.data import ByteTextDataModule
+from lightning_canzona.distributed.clipping import clip_grad_norm_, total_grad_norm
+from lightning_canzona.models import CausalLanguageModel
+
+
+def _norm_across_meshes(rank: int, world_size: int) -> None:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    generator = torch.Generator().manual_seed(0)
+    fulls = [torch.randn(8, 6, generator=generator), torch.randn(10, 4, generator=generator)]
+    meshes = [(mesh, [Shard(0), Shard(1)]), (mesh["dp"], [Shard(0)])]
+    params = []
+    for full, (on, placements) in zip(fulls, meshes):
+        param = torch.nn.Parameter(
+            distribute_tensor(torch.zeros_like(full), on, placements, src_data_rank=None)
+        )
+        param.grad = distribute_tensor(full, on, placements, src_data_rank=None)
+        params.append(param)
+    expected = torch.cat([f.flatten() for f in fulls]).norm()
+    torch.testing.assert_close(total_grad_norm(params), expected)
+    clip_grad_norm_(params, max_norm=1.0)
+    torch.testing.assert_close(total_grad_norm(params), torch.tensor(1.0), rtol=1e-4, atol=1e-5)
+
+
+def test_gradient_norm_spans_parameters_on_different_meshes() -> None:
+    run_on_ranks(4, _norm_across_meshes)
+
+
+def _fit(tmp_path, name, callbacks=(), module=None, batch_size=4, **trainer_kwargs):
+    strategy = lc.CanzonaStrategy(data_parallel_size=2, tensor_parallel_size=2, start_method="spawn")
+    settings = dict(
+        accelerator="cpu",
+        devices=4,
+        max_steps=3,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[*callbacks, SaveFullWeights(tmp_path / f"{name}.pt")],
+        strategy=strategy,
+    )
+    settings.update(trainer_kwargs)
+    trainer = Trainer(**settings)
+    float32_muon = functools.partial(lc.Muon, lr=0.02, adamw_lr=3e-3, compute_dtype="float32")
+    torch.manual_seed(0)  # the same initial weights in every run
+    module = module or CausalLanguageModel(preset="tiny", optimizer=float32_muon, warmup_steps=1)
+    trainer.fit(module, datamodule=ByteTextDataModule(seq_len=32, batch_size=batch_size))
+    return trainer, torch.load(tmp_path / f"{name}.pt")
+
+
+class SaveFullWeights(Callback):
+    def __init__(self, path) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        full = {name: p.full_tensor() for name, p in pl_module.named_parameters()}
+        if trainer.global_rank == 0:
+            torch.save({"weights": full, "steps": trainer.global_step}, self.path)
+
+
+class CheckClipped(Callback):
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        pl_module.clip_gradients(optimizer, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+        assert float(total_grad_norm(pl_module.parameters())) <= 0.05 * (1 + 1e-4)
+
+
+def test_clipping_by_norm_works_on_dp_and_dp_tp_meshes(tmp_path) -> None:
+    trainer, saved = _fit(tmp_path, "clipped", callbacks=[CheckClipped()], gradient_clip_val=0.05)
+    assert saved["steps"] == 3
+
+
+def test_accumulation_equals_a_large_batch_and_steps_once_per_window(tmp_path) -> None:
+    _, accumulated = _fit(tmp_path, "accumulated", accumulate_grad_batches=2)
+    _, large = _fit(tmp_path, "large", batch_size=8)
+    assert accumulated["steps"] == large["steps"] == 3
+    for name, expected in large["weights"].items():
+        torch.testing.assert_close(accumulated["weights"][name], expected, rtol=1e-4, atol=1e-5)
+
+
+class CheckDataParallelReduce(Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        # Mesh (dp=2, tp=2): rank r has dp coordinate r // 2, so its DP group is {r % 2, r % 2 + 2}.
+        # Summing over it counts each batch once; over the world, TP replicas would count twice.
+        reduced = trainer.strategy.reduce(torch.tensor(float(trainer.global_rank)), reduce_op="sum")
+        rank = trainer.global_rank
+        assert float(reduced) == float(2 * (rank % 2) + 2), (rank, float(reduced))
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_bf16_precisions_train_and_logged_values_reduce_over_data_parallel(tmp_path, precision) -> None:
+    trainer, saved = _fit(tmp_path, precision, callbacks=[CheckDataParallelReduce()], precision=precision)
+    assert torch.isfinite(trainer.callback_metrics["train_loss"])
+    assert saved["steps"] == 3
