@@ -80,6 +80,13 @@ class CheckComposition(Callback):
         assert isinstance(optimizer, lc.Muon) and optimizer.plan_settings.policy == "lpt"
         engine = optimizer.engines[q_proj.device_mesh]
         assert engine.plan is not None and engine.stats.all_to_alls == 2 * len(engine.plan.micro_groups)
+        # QK-norm weights serve every head while each TP rank holds only its heads: their
+        # gradients must be summed over TP, or the replicas drift apart after the first step.
+        q_norm = pl_module.model.layers[0].self_attn.q_norm.weight.full_tensor()
+        everyone = [None] * trainer.world_size
+        torch.distributed.all_gather_object(everyone, q_norm)
+        assert all(torch.equal(theirs, q_norm) for theirs in everyone)
+        assert not torch.equal(q_norm, torch.ones_like(q_norm))  # it was trained
 
 
 def test_fit_composes_tp_and_fsdp2_and_binds_the_plan_settings() -> None:

@@ -12,7 +12,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 
 @dataclass(frozen=True)
@@ -177,8 +182,11 @@ def tensor_parallel_plan(model: Qwen3) -> dict[str, ParallelStyle]:
 
     Query/key/value and gate/up projections split their output features (``ColwiseParallel``:
     each rank computes whole heads and a slice of the MLP), output and down projections split
-    their input features (``RowwiseParallel``: partial sums reduced once per sub-block). The
-    embedding, norms and head stay whole on every tensor-parallel rank.
+    their input features (``RowwiseParallel``: partial sums reduced once per sub-block). The QK-norm
+    weights are shared by all heads while each rank sees only its own heads, so they are
+    replicated DTensors over heads sharded on dim 2 (``SequenceParallel(sequence_dim=2)``): their
+    gradients are then summed over the tensor-parallel ranks instead of diverging per rank. The
+    embedding, the other norms and the head stay whole on every tensor-parallel rank.
     """
     plan: dict[str, ParallelStyle] = {}
     for index in range(len(model.layers)):
@@ -193,4 +201,6 @@ def tensor_parallel_plan(model: Qwen3) -> dict[str, ParallelStyle]:
             plan[f"{prefix}.{name}"] = ColwiseParallel()
         for name in ("self_attn.o_proj", "mlp.down_proj"):
             plan[f"{prefix}.{name}"] = RowwiseParallel()
+        for name in ("self_attn.q_norm", "self_attn.k_norm"):
+            plan[f"{prefix}.{name}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
     return plan
