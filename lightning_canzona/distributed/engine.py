@@ -180,6 +180,9 @@ class MeshEngine:
         ]
         key = tuple((id(entry.param), spec) for entry, spec in zip(matrices, specs))
         if key == self._key:
+            # Same matrices, but the param groups may be new dicts (load_state_dict replaces
+            # them): hyperparameters such as a scheduled lr must be read from the current ones.
+            self._entries = matrices
             return
         previous_owners = (
             {id(e.param): self.owner(i) for i, e in enumerate(self._entries)} if self.plan else {}
