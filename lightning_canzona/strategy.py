@@ -27,7 +27,9 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.model_parallel import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies.model_parallel import _align_compiled_param_names_with_module
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -212,6 +214,39 @@ class CanzonaStrategy(ModelParallelStrategy):
         if group is None and self._device_mesh is not None:
             group = self.device_mesh["data_parallel"].get_group()
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The optimizer's state; in a single file, with every owner's matrix state in it.
+
+        ``get_optimizer_state_dict(full_state_dict=True)`` gathers sharded (DTensor) state to rank 0
+        but keeps only rank 0's plain tensors, so the matrix state of matrices owned elsewhere is
+        gathered here explicitly.
+        """
+        inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        if self._save_distributed_checkpoint or not isinstance(inner, MatrixOptimizer):
+            return super().optimizer_state(optimizer)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        from torch.distributed.fsdp import FullyShardedDataParallel, OptimStateKeyType
+
+        assert self.model is not None
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state_dict = get_optimizer_state_dict(self.model, inner, options=options)
+        names = {id(param): name for name, param in self.model.named_parameters()}
+        held = {
+            names[id(param)]: {key: value.cpu() for key, value in matrix_state.items()}
+            for param, matrix_state in inner.owner_held_state()
+        }
+        everyone: list[Any] = [None] * self.world_size if self.global_rank == 0 else []
+        torch.distributed.gather_object(held, everyone if self.global_rank == 0 else None, dst=0)
+        if self.global_rank != 0:
+            return state_dict
+        for owned in everyone:
+            for name, matrix_state in owned.items():
+                state_dict["state"].setdefault(name, {}).update(matrix_state)
+        state_dict = _align_compiled_param_names_with_module(state_dict, self.model)
+        return FullyShardedDataParallel.rekey_optim_state_dict(
+            state_dict, OptimStateKeyType.PARAM_ID, self.model
+        )
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 from lightning import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -25,7 +26,7 @@ class RecordLosses(Callback):
             torch.save(self.losses, self.path)
 
 
-def _fit(tmp_path, name, ckpt_path=None) -> list[float]:
+def _fit(tmp_path, name, ckpt_path=None, distributed=True, mesh=(2, 2)) -> list[float]:
     torch.manual_seed(0)
     # SOAP keeps its factors and eigenbases on each matrix's owner only: the hard case.
     soap = functools.partial(lc.SOAP, lr=3e-3, precondition_frequency=2)
@@ -36,8 +37,13 @@ def _fit(tmp_path, name, ckpt_path=None) -> list[float]:
         )
     trainer = Trainer(
         accelerator="cpu",
-        devices=4,
-        strategy=lc.CanzonaStrategy(data_parallel_size=2, tensor_parallel_size=2, start_method="spawn"),
+        devices=mesh[0] * mesh[1],
+        strategy=lc.CanzonaStrategy(
+            data_parallel_size=mesh[0],
+            tensor_parallel_size=mesh[1],
+            save_distributed_checkpoint=distributed,
+            start_method="spawn",
+        ),
         max_steps=6,
         limit_train_batches=3,  # the checkpoint at step 3 ends an epoch: both runs see the same data
         limit_val_batches=0,
@@ -53,11 +59,13 @@ def _fit(tmp_path, name, ckpt_path=None) -> list[float]:
     return torch.load(tmp_path / f"{name}.pt")
 
 
-def test_distributed_checkpoint_resumes_exactly_at_the_same_mesh(tmp_path) -> None:
-    uninterrupted = _fit(tmp_path, "uninterrupted")
+@pytest.mark.parametrize("distributed", [True, False], ids=["distributed", "single-file"])
+def test_checkpoint_resumes_exactly_at_the_same_mesh(tmp_path, distributed) -> None:
+    uninterrupted = _fit(tmp_path, "uninterrupted", distributed=distributed)
     checkpoint = tmp_path / "checkpoints" / "epoch=0-step=3.ckpt"
-    assert checkpoint.is_dir()  # distributed (DCP): one shard file per rank
-    resumed = _fit(tmp_path, "resumed", ckpt_path=str(checkpoint))
+    # Distributed: one shard file per rank in a folder. Single file: every owner's state in one.
+    assert checkpoint.is_dir() == distributed
+    resumed = _fit(tmp_path, "resumed", ckpt_path=str(checkpoint), distributed=distributed)
     assert len(resumed) == 3
     # The next three losses: the first checks the weights, the next two the optimizer state
     # (owner-held SOAP factors and bases, sharded moments) and the learning-rate schedule.

@@ -225,6 +225,25 @@ class MeshEngine:
                 state.setdefault(entry.param, {}).update(
                     {k: v.to(entry.param.device) for k, v in (payload[0] or {}).items()}
                 )
+        self.drop_foreign_matrix_state(state, rules)
+
+    def drop_foreign_matrix_state(self, state: dict[Tensor, State], rules: Sequence[MatrixRule]) -> None:
+        """Remove matrix state from ranks that do not own the matrix (a full, single-file
+        checkpoint loads every owner's state on every rank)."""
+        for index, entry in enumerate(self._entries):
+            if not self.computes(index) and entry.param in state:
+                for key in rules[index].matrix_state(state[entry.param]):
+                    del state[entry.param][key]
+
+    def owned_matrix_state(self, state: dict[Tensor, State], rules: Sequence[MatrixRule]) -> dict[int, State]:
+        """This rank's matrix state, by index of the matrix in the plan."""
+        if self.plan is None or self.plan.owners is None:
+            return {}
+        return {
+            index: rules[index].matrix_state(state.get(entry.param, {}))
+            for index, entry in enumerate(self._entries)
+            if self.owner(index) == self.rank
+        }
 
     def _adamw(self, entry: Entry, state: dict[Tensor, State]) -> None:
         param_state = state.setdefault(entry.param, {})

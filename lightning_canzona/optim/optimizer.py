@@ -208,6 +208,15 @@ class MatrixOptimizer(Optimizer):
             for mesh, entries in self._distributed_entries().items()
         }
 
+    def owner_held_state(self) -> list[tuple[Tensor, dict[str, Tensor]]]:
+        """``(param, matrix state)`` of every matrix this rank owns (empty under ``sync``)."""
+        held = []
+        for engine in self.engines.values():
+            rules = [self.matrix_rule(entry.group) for entry in engine._entries]
+            for index, matrix_state in engine.owned_matrix_state(self.state, rules).items():
+                held.append((engine._entries[index].param, matrix_state))
+        return held
+
     def _distributed_entries(self) -> dict[Any, list[Entry]]:
         """The DTensor parameters by device mesh, in param-group order (the same on every rank)."""
         distributed: dict[Any, list[Entry]] = {}
@@ -275,6 +284,13 @@ class MatrixOptimizer(Optimizer):
         truncate float32 Kronecker factors and eigenbases of bf16 parameters.
         """
         super().load_state_dict(state_dict)
+        for mesh, entries in self._distributed_entries().items():
+            if mesh in self.engines and self.engines[mesh].plan is not None:
+                engine = self.engines[mesh]
+                engine.prepare(entries, self.state, self.matrix_rule)  # re-read the new param groups
+                engine.drop_foreign_matrix_state(
+                    self.state, [self.matrix_rule(e.group) for e in engine._entries]
+                )
         params = (param for group in self.param_groups for param in group["params"])
         for index, param in enumerate(params):
             for key, saved in state_dict["state"].get(index, {}).items():
