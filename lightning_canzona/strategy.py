@@ -29,8 +29,8 @@ from lightning.fabric.strategies.model_parallel import _materialize_distributed_
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.strategies.model_parallel import _align_compiled_param_names_with_module
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
+from lightning.pytorch.strategies.model_parallel import _align_compiled_param_names_with_module
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
