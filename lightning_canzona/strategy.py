@@ -157,13 +157,15 @@ class CanzonaStrategy(ModelParallelStrategy):
         plan_fn = getattr(module, "tensor_parallel_plan", None)
         plan = plan_fn() if callable(plan_fn) else {}
         tp_mesh = self.device_mesh["tensor_parallel"]
-        if tp_mesh.size() > 1:
-            if not plan:
-                raise ValueError(
-                    f"tensor_parallel_size={tp_mesh.size()} but {type(module).__name__} declares no "
-                    "tensor_parallel_plan(); add one (see lightning_canzona.models.tensor_parallel_plan) "
-                    "or override configure_model to parallelize it yourself."
-                )
+        if tp_mesh.size() > 1 and not plan:
+            raise ValueError(
+                f"tensor_parallel_size={tp_mesh.size()} but {type(module).__name__} declares no "
+                "tensor_parallel_plan(); add one (see lightning_canzona.models.tensor_parallel_plan) "
+                "or override configure_model to parallelize it yourself."
+            )
+        if plan:
+            # Applied even on a one-rank TP mesh: parameters then live on the same meshes at every
+            # mesh shape, so optimizer param groups, and checkpoints, keep one structure.
             _check_plan_targets(module, plan)
             parallelize_module(module, tp_mesh, plan)
         dp_mesh = self.device_mesh["data_parallel"]
@@ -225,24 +227,12 @@ class CanzonaStrategy(ModelParallelStrategy):
         inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         if self._save_distributed_checkpoint or not isinstance(inner, MatrixOptimizer):
             return super().optimizer_state(optimizer)
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
         from torch.distributed.fsdp import FullyShardedDataParallel, OptimStateKeyType
 
         assert self.model is not None
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state_dict = get_optimizer_state_dict(self.model, inner, options=options)
-        names = {id(param): name for name, param in self.model.named_parameters()}
-        held = {
-            names[id(param)]: {key: value.cpu() for key, value in matrix_state.items()}
-            for param, matrix_state in inner.owner_held_state()
-        }
-        everyone: list[Any] = [None] * self.world_size if self.global_rank == 0 else []
-        torch.distributed.gather_object(held, everyone if self.global_rank == 0 else None, dst=0)
+        state_dict = full_optimizer_state(self.model, inner)
         if self.global_rank != 0:
             return state_dict
-        for owned in everyone:
-            for name, matrix_state in owned.items():
-                state_dict["state"].setdefault(name, {}).update(matrix_state)
         state_dict = _align_compiled_param_names_with_module(state_dict, self.model)
         return FullyShardedDataParallel.rekey_optim_state_dict(
             state_dict, OptimStateKeyType.PARAM_ID, self.model
@@ -276,6 +266,30 @@ class CanzonaStrategy(ModelParallelStrategy):
             )
             return converted
         return optimizer
+
+
+def full_optimizer_state(module: nn.Module, optimizer: MatrixOptimizer) -> dict[str, Any]:
+    """The whole optimizer state on rank 0, keyed by parameter name (collective).
+
+    Sharded state is gathered by ``get_optimizer_state_dict(full_state_dict=True)``; the matrix
+    state that lives only on each matrix's owner is gathered from the owners.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state_dict = get_optimizer_state_dict(module, optimizer, options=options)
+    names = {id(param): name for name, param in module.named_parameters()}
+    held = {
+        names[id(param)]: {key: value.cpu() for key, value in matrix_state.items()}
+        for param, matrix_state in optimizer.owner_held_state()
+    }
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    everyone: list[Any] = [None] * world if rank == 0 else []
+    torch.distributed.gather_object(held, everyone if rank == 0 else None, dst=0)
+    for owned in everyone:
+        for name, matrix_state in owned.items():
+            state_dict["state"].setdefault(name, {}).update(matrix_state)
+    return state_dict
 
 
 class _InProcessLauncher(_MultiProcessingLauncher):
