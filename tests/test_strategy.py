@@ -181,3 +181,31 @@ def test_cli_runs_the_main_job_config(tmp_path) -> None:
     output = result.stdout + result.stderr
     assert "lightning_canzona plan on mesh (2, 2)" in output and "policy canzona" in output
     assert "`max_steps=3` reached" in output
+
+
+def test_cli_accepts_the_registered_name_without_an_import(tmp_path) -> None:
+    result = subprocess.run(
+        [
+            "canzona",
+            "fit",
+            "--config",
+            str(TINY_CONFIG),
+            "--trainer.strategy",
+            "canzona",
+            "--trainer.devices",
+            "2",
+            "--trainer.max_steps",
+            "2",
+            "--trainer.limit_val_batches",
+            "0",
+            "--trainer.enable_progress_bar",
+            "false",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    # "auto" sizes on one node: data-parallel 1 × tensor-parallel 2.
+    assert "lightning_canzona plan on mesh (1, 2)" in result.stdout + result.stderr
