@@ -35,6 +35,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_canzona.distributed.clipping import clip_grad_norm_
@@ -135,8 +136,9 @@ class CanzonaStrategy(ModelParallelStrategy):
                 "Found modules wrapped with torch.distributed.fsdp.FullyShardedDataParallel (FSDP1); "
                 "CanzonaStrategy shards with FSDP2 (fully_shard). Remove the FSDP1 wrapping."
             )
-        if not is_overridden("configure_model", self.lightning_module):
-            self._compose()
+        already_sharded = any(isinstance(p, DTensor) for p in self.lightning_module.parameters())
+        if not is_overridden("configure_model", self.lightning_module) and not already_sharded:
+            self._compose()  # once: a later validate/test reuses the sharded module
         self._reduce_metrics_over_data_parallel()
         _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
