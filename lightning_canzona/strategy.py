@@ -246,9 +246,9 @@ class CanzonaStrategy(ModelParallelStrategy):
         for optimizer in self.optimizers:
             if isinstance(optimizer, MatrixOptimizer):
                 for mesh, plan in optimizer.plans().items():
-                    rank_zero_info(
-                        f"lightning_canzona plan on mesh {tuple(mesh.shape)}:\n{report(plan).table()}"
-                    )
+                    if plan.matrices:  # a mesh of AdamW parameters only has nothing to show
+                        table = report(plan).table()
+                        rank_zero_info(f"lightning_canzona plan on mesh {tuple(mesh.shape)}:\n{table}")
 
     def _bind(self, optimizer: Optimizer) -> Optimizer:
         """Hand the plan settings to a lightning_canzona optimizer; convert a torch.optim.Muon."""
