@@ -158,54 +158,24 @@ def test_cli_help_shows_every_strategy_argument() -> None:
     assert "balance between per-bucket uniformity" in result.stdout
 
 
-def test_cli_runs_the_main_job_config(tmp_path) -> None:
-    result = subprocess.run(
-        [
-            "canzona",
-            "fit",
-            "--config",
-            str(TINY_CONFIG),
-            "--trainer.max_steps",
-            "3",
-            "--trainer.limit_val_batches",
-            "0",
-            "--trainer.enable_progress_bar",
-            "false",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-    )
+def _fit_with_cli(tmp_path, *overrides: str) -> str:
+    """``canzona fit`` on the main job's config, briefly; returns everything it printed."""
+    quick = ["--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "false"]
+    command = ["canzona", "fit", "--config", str(TINY_CONFIG), *quick, *overrides]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    output = result.stdout + result.stderr
+    return result.stdout + result.stderr
+
+
+def test_cli_runs_the_main_job_config(tmp_path) -> None:
+    output = _fit_with_cli(tmp_path, "--trainer.max_steps", "3")
     assert "lightning_canzona plan on mesh (2, 2)" in output and "policy canzona" in output
     assert "`max_steps=3` reached" in output
 
 
 def test_cli_accepts_the_registered_name_without_an_import(tmp_path) -> None:
-    result = subprocess.run(
-        [
-            "canzona",
-            "fit",
-            "--config",
-            str(TINY_CONFIG),
-            "--trainer.strategy",
-            "canzona",
-            "--trainer.devices",
-            "2",
-            "--trainer.max_steps",
-            "2",
-            "--trainer.limit_val_batches",
-            "0",
-            "--trainer.enable_progress_bar",
-            "false",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
+    output = _fit_with_cli(
+        tmp_path, "--trainer.strategy", "canzona", "--trainer.devices", "2", "--trainer.max_steps", "2"
     )
-    assert result.returncode == 0, result.stderr[-3000:]
     # "auto" sizes on one node: data-parallel 1 × tensor-parallel 2.
-    assert "lightning_canzona plan on mesh (1, 2)" in result.stdout + result.stderr
+    assert "lightning_canzona plan on mesh (1, 2)" in output
