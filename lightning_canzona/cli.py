@@ -9,11 +9,60 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
+from types import MethodType
+from typing import Any
 
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch import LightningModule
+from lightning.pytorch.cli import LightningCLI, instantiate_class
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.optim import Optimizer
 
 import lightning_canzona  # noqa: F401  (registers the "canzona" strategies)
+from lightning_canzona.optim import MatrixOptimizer, matrix_param_groups
+
+
+class CanzonaCLI(LightningCLI):
+    """LightningCLI whose top-level ``optimizer:`` is built when the strategy configures optimizers.
+
+    LightningCLI builds that optimizer from ``model.parameters()`` before the trainer starts; a
+    sharding strategy then replaces the parameters (the optimizer would hold stale ones) and a model
+    built in ``configure_model`` has none yet. Here the optimizer is built from the sharded model,
+    and a `lightning_canzona` optimizer gets `matrix_param_groups` (embeddings, heads and norms to
+    AdamW) instead of a split by dimensionality.
+    """
+
+    def _add_configure_optimizers_method_to_model(self, subcommand: str | None) -> None:
+        optimizer_init = self._get(self.config_init, "optimizer") if self.auto_configure_optimizers else None
+        if not optimizer_init:
+            super()._add_configure_optimizers_method_to_model(subcommand)
+            return
+        scheduler_init = self._get(self.config_init, "lr_scheduler")
+        if is_overridden("configure_optimizers", self.model):
+            rank_zero_warn(
+                f"`{type(self.model).__name__}.configure_optimizers` is replaced by the top-level "
+                "`optimizer:` of the config."
+            )
+        configure = self.configure_optimizers
+
+        def configure_optimizers(model: LightningModule) -> Any:
+            optimizer = instantiate_class(
+                _optimizer_params(model, optimizer_init["class_path"]), optimizer_init
+            )
+            scheduler = instantiate_class(optimizer, scheduler_init) if scheduler_init else None
+            return configure(model, optimizer, scheduler)
+
+        self.model.configure_optimizers = MethodType(configure_optimizers, self.model)
+
+
+def _optimizer_params(model: LightningModule, class_path: str) -> Any:
+    module_name, _, class_name = class_path.rpartition(".")
+    optimizer_class: type[Optimizer] = getattr(importlib.import_module(module_name), class_name)
+    if issubclass(optimizer_class, MatrixOptimizer):
+        return matrix_param_groups(model)
+    return model.parameters()
 
 
 def main(args: list[str] | None = None) -> None:
@@ -29,7 +78,7 @@ def main(args: list[str] | None = None) -> None:
 
         bench(argv[1:])
         return
-    LightningCLI(
+    CanzonaCLI(
         subclass_mode_model=True,
         subclass_mode_data=True,
         parser_kwargs={"parser_mode": "omegaconf"},

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from torch.distributed.tensor import DTensor
 
 import lightning_canzona as lc
+from lightning_canzona.cli import CanzonaCLI
 from lightning_canzona.data import ByteTextDataModule
 from lightning_canzona.models import CausalLanguageModel
 
@@ -171,6 +173,51 @@ def test_cli_runs_the_main_job_config(tmp_path) -> None:
     output = _fit_with_cli(tmp_path, "--trainer.max_steps", "3")
     assert "lightning_canzona plan on mesh (2, 2)" in output and "policy canzona" in output
     assert "`max_steps=3` reached" in output
+
+
+def test_cli_top_level_optimizer_is_built_from_the_sharded_model_with_matrix_groups(tmp_path) -> None:
+    output = _fit_with_cli(
+        tmp_path,
+        *("--trainer.devices", "2", "--trainer.strategy.init_args.data_parallel_size", "1"),
+        *("--trainer.max_steps", "2", "--optimizer", "lightning_canzona.SOAP", "--optimizer.lr", "0.003"),
+    )
+    assert "`max_steps=2` reached" in output
+    # 28 matrices (4 blocks × 7 linear layers); the embedding and the head went to AdamW.
+    assert _planned_matrices(output) == 28
+
+
+def _planned_matrices(output: str) -> int:
+    """The matrix count of the plan table printed at fit start (rows: rank, load, matrices, state)."""
+    table = output.split("lightning_canzona plan on mesh", 1)[1].split("policy canzona", 1)[0]
+    return sum(int(row[2]) for row in re.findall(r"^\s*(\d+)\s+([\d.]+)\s+(\d+)\s+([\d.]+)$", table, re.M))
+
+
+def test_cli_top_level_optimizer_takes_matrix_param_groups_and_configs_interpolate(tmp_path) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "trainer:\n  max_steps: 7\n  val_check_interval: ${trainer.max_steps}\n"
+        "optimizer:\n  class_path: lightning_canzona.Muon\n  init_args:\n    lr: 0.05\n"
+        "lr_scheduler:\n  class_path: torch.optim.lr_scheduler.StepLR\n  init_args:\n    step_size: 3\n"
+    )
+    arguments = ["--config", str(TINY_CONFIG), "--config", str(config), "--trainer.devices", "1"]
+    cli = CanzonaCLI(
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        parser_kwargs={"parser_mode": "omegaconf"},
+        args=[*arguments, "--trainer.strategy", "auto"],
+        run=False,
+    )
+    assert cli.trainer.val_check_interval == 7
+    (optimizer,), (scheduler,) = cli.model.configure_optimizers()
+    assert isinstance(optimizer, lc.Muon) and scheduler.optimizer is optimizer
+    adamw = [
+        name
+        for group in optimizer.param_groups
+        if group["algorithm"] == "adamw"
+        for name in group["param_names"]
+    ]
+    assert "model.embed_tokens.weight" in adamw and "model.lm_head.weight" in adamw
+    assert optimizer.param_groups[0]["lr"] == 0.05
 
 
 def test_cli_accepts_the_registered_name_without_an_import(tmp_path) -> None:
