@@ -34,7 +34,7 @@ from lightning.pytorch.strategies.model_parallel import _align_compiled_param_na
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
@@ -139,7 +139,7 @@ class CanzonaStrategy(ModelParallelStrategy):
         already_sharded = any(isinstance(p, DTensor) for p in self.lightning_module.parameters())
         if not is_overridden("configure_model", self.lightning_module) and not already_sharded:
             self._compose()  # once: a later validate/test reuses the sharded module
-        self._reduce_metrics_over_data_parallel()
+        self._prepare_metrics()
         _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -179,14 +179,27 @@ class CanzonaStrategy(ModelParallelStrategy):
         # The module is now sharded like one whose configure_model did the work.
         module._device_mesh = self.device_mesh
 
-    def _reduce_metrics_over_data_parallel(self) -> None:
-        """torchmetrics sync over the DP group: TP ranks see the same batch and must count once."""
+    def _prepare_metrics(self) -> None:
+        """torchmetrics sync over the DP group: TP ranks see the same batch and must count once.
+
+        Each rank also gets private metric states: a spawned rank unpickles CPU tensors into memory
+        shared with the other ranks (Lightning unshares parameters and buffers, which metric states
+        are not), so every rank would otherwise add into one tensor.
+        """
         from torchmetrics import Metric
 
         group = self.device_mesh["data_parallel"].get_group()
         for module in self.lightning_module.modules():
-            if isinstance(module, Metric) and module.process_group is None:
+            if not isinstance(module, Metric):
+                continue
+            if module.process_group is None:
                 module.process_group = group
+            for name in module._defaults:
+                value = getattr(module, name)
+                if isinstance(value, Tensor) and value.is_shared():
+                    setattr(module, name, value.clone())
+                elif isinstance(value, list):
+                    setattr(module, name, [v.clone() if v.is_shared() else v for v in value])
 
     def setup_precision_plugin(self) -> None:
         super().setup_precision_plugin()

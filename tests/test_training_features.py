@@ -6,6 +6,7 @@ import functools
 
 import pytest
 import torch
+import torchmetrics
 from lightning import Callback, Trainer
 from multiprocess import run_on_ranks
 from torch.distributed.device_mesh import init_device_mesh
@@ -39,7 +40,7 @@ def test_gradient_norm_spans_parameters_on_different_meshes() -> None:
     run_on_ranks(4, _norm_across_meshes)
 
 
-def _fit(tmp_path, name, callbacks=(), module=None, batch_size=4, **trainer_kwargs):
+def _fit(tmp_path, name, callbacks=(), model_class=CausalLanguageModel, batch_size=4, **trainer_kwargs):
     strategy = lc.CanzonaStrategy(data_parallel_size=2, tensor_parallel_size=2, start_method="spawn")
     settings = dict(
         accelerator="cpu",
@@ -57,7 +58,7 @@ def _fit(tmp_path, name, callbacks=(), module=None, batch_size=4, **trainer_kwar
     trainer = Trainer(**settings)
     float32_muon = functools.partial(lc.Muon, lr=0.02, adamw_lr=3e-3, compute_dtype="float32")
     torch.manual_seed(0)  # the same initial weights in every run
-    module = module or CausalLanguageModel(preset="tiny", optimizer=float32_muon, warmup_steps=1)
+    module = model_class(preset="tiny", optimizer=float32_muon, warmup_steps=1)
     trainer.fit(module, datamodule=ByteTextDataModule(seq_len=32, batch_size=batch_size))
     return trainer, torch.load(tmp_path / f"{name}.pt")
 
@@ -100,8 +101,25 @@ class CheckDataParallelReduce(Callback):
         assert float(reduced) == float(2 * (rank % 2) + 2), (rank, float(reduced))
 
 
+class SampleCounting(CausalLanguageModel):
+    """Counts training samples with a torchmetrics metric, logged once per epoch."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.samples = torchmetrics.SumMetric()
+
+    def training_step(self, batch, batch_idx):
+        self.samples.update(torch.tensor(float(batch.shape[0])))
+        self.log("samples", self.samples, on_step=False, on_epoch=True)
+        return super().training_step(batch, batch_idx)
+
+
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
-def test_bf16_precisions_train_and_logged_values_reduce_over_data_parallel(tmp_path, precision) -> None:
-    trainer, saved = _fit(tmp_path, precision, callbacks=[CheckDataParallelReduce()], precision=precision)
+def test_bf16_precisions_train_and_metrics_reduce_over_data_parallel(tmp_path, precision) -> None:
+    trainer, saved = _fit(
+        tmp_path, precision, [CheckDataParallelReduce()], SampleCounting, batch_size=4, precision=precision
+    )
     assert torch.isfinite(trainer.callback_metrics["train_loss"])
     assert saved["steps"] == 3
+    # 3 steps × 4 samples × 2 data-parallel ranks: the 2 tensor-parallel replicas count once.
+    assert float(trainer.callback_metrics["samples"]) == 24

@@ -3,16 +3,21 @@
 from lightning_canzona.planning.matrices import COST_KINDS, MatrixSpec, block_of, describe
 from lightning_canzona.planning.plan import POLICIES, Plan, PlanSettings, build_plan
 from lightning_canzona.planning.report import PlanReport, report
+from lightning_canzona.planning.traffic import Exchange, Traffic, shard_numel, traffic
 
 __all__ = [
     "COST_KINDS",
     "POLICIES",
+    "Exchange",
     "MatrixSpec",
     "Plan",
     "PlanReport",
     "PlanSettings",
+    "Traffic",
     "block_of",
     "build_plan",
     "describe",
     "report",
+    "shard_numel",
+    "traffic",
 ]

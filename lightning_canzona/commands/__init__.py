@@ -1,0 +1,1 @@
+"""Sub-commands of the ``canzona`` console command that are not LightningCLI's."""

@@ -1,0 +1,72 @@
+"""Everything ``canzona plan`` reports about one policy: plan, report, traffic and projections."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from lightning_canzona.planning.matrices import MatrixSpec
+from lightning_canzona.planning.plan import POLICIES, Plan, PlanSettings, build_plan
+from lightning_canzona.planning.report import PlanReport, report
+from lightning_canzona.planning.traffic import Traffic, traffic
+from lightning_canzona.simulation.device import DeviceModel
+from lightning_canzona.simulation.iteration import IterationProjection, Workload, project_iteration
+from lightning_canzona.simulation.optimizer_step import StepProjection, project_step
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """What is being planned and simulated.
+
+    Attributes:
+        matrices: The model's matrices under the chosen rule.
+        num_params: The model's total parameter count.
+        dp: Data-parallel size.
+        tp: Tensor-parallel size.
+        settings: α, cost and capacity (the policy is varied).
+        element_bytes: Bytes per exchanged element.
+        compute_dtype: Dtype of the rule's matmuls.
+        device: GPU and links.
+        workload: Batch and efficiency assumptions.
+    """
+
+    matrices: list[MatrixSpec]
+    num_params: int
+    dp: int
+    tp: int
+    settings: PlanSettings
+    element_bytes: int
+    compute_dtype: str
+    device: DeviceModel
+    workload: Workload
+
+
+@dataclass(frozen=True)
+class PolicyResult:
+    """One policy's plan and what it costs."""
+
+    plan: Plan
+    report: PlanReport
+    traffic: Traffic
+    step: StepProjection
+    iteration: IterationProjection
+
+
+def analyse(scenario: Scenario, policies: tuple[str, ...] = POLICIES) -> dict[str, PolicyResult]:
+    """Plan, measure and project every policy in ``policies``."""
+    results = {}
+    for policy in policies:
+        plan = build_plan(
+            scenario.matrices, scenario.dp, scenario.tp, replace(scenario.settings, policy=policy)
+        )
+        moved = traffic(plan, scenario.element_bytes)
+        step = project_step(plan, scenario.device, scenario.element_bytes, scenario.compute_dtype, moved)
+        results[policy] = PolicyResult(
+            plan=plan,
+            report=report(plan),
+            traffic=moved,
+            step=step,
+            iteration=project_iteration(
+                step, scenario.num_params, scenario.dp, scenario.tp, scenario.device, scenario.workload
+            ),
+        )
+    return results

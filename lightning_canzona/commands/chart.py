@@ -1,0 +1,54 @@
+"""The PNG chart of ``canzona plan``: per-rank loads of every policy."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from lightning_canzona.commands.analysis import PolicyResult
+
+_UNITS = {"flops": (1e9, "GFLOP"), "numel": (1e6, "M elements")}
+
+
+def write_load_chart(path: str | Path, results: Mapping[str, PolicyResult], title: str) -> Path:
+    """Draw one panel per policy (rank on x, load on y, lower bound dashed) and save a PNG.
+
+    Owner-based policies share a y-axis so that their panels compare at a glance; ``sync``, whose
+    every rank carries the whole model, gets its own.
+    """
+    # Imported here: matplotlib is slow to import and only this command draws.
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    policies = list(results)
+    figure, axes = plt.subplots(1, len(policies), figsize=(4.2 * len(policies), 3.6), squeeze=False)
+    shared = None
+    for axis, policy in zip(axes[0], policies):
+        rep = results[policy].report
+        scale, unit = _UNITS[rep.cost]
+        loads = [load / scale for load in rep.rank_loads]
+        ranks = range(len(loads))
+        if policy != "sync":
+            if shared is None:
+                shared = axis
+            else:
+                axis.sharey(shared)
+        if len(loads) <= 64:
+            axis.bar(ranks, loads, width=0.8, color="tab:blue")
+        else:
+            axis.step(ranks, loads, where="mid", color="tab:blue", linewidth=0.8)
+        axis.axhline(
+            rep.lower_bound / scale, color="tab:red", linestyle="--", linewidth=1, label="lower bound"
+        )
+        axis.set_title(f"{policy}: makespan/bound {rep.makespan_over_bound:.3f}", fontsize=9)
+        axis.set_xlabel("rank")
+        axis.set_ylabel(f"load [{unit}]")
+        axis.legend(fontsize=7, loc="lower right")
+    figure.suptitle(title, fontsize=10)
+    figure.tight_layout()
+    path = Path(path)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path

@@ -1,0 +1,117 @@
+"""``canzona plan``: the optimizer plan of a Qwen3 preset on a DP × TP mesh, for every policy.
+
+Shapes come from the model built on the meta device, so even 32B plans in seconds without
+weights. For each policy it prints per-rank load, matrices, optimizer state and traffic, then a
+summary, a projection of step and iteration times on a modelled GPU cluster, and writes a PNG of
+the per-rank loads. ``--sweep`` checks the balance target over all Qwen3 presets and meshes
+instead.
+
+Example::
+
+    canzona plan --preset 32B --dp 32 --tp 8 --device h100 --out plan.png
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from lightning_canzona.commands import sweep, tables
+from lightning_canzona.commands.analysis import Scenario, analyse
+from lightning_canzona.commands.chart import write_load_chart
+from lightning_canzona.commands.model_matrices import OPTIMIZERS, compute_dtype, make_rule, preset_matrices
+from lightning_canzona.models.qwen3 import PRESETS
+from lightning_canzona.planning.matrices import COST_KINDS
+from lightning_canzona.planning.plan import PlanSettings
+from lightning_canzona.simulation.device import DEVICES
+from lightning_canzona.simulation.iteration import Workload
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="canzona plan", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="0.6B", choices=list(PRESETS), help="Qwen3 preset")
+    parser.add_argument("--optimizer", default="muon", choices=OPTIMIZERS)
+    parser.add_argument("--dp", type=int, default=8, help="data-parallel size")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    parser.add_argument("--alpha", type=float, default=PlanSettings.alpha, help="canzona's α in [0, 1]")
+    parser.add_argument("--cost", default="flops", choices=COST_KINDS, help="what the planner balances")
+    parser.add_argument(
+        "--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="parameter dtype"
+    )
+    parser.add_argument("--out", default="plan.png", help="PNG chart of per-rank loads")
+    parser.add_argument("--ranks-shown", type=int, default=16, help="print every rank up to this mesh size")
+    parser.add_argument(
+        "--simulate",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="print projected step and iteration times (default: on)",
+    )
+    parser.add_argument("--device", default="h100", choices=sorted(DEVICES), help="device model")
+    parser.add_argument("--global-batch", type=int, default=Workload.global_batch, help="sequences")
+    parser.add_argument("--seq-len", type=int, default=Workload.seq_len)
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="check canzona's makespan/bound over Qwen3 0.6B–32B × four meshes and compare the "
+        "simulated policies at 256 GPUs (ignores --preset/--dp/--tp/--out)",
+    )
+    return parser
+
+
+def main(argv: list[str]) -> None:
+    """Run ``canzona plan`` with the arguments after ``plan``."""
+    args = _parser().parse_args(argv)
+    rule = make_rule(args.optimizer)
+    exchange = rule.exchange_dtype(getattr(torch, args.dtype))
+    settings = PlanSettings(alpha=args.alpha, cost=args.cost)
+    matrices, num_params = preset_matrices(args.preset, rule)
+    scenario = Scenario(
+        matrices=matrices,
+        num_params=num_params,
+        dp=args.dp,
+        tp=args.tp,
+        settings=settings,
+        element_bytes=exchange.itemsize,
+        compute_dtype=compute_dtype(rule),
+        device=DEVICES[args.device],
+        workload=Workload(global_batch=args.global_batch, seq_len=args.seq_len),
+    )
+    if args.sweep:
+        _sweep(scenario, rule)
+        return
+
+    results = analyse(scenario)
+    num_ranks = args.dp * args.tp
+    print(
+        f"Qwen3 {args.preset}: {len(matrices)} matrices, {num_params / 1e9:.3f} B parameters; "
+        f"{args.optimizer}, cost {args.cost}, α {args.alpha}; mesh dp {args.dp} × tp {args.tp} = "
+        f"{num_ranks} ranks; exchange {str(exchange).removeprefix('torch.')} ({exchange.itemsize} B/element)"
+    )
+    for result in results.values():
+        print(f"\n== {result.report.policy} ==")
+        print(tables.rank_table(result, args.ranks_shown))
+    print("\n== summary ==")
+    print(tables.summary_table(results))
+    print("grouped = synchronized makespan: Σ over micro-groups of the group's busiest host")
+    if args.preset in sweep.SWEEP_PRESETS:
+        canzona = results["canzona"].report.makespan_over_bound
+        verdict = "met" if canzona <= sweep.TARGET else "MISSED"
+        print(f"target: canzona makespan/bound {canzona:.4f} <= {sweep.TARGET}: {verdict}")
+    if args.simulate:
+        print(f"\n== simulated on {num_ranks} × {scenario.device.name} ==")
+        print(tables.simulation_table(results))
+        print(tables.speedups(results))
+        print(tables.assumptions(scenario.device, scenario.workload, num_ranks, scenario.compute_dtype))
+    title = f"Qwen3 {args.preset}, {args.optimizer}, dp {args.dp} × tp {args.tp}: per-rank load"
+    print(f"\nchart: {write_load_chart(args.out, results, title)}")
+
+
+def _sweep(scenario: Scenario, rule) -> None:
+    table, all_met = sweep.bound_table(rule, scenario.settings)
+    print(f"== canzona / lpt / round_robin makespan ÷ lower bound (target canzona <= {sweep.TARGET}) ==")
+    print(table)
+    print(f"target {'met' if all_met else 'MISSED'} on every preset and mesh" if all_met else "target MISSED")
+    print(f"\n== simulated on 256 × {scenario.device.name} (p = the paper's reported speed-up) ==")
+    print(sweep.simulation_comparison(scenario, rule))
+    print(tables.assumptions(scenario.device, scenario.workload, 256, scenario.compute_dtype))

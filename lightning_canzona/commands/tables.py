@@ -1,0 +1,121 @@
+"""Text tables of ``canzona plan``: per-rank rows, the policy summary and the simulator."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from lightning_canzona.commands.analysis import PolicyResult
+from lightning_canzona.simulation.device import DeviceModel
+from lightning_canzona.simulation.iteration import Workload
+
+MIB = 2**20
+_UNITS = {"flops": (1e9, "GFLOP"), "numel": (1e6, "M elements")}
+#: The paper's reported speed-ups of Canzona over its baseline (arXiv 2602.06079, Qwen3 on 256 GPUs).
+PAPER_STEP_SPEEDUP = 5.8
+PAPER_ITERATION_SPEEDUP = 1.57
+
+
+def shown_ranks(result: PolicyResult, limit: int) -> list[tuple[int, str]]:
+    """Ranks to print with a label each: all of them up to ``limit``, otherwise the first rank
+    and the ranks with the least, median and most load, the most state and the most traffic."""
+    loads = result.report.rank_loads
+    num_ranks = len(loads)
+    if num_ranks <= limit:
+        return [(rank, "") for rank in range(num_ranks)]
+    by_load = sorted(range(num_ranks), key=lambda r: (loads[r], r))
+    state, moved = result.report.rank_state_bytes, result.traffic.rank_bytes
+    picks = [
+        (0, "first"),
+        (by_load[0], "min load"),
+        (by_load[num_ranks // 2], "median load"),
+        (by_load[-1], "max load"),
+        (max(range(num_ranks), key=lambda r: (state[r], -r)), "max state"),
+        (max(range(num_ranks), key=lambda r: (moved[r], -r)), "max comm"),
+    ]
+    labels: dict[int, list[str]] = {}
+    for rank, label in picks:
+        labels.setdefault(rank, []).append(label)
+    return [(rank, ", ".join(labels[rank])) for rank in sorted(labels)]
+
+
+def rank_table(result: PolicyResult, limit: int = 16) -> str:
+    """Per-rank load, matrices, optimizer state and traffic (a selection on large meshes)."""
+    rep, moved = result.report, result.traffic
+    scale, unit = _UNITS[rep.cost]
+    sent, received = moved.rank_sent, moved.rank_received
+    lines = [
+        f"{'rank':>5} {'load [' + unit + ']':>20} {'matrices':>9} {'state [MiB]':>12} "
+        f"{'sent [MiB]':>11} {'recv [MiB]':>11}  note"
+    ]
+    rows = shown_ranks(result, limit)
+    for rank, label in rows:
+        lines.append(
+            f"{rank:>5} {rep.rank_loads[rank] / scale:>20.3f} {rep.rank_matrices[rank]:>9} "
+            f"{rep.rank_state_bytes[rank] / MIB:>12.2f} {sent[rank] / MIB:>11.2f} "
+            f"{received[rank] / MIB:>11.2f}  {label}".rstrip()
+        )
+    if len(rows) < len(rep.rank_loads):
+        lines.append(f"({len(rows)} of {len(rep.rank_loads)} ranks shown)")
+    return "\n".join(lines)
+
+
+def summary_table(results: Mapping[str, PolicyResult]) -> str:
+    """One row per policy: balance, bounds, micro-groups, largest state and traffic."""
+    lines = [
+        f"{'policy':<12} {'max/mean':>9} {'makespan/bound':>15} {'grouped/bound':>14} "
+        f"{'groups':>7} {'max state [MiB]':>16} {'max comm [MiB]':>15}"
+    ]
+    for policy, result in results.items():
+        rep = result.report
+        synced = rep.synchronized_makespan / rep.lower_bound if rep.lower_bound > 0 else 1.0
+        lines.append(
+            f"{policy:<12} {rep.max_over_mean:>9.3f} {rep.makespan_over_bound:>15.3f} {synced:>14.3f} "
+            f"{rep.num_micro_groups:>7} {max(rep.rank_state_bytes) / MIB:>16.2f} "
+            f"{max(result.traffic.rank_bytes) / MIB:>15.2f}"
+        )
+    return "\n".join(lines)
+
+
+def simulation_table(results: Mapping[str, PolicyResult]) -> str:
+    """Projected step and iteration times per policy."""
+    lines = [
+        f"{'policy':<12} {'groups':>7} {'gather':>9} {'compute':>9} {'scatter':>9} "
+        f"{'step seq':>9} {'step pipe':>10} {'iteration':>10}",
+        f"{'':<12} {'':>7} {'[ms]':>9} {'[ms]':>9} {'[ms]':>9} {'[ms]':>9} {'[ms]':>10} {'[s]':>10}",
+    ]
+    for policy, result in results.items():
+        step = result.step
+        lines.append(
+            f"{policy:<12} {len(step.gathers):>7} {sum(step.gathers) * 1e3:>9.2f} {step.compute * 1e3:>9.2f} "
+            f"{sum(step.scatters) * 1e3:>9.2f} {step.sequential * 1e3:>9.2f} {step.pipelined * 1e3:>10.2f} "
+            f"{result.iteration.total:>10.3f}"
+        )
+    return "\n".join(lines)
+
+
+def speedups(results: Mapping[str, PolicyResult]) -> str:
+    """Canzona's projected speed-ups next to the paper's."""
+    canzona = results["canzona"]
+    parts = []
+    for baseline in ("sync", "round_robin"):
+        if baseline in results:
+            other = results[baseline]
+            paper_step = f" (paper {PAPER_STEP_SPEEDUP}×)" if baseline == "sync" else ""
+            paper_iter = f" (paper {PAPER_ITERATION_SPEEDUP}×)" if baseline == "sync" else ""
+            parts.append(
+                f"vs {baseline}: step {other.step.pipelined / canzona.step.pipelined:.2f}×{paper_step}, "
+                f"iteration {other.iteration.total / canzona.iteration.total:.3f}×{paper_iter}"
+            )
+    return "canzona speed-up " + "; ".join(parts)
+
+
+def assumptions(device: DeviceModel, workload: Workload, num_ranks: int, compute_dtype: str) -> str:
+    """The simulator's assumptions in one paragraph."""
+    link, bandwidth, latency = device.link(num_ranks)
+    return (
+        f"device {device.name}: {device.matmul_flops(compute_dtype) / 1e12:.0f} TFLOP/s effective "
+        f"{compute_dtype} matmul ({device.achievable_fraction:.0%} of peak), collectives over {link} "
+        f"at {bandwidth / 1e9:.0f} GB/s per GPU and {latency * 1e6:.0f} µs per message; "
+        f"batch {workload.global_batch} × {workload.seq_len} tokens, forward+backward at "
+        f"{workload.mfu:.0%} MFU, {workload.fsdp_overlap:.0%} of FSDP traffic overlapped"
+    )

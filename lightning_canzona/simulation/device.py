@@ -1,0 +1,103 @@
+"""What a GPU and its interconnect can do: the numbers the simulator turns work into time.
+
+Defaults are datasheet peaks scaled by an achievable fraction, never measurements:
+
+- **H100 SXM5** (NVIDIA H100 Tensor Core GPU datasheet): dense BF16 tensor-core matmul
+  989.4 TFLOP/s (1,979 with 2:4 sparsity), FP32 (CUDA cores, what ``torch`` uses for float32 matmul
+  unless TF32 is enabled) 67 TFLOP/s, HBM3 3.35 TB/s, NVLink 4 900 GB/s per GPU in total, i.e.
+  450 GB/s per direction.
+- **H200 SXM** (NVIDIA H200 datasheet): the same GH100 compute (989 / 67 TFLOP/s) and NVLink 4,
+  with HBM3e at 4.8 TB/s.
+- **Between nodes**: one ConnectX-7 InfiniBand NDR port per GPU (DGX/HGX H100 and H200
+  reference designs), 400 Gb/s = 50 GB/s per direction.
+- **Latencies**: about 3 µs per NVLink message and 6 µs per InfiniBand message: the order of
+  magnitude of small-message NCCL latencies, an assumption rather than a datasheet figure.
+- **Achievable fraction**: 0.6 of peak for the optimizer's large matmuls (Newton–Schulz chains and
+  Kronecker products on ≥1k-sized matrices) — an assumption.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_TERA = 1e12
+_GIGA = 1e9
+
+
+@dataclass(frozen=True)
+class DeviceModel:
+    """A GPU type and the links between GPUs.
+
+    Attributes:
+        name: Label for reports.
+        bf16_flops: Peak dense BF16 matmul FLOP/s.
+        fp32_flops: Peak FP32 matmul FLOP/s (no TF32).
+        achievable_fraction: Fraction of peak the optimizer's matmuls reach.
+        hbm_bandwidth: Memory bandwidth in bytes/s (elementwise work is bound by it).
+        intra_node_bandwidth: NVLink bytes/s per GPU per direction.
+        intra_node_latency: Seconds per NVLink message.
+        inter_node_bandwidth: InfiniBand bytes/s per GPU per direction.
+        inter_node_latency: Seconds per InfiniBand message.
+        gpus_per_node: GPUs that share one NVLink domain.
+    """
+
+    name: str
+    bf16_flops: float
+    fp32_flops: float
+    achievable_fraction: float
+    hbm_bandwidth: float
+    intra_node_bandwidth: float
+    intra_node_latency: float
+    inter_node_bandwidth: float
+    inter_node_latency: float
+    gpus_per_node: int = 8
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.achievable_fraction <= 1.0:
+            raise ValueError(f"achievable_fraction must lie in (0, 1], got {self.achievable_fraction}")
+        if self.gpus_per_node < 1:
+            raise ValueError(f"gpus_per_node must be >= 1, got {self.gpus_per_node}")
+
+    def matmul_flops(self, dtype: str) -> float:
+        """Effective FLOP/s of matmuls in ``dtype`` (``bfloat16`` or ``float32``)."""
+        peaks = {"bfloat16": self.bf16_flops, "float32": self.fp32_flops}
+        if dtype not in peaks:
+            raise ValueError(f"dtype must be one of {sorted(peaks)}, got {dtype!r}")
+        return peaks[dtype] * self.achievable_fraction
+
+    def link(self, num_ranks: int) -> tuple[str, float, float]:
+        """``(name, bytes/s, seconds per message)`` of a collective among ``num_ranks`` GPUs.
+
+        A collective spanning more than one node runs at the slowest link it crosses:
+        InfiniBand.
+        """
+        if num_ranks > self.gpus_per_node:
+            return "InfiniBand", self.inter_node_bandwidth, self.inter_node_latency
+        return "NVLink", self.intra_node_bandwidth, self.intra_node_latency
+
+
+H100 = DeviceModel(
+    name="H100 SXM",
+    bf16_flops=989.4 * _TERA,
+    fp32_flops=67 * _TERA,
+    achievable_fraction=0.6,
+    hbm_bandwidth=3350 * _GIGA,
+    intra_node_bandwidth=450 * _GIGA,
+    intra_node_latency=3e-6,
+    inter_node_bandwidth=50 * _GIGA,
+    inter_node_latency=6e-6,
+)
+
+H200 = DeviceModel(
+    name="H200 SXM",
+    bf16_flops=989.4 * _TERA,
+    fp32_flops=67 * _TERA,
+    achievable_fraction=0.6,
+    hbm_bandwidth=4800 * _GIGA,
+    intra_node_bandwidth=450 * _GIGA,
+    intra_node_latency=3e-6,
+    inter_node_bandwidth=50 * _GIGA,
+    inter_node_latency=6e-6,
+)
+
+DEVICES: dict[str, DeviceModel] = {"h100": H100, "h200": H200}

@@ -1,0 +1,150 @@
+"""``canzona plan``, the traffic model and the simulator, on small presets and hand-worked cases."""
+
+import random
+import re
+from dataclasses import replace
+
+import pytest
+
+from lightning_canzona.cli import main
+from lightning_canzona.commands.analysis import Scenario, analyse
+from lightning_canzona.commands.model_matrices import compute_dtype, make_rule, preset_matrices
+from lightning_canzona.commands.sweep import bound_table
+from lightning_canzona.optim.newton_schulz import PRESETS
+from lightning_canzona.optim.rules import MuonRule
+from lightning_canzona.planning import POLICIES, PlanSettings, build_plan, describe, report, traffic
+from lightning_canzona.simulation import H100, Workload, pipelined_time, project_step, sequential_time
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _plan_output(capsys, tmp_path, *args: str) -> tuple[str, bytes]:
+    png = tmp_path / "plan.png"
+    main(["plan", *args, "--out", str(png)])
+    return capsys.readouterr().out, png.read_bytes()
+
+
+def _summary_row(out: str, policy: str) -> list[str]:
+    summary = out.split("== summary ==")[1]
+    return next(line.split() for line in summary.splitlines() if line.startswith(policy + " "))
+
+
+def test_plan_prints_every_policy_consistent_with_the_report_and_writes_a_png(capsys, tmp_path) -> None:
+    out, png = _plan_output(capsys, tmp_path, "--preset", "tiny", "--dp", "2", "--tp", "2")
+    assert png.startswith(PNG_MAGIC)
+    matrices, _ = preset_matrices("tiny", make_rule("muon"))
+    for policy in POLICIES:
+        assert f"== {policy}" in out
+        rep = report(build_plan(matrices, 2, 2, PlanSettings(policy)))
+        row = _summary_row(out, policy)
+        assert row[1:4] == [
+            f"{rep.max_over_mean:.3f}",
+            f"{rep.makespan_over_bound:.3f}",
+            f"{rep.synchronized_makespan / rep.lower_bound:.3f}",
+        ]
+        assert int(row[4]) == rep.num_micro_groups
+    canzona = report(build_plan(matrices, 2, 2, PlanSettings("canzona")))
+    table = out.split("== canzona ==")[1].split("==")[0]
+    loads = [float(line.split()[1]) for line in table.splitlines() if re.match(r"\s+\d+\s", line)]
+    assert loads == pytest.approx([load / 1e9 for load in canzona.rank_loads], abs=1e-3)
+    assert "simulated on 4 × H100 SXM" in out and "paper 5.8×" in out
+
+
+def test_large_meshes_print_a_labelled_selection_of_ranks(capsys, tmp_path) -> None:
+    out, png = _plan_output(capsys, tmp_path, "--preset", "0.6B", "--dp", "32", "--tp", "8", "--no-simulate")
+    assert png.startswith(PNG_MAGIC)
+    assert "of 256 ranks shown" in out and "max load" in out and "simulated" not in out
+    assert "target: canzona makespan/bound" in out and "met" in out
+    matrices, _ = preset_matrices("0.6B", make_rule("muon"))
+    rep = report(build_plan(matrices, 32, 8, PlanSettings("round_robin")))
+    table = out.split("== round_robin ==")[1].split("==")[0]
+    max_row = next(line for line in table.splitlines() if "max load" in line)
+    assert float(max_row.split()[1]) == pytest.approx(rep.makespan / 1e9, abs=1e-3)
+
+
+def test_float32_soap_exchanges_four_bytes_per_element_and_numel_cost_is_used(capsys, tmp_path) -> None:
+    out, _ = _plan_output(
+        capsys, tmp_path, "--preset", "small", "--optimizer", "soap", "--dtype", "float32", "--cost", "numel"
+    )
+    assert "exchange float32 (4 B/element)" in out and "load [M elements]" in out
+    assert "float32 matmul" in out
+
+
+def _two_matrices():
+    # A: 4×6 = 24 elements (shards 12 + 12), B: 3×3 = 9 elements (shards 5 + 4).
+    return describe(
+        [("layers.0.a.weight", (4, 6)), ("layers.1.b.weight", (3, 3))], MuonRule(PRESETS["quintic"]).cost
+    )
+
+
+def test_traffic_of_a_hand_worked_two_rank_example() -> None:
+    one_group = PlanSettings("round_robin", capacity=1e30)  # owners: A → rank 0, B → rank 1
+    owned = traffic(build_plan(_two_matrices(), 2, 1, one_group), element_bytes=2)
+    (gather,), (scatter,) = owned.gathers, owned.scatters
+    # Rank 0 sends its 5-element shard of B and receives rank 1's 12 elements of A; rank 1 mirrors.
+    assert gather.sent == [10, 24] and gather.received == [24, 10]
+    assert scatter.sent == [24, 10] and scatter.received == [10, 24]
+    assert owned.rank_bytes == [68, 68]
+
+    synced = traffic(build_plan(_two_matrices(), 2, 1, replace(one_group, policy="sync")), element_bytes=2)
+    # Every rank receives the 33 − own elements and sends its own (17 or 16) to the other rank.
+    assert synced.gathers[0].sent == [34, 32] and synced.gathers[0].received == [32, 34]
+    assert synced.scatters[0].sent == [0, 0]
+
+
+@pytest.mark.parametrize("mesh", [(3, 2), (4, 1), (2, 1)])
+def test_traffic_balances_and_sync_moves_at_least_as_much(mesh) -> None:
+    matrices, _ = preset_matrices("small", make_rule("muon"))
+    moved = {p: traffic(build_plan(matrices, *mesh, PlanSettings(p)), element_bytes=2) for p in POLICIES}
+    for policy, result in moved.items():
+        assert sum(result.rank_sent) == sum(result.rank_received), policy
+    for policy in ("canzona", "lpt", "round_robin"):
+        assert sum(moved["sync"].rank_bytes) >= sum(moved[policy].rank_bytes)
+        assert all(s >= o for s, o in zip(moved["sync"].rank_received, moved[policy].rank_received))
+
+
+def test_pipeline_overlaps_a_hand_worked_schedule_and_never_loses() -> None:
+    # G0 [0,1], C0 [1,3], G1 [1,2], S0 [3,4], C1 [3,5], S1 [5,6].
+    assert pipelined_time([1, 1], [2, 2], [1, 1]) == 6 and sequential_time([1, 1], [2, 2], [1, 1]) == 8
+    rng = random.Random(0)
+    for _ in range(200):
+        count = rng.randint(1, 6)
+        parts = [[rng.random() for _ in range(count)] for _ in range(3)]
+        assert pipelined_time(*parts) <= sequential_time(*parts) + 1e-12
+        assert pipelined_time(*parts) >= max(sum(parts[1]), sum(parts[0]) + sum(parts[2])) - 1e-12
+
+
+def _scenario(preset: str, dp: int, tp: int, device=H100) -> Scenario:
+    rule = make_rule("muon")
+    matrices, num_params = preset_matrices(preset, rule)
+    return Scenario(matrices, num_params, dp, tp, PlanSettings(), 2, compute_dtype(rule), device, Workload())
+
+
+def test_canzona_beats_round_robin_and_sync_on_32b_at_256_ranks() -> None:
+    results = analyse(_scenario("32B", 32, 8), ("sync", "round_robin", "canzona"))
+    canzona, naive, synced = (results[p] for p in ("canzona", "round_robin", "sync"))
+    assert canzona.step.pipelined <= naive.step.pipelined < synced.step.pipelined
+    assert canzona.iteration.total <= naive.iteration.total < synced.iteration.total
+    assert canzona.step.link == "InfiniBand"
+    for result in results.values():
+        assert result.step.pipelined <= result.step.sequential
+
+
+def test_more_bandwidth_or_flops_is_never_slower() -> None:
+    base = _scenario("0.6B", 8, 2)
+    faster = [
+        replace(H100, inter_node_bandwidth=2 * H100.inter_node_bandwidth),
+        replace(H100, inter_node_latency=0.0),
+        replace(H100, achievable_fraction=1.0),
+    ]
+    for policy in ("sync", "round_robin", "canzona"):
+        plan = build_plan(base.matrices, 8, 2, PlanSettings(policy))
+        slow = project_step(plan, H100, 2, "bfloat16")
+        for device in faster:
+            assert project_step(plan, device, 2, "bfloat16").pipelined <= slow.pipelined
+    assert project_step(build_plan(base.matrices, 8, 1), H100, 2, "bfloat16").link == "NVLink"
+
+
+def test_the_balance_target_holds_on_a_small_sweep() -> None:
+    table, met = bound_table(make_rule("muon"), PlanSettings(), presets=("0.6B",), meshes=((8, 1), (64, 4)))
+    assert met and table.count("met") == 2
