@@ -19,7 +19,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from fnmatch import fnmatchcase
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -27,6 +27,7 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.model_parallel import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
@@ -38,9 +39,18 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_canzona.checkpoint import (
+    check_compatible,
+    full_optimizer_state,
+    remove,
+    replace_with,
+    staging_path,
+)
+from lightning_canzona.composition import compose
 from lightning_canzona.distributed.clipping import clip_grad_norm_
 from lightning_canzona.optim import MatrixOptimizer, Muon
 from lightning_canzona.planning import PlanSettings, report
+from lightning_canzona.telemetry import OptimizerTelemetry
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
 
@@ -61,6 +71,8 @@ class CanzonaStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: Save one shard per rank (``True``) or one full file.
         process_group_backend: ``nccl``, ``gloo``…; ``None`` picks the device's default.
         timeout: Timeout of collective operations.
+        telemetry: Log the optimizer step's latency, compute, communication and imbalance
+            (`lightning_canzona.telemetry.OptimizerTelemetry`) at ``log_every_n_steps``.
         start_method: ``popen`` re-runs the script per rank (scripts, CLI, torchrun, SLURM);
             ``fork`` (notebooks) or ``spawn`` start the ranks from this process.
     """
@@ -77,6 +89,7 @@ class CanzonaStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        telemetry: bool = True,
         start_method: Literal["popen", "fork", "spawn"] = "popen",
     ) -> None:
         super().__init__(
@@ -88,6 +101,7 @@ class CanzonaStrategy(ModelParallelStrategy):
         )
         self.plan_settings = PlanSettings(policy, alpha, cost, micro_group_capacity)  # type: ignore[arg-type]
         self.overlap = overlap
+        self.telemetry = telemetry
         if start_method not in ("popen", "fork", "spawn"):
             raise ValueError(f"start_method must be 'popen', 'fork' or 'spawn', got {start_method!r}")
         self.start_method = start_method
@@ -138,7 +152,9 @@ class CanzonaStrategy(ModelParallelStrategy):
             )
         already_sharded = any(isinstance(p, DTensor) for p in self.lightning_module.parameters())
         if not is_overridden("configure_model", self.lightning_module) and not already_sharded:
-            self._compose()  # once: a later validate/test reuses the sharded module
+            compose(self.lightning_module, self.device_mesh)  # once: validate/test reuse it
+            # The module is now sharded like one whose configure_model did the work.
+            self.lightning_module._device_mesh = self.device_mesh
         self._prepare_metrics()
         _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
@@ -146,38 +162,11 @@ class CanzonaStrategy(ModelParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            if self.telemetry and not any(isinstance(c, OptimizerTelemetry) for c in trainer.callbacks):
+                trainer.callbacks.append(OptimizerTelemetry())
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
-
-    def _compose(self) -> None:
-        """Apply the module's TP plan on the TP mesh, then FSDP2 per block and per top-level module."""
-        from torch.distributed.fsdp import fully_shard
-        from torch.distributed.tensor.parallel import parallelize_module
-
-        module = self.lightning_module
-        plan_fn = getattr(module, "tensor_parallel_plan", None)
-        plan = plan_fn() if callable(plan_fn) else {}
-        tp_mesh = self.device_mesh["tensor_parallel"]
-        if tp_mesh.size() > 1 and not plan:
-            raise ValueError(
-                f"tensor_parallel_size={tp_mesh.size()} but {type(module).__name__} declares no "
-                "tensor_parallel_plan(); add one (see lightning_canzona.models.tensor_parallel_plan) "
-                "or override configure_model to parallelize it yourself."
-            )
-        if plan:
-            # Applied even on a one-rank TP mesh: parameters then live on the same meshes at every
-            # mesh shape, so optimizer param groups, and checkpoints, keep one structure.
-            _check_plan_targets(module, plan)
-            parallelize_module(module, tp_mesh, plan)
-        dp_mesh = self.device_mesh["data_parallel"]
-        for block in _transformer_blocks(module):
-            fully_shard(block, mesh=dp_mesh)
-        for child in module.children():
-            if _has_parameters(child):
-                fully_shard(child, mesh=dp_mesh)
-        # The module is now sharded like one whose configure_model did the work.
-        module._device_mesh = self.device_mesh
 
     def _prepare_metrics(self) -> None:
         """torchmetrics sync over the DP group: TP ranks see the same batch and must count once.
@@ -253,6 +242,53 @@ class CanzonaStrategy(ModelParallelStrategy):
             state_dict, OptimStateKeyType.PARAM_ID, self.model
         )
 
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+    ) -> None:
+        """Save without risking the checkpoint already at ``filepath``.
+
+        The new checkpoint is written beside it and swapped in once every rank has written its
+        part. A save that fails on any rank raises on every rank and leaves ``filepath`` as it was.
+        """
+        path = Path(self.broadcast(filepath))
+        staged = staging_path(path)
+        if self.global_rank == 0:
+            remove(staged)
+        self.barrier()
+        from torch.distributed.checkpoint import CheckpointException
+
+        error: BaseException | None = None
+        try:
+            super().save_checkpoint(checkpoint, staged, storage_options)
+        # Every rank must learn of a failure before anyone moves on (DCP's error is a BaseException).
+        except (Exception, CheckpointException) as exception:
+            error = exception
+        if self._anywhere(error is not None):
+            if self.global_rank == 0:
+                remove(staged)
+            self.barrier()  # no rank ends the run before the partial checkpoint is gone
+            raise error or RuntimeError(
+                f"Saving the checkpoint {path} failed on another rank (its error is in that rank's "
+                f"log); {path} still holds the previous checkpoint."
+            )
+        if self.global_rank == 0:
+            replace_with(staged, path)
+        self.barrier()
+
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a checkpoint saved at any mesh; one of another model is a clear error on every rank."""
+        path = Path(self.broadcast(checkpoint_path))
+        assert self.model is not None and self.lightning_module is not None
+        expected = {name: tuple(tensor.shape) for name, tensor in self.model.state_dict().items()}
+        check_compatible(path, expected, strict=self.lightning_module.strict_loading)
+        return super().load_checkpoint(path, weights_only)
+
+    def _anywhere(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank of the world (collective)."""
+        value = torch.tensor(int(flag), device=self.root_device)
+        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+        return bool(value)
+
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
         self.optimizers = [self._bind(optimizer) for optimizer in self.optimizers]
@@ -281,30 +317,6 @@ class CanzonaStrategy(ModelParallelStrategy):
             )
             return converted
         return optimizer
-
-
-def full_optimizer_state(module: nn.Module, optimizer: MatrixOptimizer) -> dict[str, Any]:
-    """The whole optimizer state on rank 0, keyed by parameter name (collective).
-
-    Sharded state is gathered by ``get_optimizer_state_dict(full_state_dict=True)``; the matrix
-    state that lives only on each matrix's owner is gathered from the owners.
-    """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state_dict = get_optimizer_state_dict(module, optimizer, options=options)
-    names = {id(param): name for name, param in module.named_parameters()}
-    held = {
-        names[id(param)]: {key: value.cpu() for key, value in matrix_state.items()}
-        for param, matrix_state in optimizer.owner_held_state()
-    }
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    everyone: list[Any] = [None] * world if rank == 0 else []
-    torch.distributed.gather_object(held, everyone if rank == 0 else None, dst=0)
-    for owned in everyone:
-        for name, matrix_state in owned.items():
-            state_dict["state"].setdefault(name, {}).update(matrix_state)
-    return state_dict
 
 
 class _InProcessLauncher(_MultiProcessingLauncher):
@@ -354,24 +366,3 @@ def _convert_torch_muon(
         micro_group_capacity=settings.capacity,
         overlap=overlap,
     )
-
-
-def _check_plan_targets(module: nn.Module, plan: dict[str, Any]) -> None:
-    names = [name for name, _ in module.named_modules()]
-    missing = [key for key in plan if not any(fnmatchcase(name, key) for name in names)]
-    if missing:
-        raise ValueError(
-            f"The tensor_parallel_plan() of {type(module).__name__} names modules that do not exist: "
-            f"{missing}. Module names look like {names[1:4]}…"
-        )
-
-
-def _transformer_blocks(module: nn.Module) -> Iterator[nn.Module]:
-    """Members of every ``nn.ModuleList``: the repeated blocks FSDP2 should shard one by one."""
-    for child in module.modules():
-        if isinstance(child, nn.ModuleList):
-            yield from (block for block in child if _has_parameters(block))
-
-
-def _has_parameters(module: nn.Module) -> bool:
-    return next(iter(module.parameters()), None) is not None

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import pytest
 import torch
 from lightning import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.distributed.checkpoint import FileSystemWriter
 
 import lightning_canzona as lc
+from lightning_canzona.checkpoint import check_compatible, full_optimizer_state, staging_path
 from lightning_canzona.data import ByteTextDataModule
-from lightning_canzona.models import CausalLanguageModel
-from lightning_canzona.strategy import full_optimizer_state
+from lightning_canzona.models import CausalLanguageModel, Qwen3
 
 
 class RecordLosses(Callback):
@@ -27,12 +29,14 @@ class RecordLosses(Callback):
             torch.save(self.losses, self.path)
 
 
-def _fit(tmp_path, name, ckpt_path=None, distributed=True, mesh=(2, 2), extra=()) -> list[float]:
+def _fit(
+    tmp_path, name, ckpt_path=None, distributed=True, mesh=(2, 2), extra=(), preset="tiny", checkpoints=True
+) -> list[float]:
     torch.manual_seed(0)
     # SOAP keeps its factors and eigenbases on each matrix's owner only: the hard case.
     soap = functools.partial(lc.SOAP, lr=3e-3, precondition_frequency=2)
     callbacks = [RecordLosses(tmp_path / f"{name}.pt"), *extra]
-    if ckpt_path is None:
+    if checkpoints and ckpt_path is None:
         callbacks.append(
             ModelCheckpoint(dirpath=tmp_path / "checkpoints", every_n_train_steps=3, save_top_k=-1)
         )
@@ -50,12 +54,12 @@ def _fit(tmp_path, name, ckpt_path=None, distributed=True, mesh=(2, 2), extra=()
         limit_val_batches=0,
         logger=False,
         default_root_dir=tmp_path,
-        enable_checkpointing=ckpt_path is None,
+        enable_checkpointing=checkpoints and ckpt_path is None,
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=callbacks,
     )
-    module = CausalLanguageModel(preset="tiny", optimizer=soap, warmup_steps=1)
+    module = CausalLanguageModel(preset=preset, optimizer=soap, warmup_steps=1)
     trainer.fit(module, datamodule=ByteTextDataModule(seq_len=32, batch_size=4), ckpt_path=ckpt_path)
     return torch.load(tmp_path / f"{name}.pt")
 
@@ -132,3 +136,66 @@ def test_checkpoint_loads_at_a_different_mesh_with_every_owners_state(
         # misplaced state shows at ~1e-2 (measured before owner state was gathered).
         for got, expected in zip(resumed, uninterrupted[3:]):
             assert abs(got - expected) <= 5e-4, (resumed, uninterrupted[3:])
+
+
+class SaveThenFailMidway(Callback):
+    """Saves at step 2; at step 4 saves to the same path again, and one rank's writing dies midway."""
+
+    def __init__(self, path, distributed: bool) -> None:
+        self.path, self.distributed = path, distributed
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == 2:
+            trainer.save_checkpoint(self.path)
+        elif trainer.global_step == 4:
+            if self.distributed and trainer.global_rank == 1:
+                write_data = FileSystemWriter.write_data
+
+                def write_then_fail(writer, plan, planner):
+                    write_data(writer, plan, planner).wait()  # this rank's shard file is on disk
+                    raise OSError("disk full (injected)")
+
+                FileSystemWriter.write_data = write_then_fail
+            elif not self.distributed and trainer.global_rank == 0:
+
+                def torn_write(checkpoint, path, storage_options=None):
+                    Path(path).write_bytes(b"\x80\x02" + bytes(1000))  # the start of a pickle, torn
+                    raise OSError("disk full (injected)")
+
+                trainer.strategy.checkpoint_io.save_checkpoint = torn_write
+            trainer.save_checkpoint(self.path)
+
+
+@pytest.mark.parametrize("distributed", [True, False], ids=["distributed", "single-file"])
+def test_a_save_that_dies_midway_leaves_the_previous_checkpoint_loadable(
+    tmp_path, capfd, distributed
+) -> None:
+    path = tmp_path / "latest.ckpt"
+    failing = SaveThenFailMidway(path, distributed)
+    with pytest.raises(Exception) as raised:  # the run ends on every rank: nothing hangs
+        _fit(tmp_path, "failed", distributed=distributed, checkpoints=False, extra=[failing])
+    # The failing rank's error, or (from a rank whose own part was written) the promise kept below.
+    reported = capfd.readouterr().err + str(raised.value)
+    assert "disk full (injected)" in reported or "still holds the previous checkpoint" in reported
+    assert not staging_path(path).exists()
+    metadata = torch.load(path / "meta.pt" if distributed else path, weights_only=False)
+    assert metadata["global_step"] == 2
+    resumed = _fit(tmp_path, "resumed", ckpt_path=str(path), distributed=distributed, checkpoints=False)
+    assert len(resumed) == 4  # steps 3 to 6 from the step-2 checkpoint
+
+    with torch.device("meta"):
+        small = {name: tuple(t.shape) for name, t in Qwen3("small").state_dict().items()}
+    with pytest.raises(
+        ValueError, match=r"holds a different model: 'model.embed_tokens.weight' has shape \(256, 128\)"
+    ):
+        check_compatible(path, {f"model.{name}": shape for name, shape in small.items()})
+
+
+def test_a_checkpoint_of_another_model_is_a_clear_error_on_every_rank(saved_at_dp2_tp2, tmp_path) -> None:
+    directory, _, _ = saved_at_dp2_tp2
+    checkpoint = directory / "checkpoints" / "epoch=0-step=3.ckpt"
+    with pytest.raises(
+        Exception,
+        match=r"different model: 'model.embed_tokens.weight' has shape \(256, 128\) in the checkpoint but",
+    ):
+        _fit(tmp_path, "other", ckpt_path=str(checkpoint), preset="small")

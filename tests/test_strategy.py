@@ -226,3 +226,18 @@ def test_cli_accepts_the_registered_name_without_an_import(tmp_path) -> None:
     )
     # "auto" sizes on one node: data-parallel 1 × tensor-parallel 2.
     assert "lightning_canzona plan on mesh (1, 2)" in output
+
+
+class WrappedWithFSDP1(CausalLanguageModel):
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        self.model.layers[0] = FullyShardedDataParallel(self.model.layers[0], device_id=torch.device("cpu"))
+
+
+def test_fsdp1_wrapped_modules_are_a_clear_error() -> None:
+    strategy = lc.CanzonaStrategy(data_parallel_size=2, tensor_parallel_size=1, start_method="spawn")
+    with pytest.raises(Exception, match=r"FullyShardedDataParallel \(FSDP1\)"):
+        _trainer(strategy, devices=2).fit(
+            WrappedWithFSDP1(preset="tiny"), datamodule=ByteTextDataModule(seq_len=32)
+        )

@@ -92,6 +92,31 @@ def test_accumulation_equals_a_large_batch_and_steps_once_per_window(tmp_path) -
         torch.testing.assert_close(accumulated["weights"][name], expected, rtol=1e-4, atol=1e-5)
 
 
+class ManualOptimization(CausalLanguageModel):
+    """The same training as `CausalLanguageModel`, with the optimizer driven by hand."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
+        optimizer.zero_grad()
+        loss = self._loss(batch)
+        self.manual_backward(loss)
+        optimizer.step()
+        scheduler.step()
+        return loss
+
+
+def test_manual_optimization_steps_exactly_like_automatic(tmp_path) -> None:
+    _, automatic = _fit(tmp_path, "automatic")
+    _, manual = _fit(tmp_path, "manual", model_class=ManualOptimization)
+    assert manual["steps"] == automatic["steps"] == 3
+    for name, expected in automatic["weights"].items():
+        torch.testing.assert_close(manual["weights"][name], expected, rtol=0, atol=0)
+
+
 class CheckDataParallelReduce(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         # Mesh (dp=2, tp=2): rank r has dp coordinate r // 2, so its DP group is {r % 2, r % 2 + 2}.

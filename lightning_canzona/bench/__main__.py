@@ -1,12 +1,20 @@
-"""Benchmarks: ``python -m lightning_canzona.bench {ns,step}``."""
+"""Benchmarks: ``canzona bench [train|step|ns]`` (or ``python -m lightning_canzona.bench``).
+
+- ``train`` (the default): end-to-end training iterations, AdamW vs ``ModelParallelStrategy`` +
+  ``torch.optim.Muon`` vs canzona; a table, a JSON file and a PNG chart;
+- ``step``: the optimizer step alone, canzona's policies vs the alternatives;
+- ``ns``: Newton–Schulz throughput against plain matmul.
+"""
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
-from lightning_canzona.bench import newton_schulz, step
+from lightning_canzona.bench import newton_schulz, step, train
 
 
 def _shape(text: str) -> tuple[int, int]:
@@ -15,8 +23,20 @@ def _shape(text: str) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m lightning_canzona.bench", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="canzona bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     commands = parser.add_subparsers(dest="command", required=True)
+    training = commands.add_parser(
+        "train", help="training iterations: AdamW, ModelParallelStrategy + torch.optim.Muon, canzona"
+    )
+    training.add_argument("--preset", default="tiny", help="Qwen3 preset (see models.qwen3)")
+    training.add_argument("--dp", type=int, default=2)
+    training.add_argument("--tp", type=int, default=2)
+    training.add_argument("--steps", type=int, default=20, help="timed steps per variant")
+    training.add_argument("--warmup", type=int, default=5, help="untimed steps before them")
+    training.add_argument("--json", type=Path, default=Path("bench.json"), help="results file")
+    training.add_argument("--out", type=Path, default=Path("bench.png"), help="chart file")
     ns = commands.add_parser("ns", help="Newton–Schulz GFLOP/s against plain matmul, per shape and dtype")
     ns.add_argument("--shapes", nargs="+", type=_shape, default=newton_schulz.DEFAULT_SHAPES, metavar="MxN")
     ns.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float32"])
@@ -32,8 +52,14 @@ def main(argv: list[str] | None = None) -> None:
     steps.add_argument("--dp", type=int, default=2)
     steps.add_argument("--tp", type=int, default=2)
     steps.add_argument("--steps", type=int, default=10, help="timed steps per variant")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        argv.insert(0, "train")
     args = parser.parse_args(argv)
 
+    if args.command == "train":
+        train.run(args.preset, args.dp, args.tp, args.steps, args.warmup, args.json, args.out)
+        return
     if args.command == "step":
         step.run(args.presets, args.dp, args.tp, args.steps)
         return

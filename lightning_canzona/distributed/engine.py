@@ -21,9 +21,8 @@ changes then moves to the new owner.
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from lightning_canzona.distributed import pipeline
+from lightning_canzona.distributed.clock import Clock, Intervals
 from lightning_canzona.distributed.exchange import MicroGroupExchange
 from lightning_canzona.distributed.layout import MatrixLayout, exchange_layouts, local_tensor
 from lightning_canzona.optim.rules.adamw import ALGORITHM as ADAMW
@@ -45,21 +45,39 @@ State = dict[str, Tensor]
 
 @dataclass
 class StepStats:
-    """What one step cost this rank (host wall-clock; on GPUs, launch time unless synchronized).
+    """What one optimizer step cost this rank, timed on the device (see `clock`).
 
     Attributes:
-        compute_seconds: Time in the full-matrix updates this rank owns.
-        wait_seconds: Time blocked on gathers and scatters.
+        step: The whole step: AdamW, preparation, the micro-group pipeline, the apply.
+        compute: The full-matrix updates this rank owns.
+        wait: Blocked on gathers and scatters: communication that compute did not hide.
         matrices_computed: Full-matrix updates this rank computed.
-        bytes_sent: Bytes this rank sent in all-to-alls.
+        bytes_sent: Bytes this rank sent to other ranks in all-to-alls.
         all_to_alls: All-to-all collectives issued.
     """
 
-    compute_seconds: float = 0.0
-    wait_seconds: float = 0.0
+    step: Intervals = field(default_factory=Intervals)
+    compute: Intervals = field(default_factory=Intervals)
+    wait: Intervals = field(default_factory=Intervals)
     matrices_computed: int = 0
     bytes_sent: int = 0
     all_to_alls: int = 0
+
+    @property
+    def compute_seconds(self) -> float:
+        return self.compute.seconds
+
+    @property
+    def wait_seconds(self) -> float:
+        return self.wait.seconds
+
+    def add(self, other: StepStats) -> None:
+        """Count ``other`` (another mesh's step) in these."""
+        for mine, theirs in ((self.step, other.step), (self.compute, other.compute), (self.wait, other.wait)):
+            mine.extend(theirs)
+        self.matrices_computed += other.matrices_computed
+        self.bytes_sent += other.bytes_sent
+        self.all_to_alls += other.all_to_alls
 
 
 @dataclass(frozen=True)
@@ -118,6 +136,7 @@ class MeshEngine:
         self._exchange_dtypes: list[torch.dtype] = []
         #: Costs of the latest step on this rank.
         self.stats = StepStats()
+        self.clock = Clock(torch.device(mesh.device_type))
 
     def owner(self, index: int) -> int | None:
         """Owner group-rank of matrix ``index`` (``None`` under ``sync``)."""
@@ -140,6 +159,7 @@ class MeshEngine:
         ``has_grad`` tells, per entry, whether any rank holds its gradient (`gradient_flags`).
         """
         self.stats = StepStats()
+        start = self.clock.mark()
         matrices = [entry for entry in entries if entry.algorithm != ADAMW]
         rules = [rule_of(entry.group) for entry in matrices]
         self._ensure_plan(matrices, rules, state)
@@ -153,6 +173,7 @@ class MeshEngine:
             for exchange, dtype in zip(self._exchanges, self._exchange_dtypes)
         ]
         pipeline.run(steps, self.overlap)
+        self.stats.step.add(start, self.clock.mark())
 
     def prepare(
         self,
@@ -337,14 +358,14 @@ class _GroupStep:
         self.gathered, self.gather_work = self.exchange.launch_gather(
             prepared, self.dtype, self.device, self.engine.group
         )
-        self._count(self.gathered.element_size() * sum(self.exchange.gather_send_sizes))
+        self._count(self.gathered.element_size(), self.exchange.gather_send_sizes)
 
     def compute(self) -> None:
-        stats = self.engine.stats
-        start = time.perf_counter()
+        stats, clock = self.engine.stats, self.engine.clock
+        start = clock.mark()
         self.gather_work.wait()
-        computing = time.perf_counter()
-        stats.wait_seconds += computing - start
+        computing = clock.mark()
+        stats.wait.add(start, computing)
         for m, matrix in self.exchange.assemble(self.gathered).items():
             if self.stepped[m]:
                 param_state = self.state[self.engine._entries[m].param]
@@ -352,7 +373,7 @@ class _GroupStep:
                 stats.matrices_computed += 1
             else:
                 self.directions[m] = torch.zeros_like(matrix)
-        stats.compute_seconds += time.perf_counter() - computing
+        stats.compute.add(computing, clock.mark())
 
     def launch_scatter(self) -> None:
         self.scattered = None
@@ -360,13 +381,14 @@ class _GroupStep:
             self.scattered, self.scatter_work = self.exchange.launch_scatter(
                 self.directions, self.dtype, self.device, self.engine.group
             )
-            self._count(self.scattered.element_size() * sum(self.exchange.scatter_send_sizes))
+            self._count(self.scattered.element_size(), self.exchange.scatter_send_sizes)
 
     def finish(self) -> None:
         if self.scattered is not None:
-            start = time.perf_counter()
+            clock = self.engine.clock
+            start = clock.mark()
             self.scatter_work.wait()
-            self.engine.stats.wait_seconds += time.perf_counter() - start
+            self.engine.stats.wait.add(start, clock.mark())
         for m, update in self.exchange.my_updates(self.scattered, self.directions).items():
             if not self.stepped[m]:
                 continue
@@ -379,6 +401,8 @@ class _GroupStep:
                 shape=entry.param.shape,
             )
 
-    def _count(self, bytes_sent: int) -> None:
+    def _count(self, element_bytes: int, send_sizes: list[int]) -> None:
         self.engine.stats.all_to_alls += 1
-        self.engine.stats.bytes_sent += bytes_sent
+        # What leaves this rank: its block for itself stays in memory.
+        others = sum(send_sizes) - send_sizes[self.engine.rank]
+        self.engine.stats.bytes_sent += element_bytes * others
