@@ -166,11 +166,13 @@ def measure(
             path = Path(directory) / "timing.json"
             torch.manual_seed(0)  # the same initial weights for every variant
             model = _CanzonaModel(preset=preset) if variant == "canzona" else _BaselineModel(preset, variant)
+            # Lightning counts optimizer steps: two optimizers step twice per iteration.
+            optimizers_per_iteration = 2 if variant == "torch.optim.Muon" else 1
             trainer = Trainer(
                 accelerator="cpu",
                 devices=dp * tp,
                 strategy=_strategy(variant, dp, tp),
-                max_steps=warmup + steps,
+                max_steps=(warmup + steps) * optimizers_per_iteration,
                 limit_val_batches=0,
                 logger=False,
                 enable_checkpointing=False,

@@ -1,0 +1,28 @@
+"""``canzona bench``: the end-to-end training benchmark runs on a tiny setting."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lightning_canzona.cli import main
+
+
+def test_bench_train_runs_every_variant_and_writes_json_and_chart(tmp_path, capsys) -> None:
+    json_path, chart = tmp_path / "bench.json", tmp_path / "bench.png"
+    quick = ["--dp", "1", "--tp", "2", "--steps", "2", "--warmup", "1"]
+    main(["bench", "train", *quick, "--json", str(json_path), "--out", str(chart)])
+    record = json.loads(json_path.read_text())
+    results = {r["name"]: r for r in record["results"]}
+    assert list(results) == ["AdamW", "torch.optim.Muon", "canzona"]
+    for result in results.values():
+        assert result["iteration_ms"] > result["optimizer_ms"] > 0
+    canzona, torch_muon = results["canzona"], results["torch.optim.Muon"]
+    assert record["ratios"]["canzona / torch.optim.Muon"] == pytest.approx(
+        canzona["iteration_ms"] / torch_muon["iteration_ms"]
+    )
+    # The same weights, data and Muon settings: both Muons train alike (bf16 Newton–Schulz).
+    assert canzona["final_loss"] == pytest.approx(torch_muon["final_loss"], abs=0.02)
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "canzona / torch.optim.Muon" in capsys.readouterr().out
