@@ -18,6 +18,7 @@ optimizer step is the part after ``on_before_optimizer_step``. Medians exclude w
 from __future__ import annotations
 
 import json
+import logging
 import os
 import statistics
 import tempfile
@@ -126,6 +127,8 @@ class _Timer(Callback):
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         torch.set_num_threads(self.threads)  # ranks share the cores: the same for every variant
+        # torch.optim.Muon on DTensors warns on every redistribution of every step and rank.
+        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.start = self.step_start = time.perf_counter()

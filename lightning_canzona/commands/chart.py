@@ -6,8 +6,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from lightning_canzona.commands.analysis import PolicyResult
-
-_UNITS = {"flops": (1e9, "GFLOP"), "numel": (1e6, "M elements")}
+from lightning_canzona.planning.report import COST_UNITS
 
 
 def write_load_chart(path: str | Path, results: Mapping[str, PolicyResult], title: str) -> Path:
@@ -27,7 +26,7 @@ def write_load_chart(path: str | Path, results: Mapping[str, PolicyResult], titl
     shared = None
     for axis, policy in zip(axes[0], policies):
         rep = results[policy].report
-        scale, unit = _UNITS[rep.cost]
+        scale, unit = COST_UNITS[rep.cost]
         loads = [load / scale for load in rep.rank_loads]
         ranks = range(len(loads))
         if policy != "sync":

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from lightning_canzona.commands.analysis import PolicyResult
+from lightning_canzona.planning.report import COST_UNITS
 from lightning_canzona.simulation.device import DeviceModel
 from lightning_canzona.simulation.iteration import Workload
 
 MIB = 2**20
-_UNITS = {"flops": (1e9, "GFLOP"), "numel": (1e6, "M elements")}
 #: The paper's reported speed-ups of Canzona over its baseline (arXiv 2602.06079, Qwen3 on 256 GPUs).
 PAPER_STEP_SPEEDUP = 5.8
 PAPER_ITERATION_SPEEDUP = 1.57
@@ -41,7 +41,7 @@ def shown_ranks(result: PolicyResult, limit: int) -> list[tuple[int, str]]:
 def rank_table(result: PolicyResult, limit: int = 16) -> str:
     """Per-rank load, matrices, optimizer state and traffic (a selection on large meshes)."""
     rep, moved = result.report, result.traffic
-    scale, unit = _UNITS[rep.cost]
+    scale, unit = COST_UNITS[rep.cost]
     sent, received = moved.rank_sent, moved.rank_received
     lines = [
         f"{'rank':>5} {'load [' + unit + ']':>20} {'matrices':>9} {'state [MiB]':>12} "

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 from lightning_canzona.planning.plan import Plan
 
-_UNITS = {"flops": (1e9, "GFLOP"), "numel": (1e6, "M elements")}
+#: How each cost kind is printed: ``(divisor, unit)``.
+COST_UNITS = {"flops": (1e9, "GFLOP"), "numel": (1e6, "M elements")}
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class PlanReport:
 
     def table(self) -> str:
         """A per-rank table with the summary underneath."""
-        scale, unit = _UNITS[self.cost]
+        scale, unit = COST_UNITS[self.cost]
         lines = [f"{'rank':>5} {'load [' + unit + ']':>18} {'matrices':>9} {'state [MiB]':>12}"]
         for rank, (load, count, state) in enumerate(
             zip(self.rank_loads, self.rank_matrices, self.rank_state_bytes)
