@@ -10,7 +10,10 @@ FSDP2 and DTensor TP, distributed checkpoints) plus:
 - **optimizer binding**: the strategy's plan settings go to every `lightning_canzona` optimizer, and
   a ``torch.optim.Muon`` from ``configure_optimizers`` becomes a `lightning_canzona.Muon` with the
   same settings (its schedulers re-pointed);
-- the optimizer plan printed as a table when fitting starts.
+- the optimizer plan printed as a table when fitting starts, and telemetry of every optimizer
+  step in the logger (`lightning_canzona.telemetry`);
+- checkpoints that hold every owner's matrix state, never destroy the last good checkpoint, and
+  refuse another model's clearly (`lightning_canzona.checkpoint`).
 """
 
 from __future__ import annotations
@@ -332,6 +335,14 @@ class _InProcessLauncher(_MultiProcessingLauncher):
         callback = trainer.checkpoint_callback
         best_model_path = getattr(callback, "best_model_path", None) if callback else None
         return _WorkerOutput(best_model_path, None, trainer.state, results, self.get_extra_results(trainer))
+
+    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+        super()._wrapping_function(*args, **kwargs)
+        # The rank's process ends here. Left to interpreter exit, the process group's teardown can
+        # race gloo's worker threads and abort the rank ("terminate called without an active
+        # exception") after a successful run.
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 def _convert_torch_muon(
