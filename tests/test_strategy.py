@@ -101,6 +101,35 @@ def test_fit_composes_tp_and_fsdp2_and_binds_the_plan_settings() -> None:
     assert torch.isfinite(trainer.callback_metrics["train_loss"])
 
 
+class OwnComposition(CausalLanguageModel):
+    """Keeps full control: TP on the blocks only, FSDP2 on the blocks only, the rest replicated."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        plan = {k: v for k, v in self.tensor_parallel_plan().items() if k.startswith("model.layers")}
+        parallelize_module(self, self.device_mesh["tensor_parallel"], plan)
+        for block in self.model.layers:
+            fully_shard(block, mesh=self.device_mesh["data_parallel"])
+
+
+class CheckOwnComposition(Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        q_proj = pl_module.model.layers[0].self_attn.q_proj.weight
+        assert isinstance(q_proj, DTensor) and q_proj.device_mesh.ndim == 2
+        # The strategy composed nothing on top: what the module left alone stays a plain tensor.
+        assert not isinstance(pl_module.model.embed_tokens.weight, DTensor)
+        assert trainer.optimizers[0].engines[q_proj.device_mesh].stats.matrices_computed > 0
+
+
+def test_a_module_that_overrides_configure_model_keeps_full_control() -> None:
+    strategy = lc.CanzonaStrategy(data_parallel_size=2, tensor_parallel_size=2, start_method="spawn")
+    trainer = _trainer(strategy, callbacks=[CheckOwnComposition()], max_steps=2)
+    trainer.fit(OwnComposition(preset="tiny"), datamodule=ByteTextDataModule(seq_len=32, batch_size=4))
+    assert torch.isfinite(trainer.callback_metrics["train_loss"])
+
+
 class TorchMuonModel(CausalLanguageModel):
     def configure_optimizers(self):
         matrices = [p for p in self.model.parameters() if p.ndim == 2]
