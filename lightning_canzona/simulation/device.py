@@ -18,7 +18,7 @@ Defaults are datasheet peaks scaled by an achievable fraction, never measurement
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 _TERA = 1e12
 _GIGA = 1e9
@@ -88,16 +88,7 @@ H100 = DeviceModel(
     inter_node_latency=6e-6,
 )
 
-H200 = DeviceModel(
-    name="H200 SXM",
-    bf16_flops=989.4 * _TERA,
-    fp32_flops=67 * _TERA,
-    achievable_fraction=0.6,
-    hbm_bandwidth=4800 * _GIGA,
-    intra_node_bandwidth=450 * _GIGA,
-    intra_node_latency=3e-6,
-    inter_node_bandwidth=50 * _GIGA,
-    inter_node_latency=6e-6,
-)
+#: The same GH100 compute and NVLink as the H100; only the memory (HBM3e) is faster.
+H200 = replace(H100, name="H200 SXM", hbm_bandwidth=4800 * _GIGA)
 
 DEVICES: dict[str, DeviceModel] = {"h100": H100, "h200": H200}
