@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -20,6 +21,16 @@ COMPUTE_MS, COMPUTE_MAX_MS, WAIT_MS, SENT_MIB, MATRICES = (
     "canzona/comm_wait_ms",
     "canzona/sent_MiB",
     "canzona/matrices_per_rank",
+)
+
+
+#: What each rank contributes per step, in this order.
+_FIGURES: tuple[Callable[[StepStats], float], ...] = (
+    lambda stats: stats.step.seconds,
+    lambda stats: stats.compute_seconds,
+    lambda stats: stats.wait_seconds,
+    lambda stats: stats.bytes_sent,
+    lambda stats: stats.matrices_computed,
 )
 
 
@@ -45,7 +56,11 @@ class OptimizerTelemetry(Callback):
     """
 
     def __init__(self) -> None:
-        self._window: list[StepStats] = []
+        #: The latest step's figures; its device timings are read one step later, when the device
+        #: has long finished them, so that reading never stalls the device.
+        self._pending: StepStats | None = None
+        self._totals = torch.zeros(len(_FIGURES), dtype=torch.float64)  # sums since the last log
+        self._steps = 0
         self._last: list[int] = []
         self._gathered = CatMetric(nan_strategy="error")
 
@@ -60,36 +75,33 @@ class OptimizerTelemetry(Callback):
         # Each optimizer step gives every engine new stats; a gradient-accumulation micro-batch not.
         if [id(engine.stats) for engine in engines] != self._last:
             self._last = [id(engine.stats) for engine in engines]
-            total = StepStats()
+            self._read_pending()
+            self._pending = StepStats()
             for engine in engines:
-                total.add(engine.stats)
-            self._window.append(total)
-        if self._window and trainer._logger_connector.should_update_logs:
-            for name, value in self._summarize(pl_module.device).items():
-                pl_module.log(
-                    name, value, prog_bar=name in (STEP_MS, IMBALANCE), on_step=True, on_epoch=False
-                )
+                self._pending.add(engine.stats)
+        if trainer._logger_connector.should_update_logs:
+            self._read_pending()
+            if self._steps:
+                for name, value in self._summarize(pl_module.device).items():
+                    pl_module.log(
+                        name, value, prog_bar=name in (STEP_MS, IMBALANCE), on_step=True, on_epoch=False
+                    )
+
+    def _read_pending(self) -> None:
+        if self._pending is not None:
+            self._totals += torch.tensor([figure(self._pending) for figure in _FIGURES], dtype=torch.float64)
+            self._steps += 1
+            self._pending = None
 
     def _summarize(self, device: torch.device) -> dict[str, float]:
-        """Every rank's per-step means over the window, gathered (collective)."""
-        steps = len(self._window)
-        local = torch.tensor(
-            [
-                [
-                    sum(s.step.seconds for s in self._window) / steps,
-                    sum(s.compute_seconds for s in self._window) / steps,
-                    sum(s.wait_seconds for s in self._window) / steps,
-                    sum(s.bytes_sent for s in self._window) / steps,
-                    sum(s.matrices_computed for s in self._window) / steps,
-                ]
-            ],
-            dtype=torch.float64,
-            device=device,
-        )
-        self._window = []
+        """Every rank's per-step means since the last log, gathered (collective)."""
         self._gathered = self._gathered.to(device)
-        self._gathered.update(local)
-        step, compute, wait, sent, matrices = self._gathered.compute().reshape(-1, 5).unbind(dim=1)
+        self._gathered.update((self._totals / self._steps).to(device)[None])
+        self._totals.zero_()
+        self._steps = 0
+        step, compute, wait, sent, matrices = (
+            self._gathered.compute().reshape(-1, len(_FIGURES)).unbind(dim=1)
+        )
         self._gathered.reset()
         mean_compute = float(compute.mean())
         return {
