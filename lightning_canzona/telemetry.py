@@ -27,8 +27,8 @@ COMPUTE_MS, COMPUTE_MAX_MS, WAIT_MS, SENT_MIB, MATRICES = (
 #: What each rank contributes per step, in this order.
 _FIGURES: tuple[Callable[[StepStats], float], ...] = (
     lambda stats: stats.step.seconds,
-    lambda stats: stats.compute_seconds,
-    lambda stats: stats.wait_seconds,
+    lambda stats: stats.compute.seconds,
+    lambda stats: stats.wait.seconds,
     lambda stats: stats.bytes_sent,
     lambda stats: stats.matrices_computed,
 )
@@ -57,7 +57,7 @@ class OptimizerTelemetry(Callback):
 
     def __init__(self) -> None:
         #: The latest step's figures; its device timings are read one step later, when the device
-        #: has long finished them, so that reading never stalls the device.
+        #: has long finished them, so that only a logging step waits for its own step's work.
         self._pending: StepStats | None = None
         self._totals = torch.zeros(len(_FIGURES), dtype=torch.float64)  # sums since the last log
         self._steps = 0
@@ -73,8 +73,9 @@ class OptimizerTelemetry(Callback):
         if not engines:
             return
         # Each optimizer step gives every engine new stats; a gradient-accumulation micro-batch not.
-        if [id(engine.stats) for engine in engines] != self._last:
-            self._last = [id(engine.stats) for engine in engines]
+        latest = [id(engine.stats) for engine in engines]
+        if latest != self._last:
+            self._last = latest
             self._read_pending()
             self._pending = StepStats()
             for engine in engines:

@@ -59,5 +59,5 @@ def test_step_costs_are_logged_and_bytes_match_the_planners_traffic_model(tmp_pa
         assert values[STEP_MS] >= values[COMPUTE_MAX_MS] >= values[COMPUTE_MS] > 0
         assert values[IMBALANCE] == pytest.approx(values[COMPUTE_MAX_MS] / values[COMPUTE_MS], rel=1e-5)
         assert values[IMBALANCE] >= 1.0
-        assert values[WAIT_MS] >= 0.0
+        assert values[STEP_MS] >= values[WAIT_MS]  # the blocked time lies within the step
         assert values[MATRICES] >= len(named) / 4

@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     steps.add_argument("--tp", type=int, default=2)
     steps.add_argument("--steps", type=int, default=10, help="timed steps per variant")
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv.insert(0, "train")
     args = parser.parse_args(argv)
 

@@ -128,7 +128,7 @@ def _worker(rank: int, world: int, port: int, dp: int, tp: int, preset: str, ste
             if repeat >= 2:
                 times[variant].append(float(elapsed))
                 engines = list(optimizer.engines.values())
-                busy[variant].append(sum(e.stats.compute_seconds for e in engines))
+                busy[variant].append(sum(e.stats.compute.seconds for e in engines))
     results = []
     for variant, optimizer in optimizers.items():
         rank_busy = _gather(statistics.median(busy[variant]))

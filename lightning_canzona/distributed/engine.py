@@ -63,14 +63,6 @@ class StepStats:
     bytes_sent: int = 0
     all_to_alls: int = 0
 
-    @property
-    def compute_seconds(self) -> float:
-        return self.compute.seconds
-
-    @property
-    def wait_seconds(self) -> float:
-        return self.wait.seconds
-
     def add(self, other: StepStats) -> None:
         """Count ``other`` (another mesh's step) in these."""
         for mine, theirs in ((self.step, other.step), (self.compute, other.compute), (self.wait, other.wait)):
