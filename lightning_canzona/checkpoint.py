@@ -79,8 +79,12 @@ def replace_with(staged: Path, path: Path) -> None:
     remove(previous)
 
 
-def saved_model_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """The global shape of every model tensor in a Lightning checkpoint (a folder or a file)."""
+def saved_model_shapes(path: Path, weights_only: bool | None = None) -> dict[str, tuple[int, ...]]:
+    """The global shape of every model tensor in a Lightning checkpoint (a folder or a file).
+
+    A single file is unpickled with ``weights_only`` (``None``: ``True``, as ``torch.load`` does),
+    so a checkpoint from elsewhere cannot run code unless the caller asks for full unpickling.
+    """
     if path.is_dir():
         from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -91,12 +95,17 @@ def saved_model_shapes(path: Path) -> dict[str, tuple[int, ...]]:
             for key, entry in metadata.items()
             if key.startswith(_MODEL_PREFIX) and isinstance(entry, TensorStorageMetadata)
         }
-    checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    weights_only = True if weights_only is None else weights_only
+    checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
     return {key: tuple(value.shape) for key, value in checkpoint["state_dict"].items()}
 
 
 def check_compatible(
-    path: Path, expected: Mapping[str, tuple[int, ...]], strict: bool = True, listed: int = 5
+    path: Path,
+    expected: Mapping[str, tuple[int, ...]],
+    strict: bool = True,
+    listed: int = 5,
+    weights_only: bool | None = None,
 ) -> None:
     """Raise a `ValueError` naming what differs when ``path`` holds another model's weights.
 
@@ -106,8 +115,9 @@ def check_compatible(
         strict: Whether missing or unexpected tensors count as differences (Lightning's
             ``strict_loading``); differing shapes always do.
         listed: How many names of each kind the message lists.
+        weights_only: How a single file is unpickled (see `saved_model_shapes`).
     """
-    saved = saved_model_shapes(path)
+    saved = saved_model_shapes(path, weights_only)
     reshaped = [name for name, shape in expected.items() if name in saved and saved[name] != shape]
     problems = [
         f"{name!r} has shape {saved[name]} in the checkpoint but {expected[name]} in the model"

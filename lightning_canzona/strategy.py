@@ -33,12 +33,10 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.strategies.model_parallel import _align_compiled_param_names_with_module
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
@@ -50,9 +48,12 @@ from lightning_canzona.checkpoint import (
     staging_path,
 )
 from lightning_canzona.composition import compose
-from lightning_canzona.distributed.clipping import clip_grad_norm_
-from lightning_canzona.optim import MatrixOptimizer, Muon
+from lightning_canzona.launcher import InProcessLauncher
+from lightning_canzona.metrics import prepare_metrics
+from lightning_canzona.optim import MatrixOptimizer
+from lightning_canzona.optim.conversion import convert_torch_muon, is_torch_muon, repoint_scheduler
 from lightning_canzona.planning import PlanSettings, report
+from lightning_canzona.precision import clip_across_meshes
 from lightning_canzona.telemetry import OptimizerTelemetry
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
@@ -114,7 +115,7 @@ class CanzonaStrategy(ModelParallelStrategy):
         if self.start_method == "popen":
             super()._configure_launcher()
         else:
-            self._launcher = _InProcessLauncher(self, start_method=self.start_method)
+            self._launcher = InProcessLauncher(self, start_method=self.start_method)
 
     def _validate_before_launch(self) -> None:
         """Settings that would fail on every rank fail here, once, before any process starts."""
@@ -158,7 +159,7 @@ class CanzonaStrategy(ModelParallelStrategy):
             compose(self.lightning_module, self.device_mesh)  # once: validate/test reuse it
             # The module is now sharded like one whose configure_model did the work.
             self.lightning_module._device_mesh = self.device_mesh
-        self._prepare_metrics()
+        prepare_metrics(self.lightning_module, self.device_mesh["data_parallel"].get_group())
         _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -171,38 +172,9 @@ class CanzonaStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _prepare_metrics(self) -> None:
-        """torchmetrics sync over the DP group: TP ranks see the same batch and must count once.
-
-        Each rank also gets private metric states: a spawned rank unpickles CPU tensors into memory
-        shared with the other ranks (Lightning unshares parameters and buffers, which metric states
-        are not), so every rank would otherwise add into one tensor.
-        """
-        from torchmetrics import Metric
-
-        group = self.device_mesh["data_parallel"].get_group()
-        for module in self.lightning_module.modules():
-            if not isinstance(module, Metric):
-                continue
-            if module.process_group is None:
-                module.process_group = group
-            for name in module._defaults:
-                value = getattr(module, name)
-                if isinstance(value, Tensor) and value.is_shared():
-                    setattr(module, name, value.clone())
-                elif isinstance(value, list):
-                    setattr(module, name, [v.clone() if v.is_shared() else v for v in value])
-
     def setup_precision_plugin(self) -> None:
         super().setup_precision_plugin()
-        plugin = self.precision_plugin
-
-        def clip_grad_by_norm(optimizer: Optimizer, clip_val: float) -> None:
-            clip_grad_norm_(plugin.main_params(optimizer), clip_val)
-
-        # Lightning clips through the precision plugin, whose torch.nn.utils.clip_grad_norm_ cannot
-        # combine DTensors of different meshes; every precision we support clips the same way.
-        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+        clip_across_meshes(self.precision_plugin)
 
     @contextmanager
     def block_backward_sync(self) -> Iterator[None]:
@@ -223,6 +195,18 @@ class CanzonaStrategy(ModelParallelStrategy):
         if group is None and self._device_mesh is not None:
             group = self.device_mesh["data_parallel"].get_group()
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Whether ``decision`` holds on every rank (``all``) or on any rank, agreed over the world.
+
+        Not through `reduce`, whose data-parallel group would count only part of the ranks.
+        """
+        if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+            return decision
+        value = torch.tensor(int(decision), device=self.root_device)
+        op = torch.distributed.ReduceOp.MIN if all else torch.distributed.ReduceOp.MAX
+        torch.distributed.all_reduce(value, op=op)
+        return bool(value)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The optimizer's state; in a single file, with every owner's matrix state in it.
@@ -266,7 +250,7 @@ class CanzonaStrategy(ModelParallelStrategy):
         # Every rank must learn of a failure before anyone moves on (DCP's error is a BaseException).
         except (Exception, CheckpointException) as exception:
             error = exception
-        if self._anywhere(error is not None):
+        if self.reduce_boolean_decision(error is not None, all=False):
             if self.global_rank == 0:
                 remove(staged)
             self.barrier()  # no rank ends the run before the partial checkpoint is gone
@@ -283,14 +267,10 @@ class CanzonaStrategy(ModelParallelStrategy):
         path = Path(self.broadcast(checkpoint_path))
         assert self.model is not None and self.lightning_module is not None
         expected = {name: tuple(tensor.shape) for name, tensor in self.model.state_dict().items()}
-        check_compatible(path, expected, strict=self.lightning_module.strict_loading)
+        check_compatible(
+            path, expected, strict=self.lightning_module.strict_loading, weights_only=weights_only
+        )
         return super().load_checkpoint(path, weights_only)
-
-    def _anywhere(self, flag: bool) -> bool:
-        """Whether ``flag`` holds on any rank of the world (collective)."""
-        value = torch.tensor(int(flag), device=self.root_device)
-        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
-        return bool(value)
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
@@ -307,73 +287,14 @@ class CanzonaStrategy(ModelParallelStrategy):
         if isinstance(optimizer, MatrixOptimizer):
             optimizer.plan_settings, optimizer.overlap = self.plan_settings, self.overlap
             return optimizer
-        if type(optimizer).__name__ == "Muon" and type(optimizer).__module__.startswith("torch.optim"):
-            converted = _convert_torch_muon(
-                optimizer, self.lightning_module, self.plan_settings, self.overlap
-            )
+        if is_torch_muon(optimizer):
+            converted = convert_torch_muon(optimizer, self.lightning_module, self.plan_settings, self.overlap)
             for config in self.lr_scheduler_configs:
                 if config.scheduler.optimizer is optimizer:
-                    config.scheduler.optimizer = converted
+                    repoint_scheduler(config.scheduler, converted)
             rank_zero_info(
                 "lightning_canzona: converted torch.optim.Muon to lightning_canzona.Muon with the same "
                 "settings, so that each matrix update is computed once, on one owner."
             )
             return converted
         return optimizer
-
-
-class _InProcessLauncher(_MultiProcessingLauncher):
-    """Starts the ranks from this process (``fork`` in notebooks, or ``spawn``).
-
-    Only metrics and the trainer state come back to the launching process: a model sharded over
-    the mesh has no single copy to return, so keep weights with a checkpoint.
-    """
-
-    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:
-        if self._strategy.local_rank != 0:
-            return None
-        callback = trainer.checkpoint_callback
-        best_model_path = getattr(callback, "best_model_path", None) if callback else None
-        return _WorkerOutput(best_model_path, None, trainer.state, results, self.get_extra_results(trainer))
-
-    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
-        super()._wrapping_function(*args, **kwargs)
-        # The rank's process ends here. Left to interpreter exit, the process group's teardown can
-        # race gloo's worker threads and abort the rank ("terminate called without an active
-        # exception") after a successful run.
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-
-
-def _convert_torch_muon(
-    optimizer: Optimizer, module: nn.Module, settings: PlanSettings, overlap: bool
-) -> Muon:
-    names = {id(param): name for name, param in module.named_parameters()}
-    keys = (
-        "lr",
-        "weight_decay",
-        "momentum",
-        "nesterov",
-        "ns_coefficients",
-        "eps",
-        "ns_steps",
-        "adjust_lr_fn",
-    )
-    groups = []
-    for group in optimizer.param_groups:
-        hyperparameters = {key: group[key] for key in (*keys, "initial_lr") if key in group}
-        by_mesh: dict[Any, list[tuple[str, nn.Parameter]]] = {}  # one group per device mesh
-        for position, param in enumerate(group["params"]):
-            named = (names.get(id(param), f"param{position}"), param)
-            by_mesh.setdefault(getattr(param, "device_mesh", None), []).append(named)
-        groups.extend(
-            {"params": params, "algorithm": "muon", **hyperparameters} for params in by_mesh.values()
-        )
-    return Muon(
-        groups,
-        policy=settings.policy,
-        alpha=settings.alpha,
-        cost=settings.cost,
-        micro_group_capacity=settings.capacity,
-        overlap=overlap,
-    )

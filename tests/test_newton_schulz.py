@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from lightning_canzona.optim.newton_schulz import PRESETS, newton_schulz, resolve_schedule
+from lightning_canzona.rules.newton_schulz import PRESETS, newton_schulz, resolve_schedule
 
 
 def _with_singular_values(rows: int, cols: int, singular_values: torch.Tensor) -> torch.Tensor:

@@ -10,9 +10,9 @@ from lightning_canzona.cli import main
 from lightning_canzona.commands.analysis import Scenario, analyse
 from lightning_canzona.commands.model_matrices import compute_dtype, make_rule, preset_matrices
 from lightning_canzona.commands.sweep import bound_table
-from lightning_canzona.optim.newton_schulz import PRESETS
-from lightning_canzona.optim.rules import MuonRule
 from lightning_canzona.planning import POLICIES, PlanSettings, build_plan, describe, report, traffic
+from lightning_canzona.rules import MuonRule
+from lightning_canzona.rules.newton_schulz import PRESETS
 from lightning_canzona.simulation import H100, Workload, pipelined_time, project_step, sequential_time
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -7,7 +7,6 @@ from hypothesis import strategies as st
 
 from lightning_canzona.models import Qwen3
 from lightning_canzona.optim import PRESETS, matrix_param_groups
-from lightning_canzona.optim.rules import MuonRule, SOAPRule
 from lightning_canzona.planning import (
     POLICIES,
     MatrixSpec,
@@ -17,6 +16,7 @@ from lightning_canzona.planning import (
     describe,
     report,
 )
+from lightning_canzona.rules import MuonRule, SOAPRule
 
 
 def _spec(index: int, rows: int, cols: int, bucket: int) -> MatrixSpec:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from lightning import Callback, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import StrategyRegistry
 from torch.distributed.tensor import DTensor
 
@@ -132,26 +133,47 @@ def test_a_module_that_overrides_configure_model_keeps_full_control() -> None:
 
 class TorchMuonModel(CausalLanguageModel):
     def configure_optimizers(self):
+        # One group spanning both meshes: the embedding (DP mesh) and the blocks (DP×TP mesh).
         matrices = [p for p in self.model.parameters() if p.ndim == 2]
         optimizer = torch.optim.Muon(matrices, lr=0.03, momentum=0.9, nesterov=False, ns_steps=4)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5)
-        return {"optimizer": optimizer, "lr_scheduler": scheduler}
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
 class CheckConversion(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         optimizer = trainer.optimizers[0]
         assert isinstance(optimizer, lc.Muon)
-        group = optimizer.param_groups[0]
+        (group,) = optimizer.param_groups  # the user's one group, spanning two meshes
+        assert len({p.device_mesh for p in group["params"]}) == 2
         assert (group["momentum"], group["nesterov"], group["ns_steps"]) == (0.9, False, 4)
-        assert group["lr"] == pytest.approx(0.015)  # the scheduler drives the converted optimizer
+        # The scheduler drives the converted optimizer, stepped after each optimizer step.
+        assert group["lr"] == pytest.approx(0.03 * 0.5**trainer.global_step)
         assert trainer.lr_scheduler_configs[0].scheduler.optimizer is optimizer
 
 
 def test_torch_optim_muon_is_converted_with_its_settings_and_scheduler() -> None:
     strategy = lc.CanzonaStrategy(data_parallel_size=2, tensor_parallel_size=2, start_method="spawn")
-    trainer = _trainer(strategy, callbacks=[CheckConversion()], max_steps=2)
+    trainer = _trainer(strategy, callbacks=[CheckConversion()], max_steps=3)
     trainer.fit(TorchMuonModel(preset="tiny"), datamodule=ByteTextDataModule(seq_len=32, batch_size=4))
+
+
+class LogsProgress(CausalLanguageModel):
+    def training_step(self, batch, batch_idx):
+        self.log("progress", float(self.global_step))  # every step is a new best
+        return super().training_step(batch, batch_idx)
+
+
+def test_callbacks_agree_over_every_rank_under_tensor_parallelism(tmp_path) -> None:
+    """ModelCheckpoint's top-k and file-name decisions are agreed over every rank, not only DP."""
+    checkpoint = ModelCheckpoint(
+        dirpath=tmp_path, monitor="progress", mode="max", save_top_k=1, every_n_train_steps=1
+    )
+    strategy = lc.CanzonaStrategy(data_parallel_size=1, tensor_parallel_size=2, start_method="spawn")
+    trainer = _trainer(strategy, [checkpoint], devices=2, max_steps=3, enable_checkpointing=True)
+    trainer.fit(LogsProgress(preset="tiny"), datamodule=ByteTextDataModule(seq_len=32, batch_size=4))
+    assert Path(checkpoint.best_model_path).name == "epoch=0-step=3.ckpt"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["epoch=0-step=3.ckpt"]
 
 
 class MissingModulePlan(CausalLanguageModel):

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from lightning_canzona.bench.timing import median_seconds
-from lightning_canzona.optim.newton_schulz import PRESETS, newton_schulz
-from lightning_canzona.optim.rules.muon import MuonRule
+from lightning_canzona.rules.muon import MuonRule
+from lightning_canzona.rules.newton_schulz import PRESETS, newton_schulz
 
 DEFAULT_SHAPES = ((256, 256), (512, 512), (512, 2048), (2048, 512), (1024, 1024), (1024, 4096), (2048, 2048))
 

@@ -7,10 +7,10 @@ from functools import cache
 import torch
 
 from lightning_canzona.models.qwen3 import Qwen3
-from lightning_canzona.optim.newton_schulz import PRESETS as SCHEDULES
 from lightning_canzona.optim.param_groups import matrix_param_groups
-from lightning_canzona.optim.rules import MatrixRule, MuonRule, ShampooRule, SOAPRule
 from lightning_canzona.planning.matrices import MatrixSpec, describe
+from lightning_canzona.rules import MatrixRule, MuonRule, ShampooRule, SOAPRule
+from lightning_canzona.rules.newton_schulz import PRESETS as SCHEDULES
 
 OPTIMIZERS: tuple[str, ...] = ("muon", "shampoo", "soap")
 

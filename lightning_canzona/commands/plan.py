@@ -22,9 +22,9 @@ from lightning_canzona.commands.analysis import Scenario, analyse
 from lightning_canzona.commands.chart import write_load_chart
 from lightning_canzona.commands.model_matrices import OPTIMIZERS, compute_dtype, make_rule, preset_matrices
 from lightning_canzona.models.qwen3 import PRESETS
-from lightning_canzona.optim.rules import MatrixRule
 from lightning_canzona.planning.matrices import COST_KINDS
 from lightning_canzona.planning.plan import PlanSettings
+from lightning_canzona.rules import MatrixRule
 from lightning_canzona.simulation.device import DEVICES
 from lightning_canzona.simulation.iteration import Workload
 

@@ -9,9 +9,9 @@ from dataclasses import replace
 from lightning_canzona.commands.analysis import Scenario, analyse
 from lightning_canzona.commands.model_matrices import preset_matrices
 from lightning_canzona.commands.tables import PAPER_ITERATION_SPEEDUP, PAPER_STEP_SPEEDUP
-from lightning_canzona.optim.rules import MatrixRule
 from lightning_canzona.planning.plan import PlanSettings, build_plan
 from lightning_canzona.planning.report import report
+from lightning_canzona.rules import MatrixRule
 
 SWEEP_PRESETS: tuple[str, ...] = ("0.6B", "1.7B", "4B", "8B", "14B", "32B")
 SWEEP_MESHES: tuple[tuple[int, int], ...] = ((8, 1), (32, 8), (64, 4), (256, 1))

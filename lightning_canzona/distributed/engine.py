@@ -35,10 +35,10 @@ from lightning_canzona.distributed import pipeline
 from lightning_canzona.distributed.clock import Clock, Intervals
 from lightning_canzona.distributed.exchange import MicroGroupExchange
 from lightning_canzona.distributed.layout import MatrixLayout, exchange_layouts, local_tensor
-from lightning_canzona.optim.rules.adamw import ALGORITHM as ADAMW
-from lightning_canzona.optim.rules.adamw import adamw_step, init_adamw_state
-from lightning_canzona.optim.rules.base import MatrixRule, non_finite
 from lightning_canzona.planning import MatrixSpec, Plan, PlanSettings, block_of, build_plan
+from lightning_canzona.rules.adamw import ALGORITHM as ADAMW
+from lightning_canzona.rules.adamw import adamw_step, init_adamw_state
+from lightning_canzona.rules.base import MatrixRule, non_finite
 
 State = dict[str, Tensor]
 

@@ -1,9 +1,9 @@
 """Matrix optimizers: per-matrix rules, Newton–Schulz, and the optimizer classes."""
 
-from lightning_canzona.optim.newton_schulz import PRESETS, NewtonSchulzSchedule, newton_schulz
 from lightning_canzona.optim.optimizer import MatrixOptimizer
 from lightning_canzona.optim.optimizers import SOAP, Muon, Shampoo
 from lightning_canzona.optim.param_groups import matrix_param_groups
+from lightning_canzona.rules.newton_schulz import PRESETS, NewtonSchulzSchedule, newton_schulz
 
 __all__ = [
     "PRESETS",

@@ -21,10 +21,10 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_canzona.distributed.engine import Entry, MeshEngine, gradient_flags
-from lightning_canzona.optim.rules.adamw import ALGORITHM as ADAMW
-from lightning_canzona.optim.rules.adamw import adamw_step, init_adamw_state
-from lightning_canzona.optim.rules.base import MatrixRule, non_finite
 from lightning_canzona.planning import Plan, PlanSettings
+from lightning_canzona.rules.adamw import ALGORITHM as ADAMW
+from lightning_canzona.rules.adamw import adamw_step, init_adamw_state
+from lightning_canzona.rules.base import MatrixRule, non_finite
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 
@@ -143,24 +143,6 @@ class MatrixOptimizer(Optimizer):
         except ValueError as error:
             self.param_groups.pop()
             raise ValueError(f"param_groups[{index}] ({algorithm}): {error}") from None
-        first_on_mesh: dict[Any, tuple[int, Tensor]] = {}
-        for position, param in enumerate(group["params"]):
-            first_on_mesh.setdefault(getattr(param, "device_mesh", None), (position, param))
-        if len(first_on_mesh) > 1:
-            self.param_groups.pop()
-            described = " and ".join(
-                f"{_param_name(group, index, position)} "
-                + (
-                    f"on {p.device_mesh} with {tuple(p.placements)}"
-                    if mesh is not None
-                    else "(not a DTensor)"
-                )
-                for mesh, (position, p) in first_on_mesh.items()
-            )
-            raise ValueError(
-                f"param_groups[{index}] mixes device meshes: {described}. Put parameters of different "
-                "meshes in different param groups (lightning_canzona.matrix_param_groups does)."
-            )
         if algorithm != ADAMW:
             for position, param in enumerate(group["params"]):
                 if param.ndim < 2:

@@ -1,7 +1,7 @@
 """The optimizers users construct: `Muon`, `Shampoo` and `SOAP`.
 
 Each is a `torch.optim.Optimizer` holding its matrix groups and AdamW groups together; the
-math lives in `lightning_canzona.optim.rules`.
+math lives in `lightning_canzona.rules`.
 """
 
 from __future__ import annotations
@@ -9,16 +9,16 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from lightning_canzona.optim.newton_schulz import Coefficients, resolve_schedule
 from lightning_canzona.optim.optimizer import (
     MatrixOptimizer,
     _check_betas,
     _check_non_negative,
     resolve_dtype,
 )
-from lightning_canzona.optim.rules.muon import ADJUST_LR_FNS, MuonRule
-from lightning_canzona.optim.rules.shampoo import ShampooRule
-from lightning_canzona.optim.rules.soap import SOAPRule
+from lightning_canzona.rules.muon import ADJUST_LR_FNS, MuonRule
+from lightning_canzona.rules.newton_schulz import Coefficients, resolve_schedule
+from lightning_canzona.rules.shampoo import ShampooRule
+from lightning_canzona.rules.soap import SOAPRule
 
 
 def _check_positive_int(**settings: int) -> None:
@@ -37,7 +37,7 @@ class Muon(MatrixOptimizer):
     """Muon for weight matrices, AdamW for everything else, in one optimizer.
 
     Takes ``torch.optim.Muon``'s keywords with its defaults and computes the same update (see
-    `lightning_canzona.optim.rules.muon`); 3-D parameters are stacks of matrices (experts),
+    `lightning_canzona.rules.muon`); 3-D parameters are stacks of matrices (experts),
     each orthogonalised on its own.
 
     Args:
@@ -110,7 +110,7 @@ class Muon(MatrixOptimizer):
 class Shampoo(MatrixOptimizer):
     """Shampoo with Adam grafting for weight matrices, AdamW for everything else.
 
-    See `lightning_canzona.optim.rules.shampoo` for the update.
+    See `lightning_canzona.rules.shampoo` for the update.
 
     Args:
         params: Tensors, ``(name, tensor)`` pairs or param groups.
@@ -177,7 +177,7 @@ class Shampoo(MatrixOptimizer):
 class SOAP(MatrixOptimizer):
     """SOAP (Adam in Shampoo's eigenbasis) for weight matrices, AdamW for everything else.
 
-    See `lightning_canzona.optim.rules.soap` for the update.
+    See `lightning_canzona.rules.soap` for the update.
 
     Args:
         params: Tensors, ``(name, tensor)`` pairs or param groups.

@@ -37,9 +37,9 @@ def matrix_param_groups(
 
     Returns:
         ``[{"params": [(name, param), …]}, {"params": [(name, param), …], "algorithm": "adamw"}]``,
-        leaving out an empty group. Named entries let errors name the parameter. DTensor
-        parameters on different device meshes (a 2-D DP×TP mesh and a 1-D DP mesh, say) get
-        groups of their own: the engine plans each mesh separately.
+        leaving out an empty group. Named entries let errors name the parameter. A group may
+        span device meshes (a 2-D DP×TP mesh and a 1-D DP mesh, say): the engine plans each mesh
+        separately.
     """
     embedding_weights = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
     default_matrices: set[int] = set()
@@ -60,10 +60,5 @@ def matrix_param_groups(
         else:
             is_matrix = id(param) in default_matrices
         (matrices if is_matrix else others).append((name, param))
-    groups: list[dict[str, Any]] = []
-    for members, extra in ((matrices, {}), (others, {"algorithm": "adamw"})):
-        by_mesh: dict[Any, list[tuple[str, nn.Parameter]]] = {}
-        for name, param in members:
-            by_mesh.setdefault(getattr(param, "device_mesh", None), []).append((name, param))
-        groups.extend({"params": params, **extra} for params in by_mesh.values())
-    return groups
+    groups: list[dict[str, Any]] = [{"params": matrices}, {"params": others, "algorithm": "adamw"}]
+    return [group for group in groups if group["params"]]

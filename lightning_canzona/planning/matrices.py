@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from lightning_canzona.optim.rules.base import UpdateCost
+from lightning_canzona.rules.base import UpdateCost
 
 CostKind = Literal["flops", "numel"]
 COST_KINDS: tuple[str, ...] = ("flops", "numel")

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_canzona.optim.newton_schulz import NewtonSchulzSchedule, newton_schulz
-from lightning_canzona.optim.rules.base import MatrixRule, State, UpdateCost, matrix_dims
+from lightning_canzona.rules.base import MatrixRule, State, UpdateCost, matrix_dims
+from lightning_canzona.rules.newton_schulz import NewtonSchulzSchedule, newton_schulz
 
 ADJUST_LR_FNS = ("original", "match_rms_adamw")
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_canzona.optim.rules.base import State
+from lightning_canzona.rules.base import State
 
 ALGORITHM = "adamw"
 

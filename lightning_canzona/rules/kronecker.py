@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from lightning_canzona.optim.rules.base import State, UpdateCost, matrix_dims
+from lightning_canzona.rules.base import State, UpdateCost, matrix_dims
 
 SIDES = ("left", "right")
 

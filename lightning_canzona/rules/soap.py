@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_canzona.optim.rules import kronecker
-from lightning_canzona.optim.rules.base import MatrixRule, State, UpdateCost
+from lightning_canzona.rules import kronecker
+from lightning_canzona.rules.base import MatrixRule, State, UpdateCost
 
 
 def _project(matrix: Tensor, state: State, *, back: bool = False) -> Tensor:

@@ -1,0 +1,17 @@
+"""Per-matrix update rules (pure math on full matrices) and elementwise AdamW."""
+
+from lightning_canzona.rules.adamw import adamw_step, init_adamw_state
+from lightning_canzona.rules.base import MatrixRule, UpdateCost
+from lightning_canzona.rules.muon import MuonRule
+from lightning_canzona.rules.shampoo import ShampooRule
+from lightning_canzona.rules.soap import SOAPRule
+
+__all__ = [
+    "MatrixRule",
+    "MuonRule",
+    "SOAPRule",
+    "ShampooRule",
+    "UpdateCost",
+    "adamw_step",
+    "init_adamw_state",
+]
