@@ -48,6 +48,7 @@ from lightning_canzona.checkpoint import (
     staging_path,
 )
 from lightning_canzona.composition import compose
+from lightning_canzona.distributed.replicas import average_gradients, check_gradients_agree
 from lightning_canzona.launcher import InProcessLauncher
 from lightning_canzona.metrics import prepare_metrics
 from lightning_canzona.optim import MatrixOptimizer
@@ -109,6 +110,9 @@ class CanzonaStrategy(ModelParallelStrategy):
         if start_method not in ("popen", "fork", "spawn"):
             raise ValueError(f"start_method must be 'popen', 'fork' or 'spawn', got {start_method!r}")
         self.start_method = start_method
+        #: Trainable parameters that are not DTensors, whose gradients the strategy synchronises.
+        self._plain_parameters: list[tuple[str, torch.nn.Parameter]] = []
+        self._gradient_sync_blocked = False
 
     def _configure_launcher(self) -> None:
         self._validate_before_launch()
@@ -160,6 +164,7 @@ class CanzonaStrategy(ModelParallelStrategy):
             # The module is now sharded like one whose configure_model did the work.
             self.lightning_module._device_mesh = self.device_mesh
         prepare_metrics(self.lightning_module, self.device_mesh["data_parallel"].get_group())
+        self._find_plain_parameters()
         _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -171,6 +176,31 @@ class CanzonaStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _find_plain_parameters(self) -> None:
+        named = self.lightning_module.named_parameters()
+        self._plain_parameters = [(n, p) for n, p in named if p.requires_grad and not isinstance(p, DTensor)]
+        if self._plain_parameters and self.world_size > 1:
+            names = [name for name, _ in self._plain_parameters]
+            rank_zero_info(
+                f"lightning_canzona: {len(names)} trainable parameters are not sharded ({names[:5]}"
+                f"{' …' if len(names) > 5 else ''}): their gradients are averaged over the "
+                "data-parallel group after each backward and checked to agree on every rank."
+            )
+
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        """Synchronise the gradients of the trainable parameters that are not DTensors.
+
+        See `lightning_canzona.distributed.replicas`; skipped, like FSDP2's reduce-scatter, on
+        micro-batches that accumulate gradients.
+        """
+        super().post_backward(closure_loss)
+        if not self._plain_parameters or self.world_size == 1 or self._gradient_sync_blocked:
+            return
+        average_gradients(
+            [param for _, param in self._plain_parameters], self.device_mesh["data_parallel"].get_group()
+        )
+        check_gradients_agree(self._plain_parameters)
 
     def setup_precision_plugin(self) -> None:
         super().setup_precision_plugin()
@@ -184,9 +214,11 @@ class CanzonaStrategy(ModelParallelStrategy):
         modules = [m for m in self.model.modules() if isinstance(m, FSDPModule)] if self.model else []
         for module in modules:
             module.set_requires_gradient_sync(False, recurse=False)
+        self._gradient_sync_blocked = True
         try:
             yield None
         finally:
+            self._gradient_sync_blocked = False
             for module in modules:
                 module.set_requires_gradient_sync(True, recurse=False)
 

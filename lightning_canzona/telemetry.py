@@ -15,12 +15,13 @@ from lightning_canzona.optim import MatrixOptimizer
 
 #: Logged names; the first two also go to the progress bar.
 STEP_MS, IMBALANCE = "canzona/step_ms", "canzona/imbalance"
-COMPUTE_MS, COMPUTE_MAX_MS, WAIT_MS, SENT_MIB, MATRICES = (
+COMPUTE_MS, COMPUTE_MAX_MS, WAIT_MS, SENT_MIB, MATRICES, DECOMPOSITION_FAILURES = (
     "canzona/compute_ms",
     "canzona/compute_max_ms",
     "canzona/comm_wait_ms",
     "canzona/sent_MiB",
     "canzona/matrices_per_rank",
+    "canzona/decomposition_failures",
 )
 
 
@@ -31,6 +32,7 @@ _FIGURES: tuple[Callable[[StepStats], float], ...] = (
     lambda stats: stats.wait.seconds,
     lambda stats: stats.bytes_sent,
     lambda stats: stats.matrices_computed,
+    lambda stats: stats.decomposition_failures,
 )
 
 
@@ -50,7 +52,9 @@ class OptimizerTelemetry(Callback):
     - ``canzona/comm_wait_ms``: time the mean rank was blocked on gathers and scatters, i.e.
       communication the pipeline did not hide;
     - ``canzona/sent_MiB``: bytes sent in all-to-alls by all ranks together;
-    - ``canzona/matrices_per_rank``: full-matrix updates computed by the busiest rank.
+    - ``canzona/matrices_per_rank``: full-matrix updates computed by the busiest rank;
+    - ``canzona/decomposition_failures``: Shampoo/SOAP factor decompositions per step that failed
+      (all ranks together); each kept its previous root or basis.
 
     `CanzonaStrategy` adds this callback unless ``telemetry=False`` or one is already there.
     """
@@ -100,7 +104,7 @@ class OptimizerTelemetry(Callback):
         self._gathered.update((self._totals / self._steps).to(device)[None])
         self._totals.zero_()
         self._steps = 0
-        step, compute, wait, sent, matrices = (
+        step, compute, wait, sent, matrices, failures = (
             self._gathered.compute().reshape(-1, len(_FIGURES)).unbind(dim=1)
         )
         self._gathered.reset()
@@ -113,4 +117,5 @@ class OptimizerTelemetry(Callback):
             WAIT_MS: 1e3 * float(wait.mean()),
             SENT_MIB: float(sent.sum()) / 2**20,
             MATRICES: float(matrices.max()),
+            DECOMPOSITION_FAILURES: float(failures.sum()),
         }

@@ -19,17 +19,23 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, body: Callable[..., Any], args: tuple) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, timeout: float, body: Callable[..., Any], args: tuple
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     # A rank that skips a collective makes the others time out instead of hanging the suite.
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
     try:
         body(rank, world_size, *args)
     finally:
         dist.destroy_process_group()
 
 
-def run_on_ranks(world_size: int, body: Callable[..., Any], *args: Any) -> None:
-    """Run ``body(rank, world_size, *args)`` on ``world_size`` processes; re-raise any failure."""
-    mp.spawn(_worker, args=(world_size, _free_port(), body, args), nprocs=world_size, join=True)
+def run_on_ranks(world_size: int, body: Callable[..., Any], *args: Any, timeout: float = 120.0) -> None:
+    """Run ``body(rank, world_size, *args)`` on ``world_size`` processes; re-raise any failure.
+
+    ``timeout`` (seconds) bounds every collective: a test of a failure that could hang sets it
+    short, so that a hang fails the test in seconds.
+    """
+    mp.spawn(_worker, args=(world_size, _free_port(), timeout, body, args), nprocs=world_size, join=True)

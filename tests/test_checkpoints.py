@@ -199,3 +199,24 @@ def test_a_checkpoint_of_another_model_is_a_clear_error_on_every_rank(saved_at_d
         match=r"different model: 'model.embed_tokens.weight' has shape \(256, 128\) in the checkpoint but",
     ):
         _fit(tmp_path, "other", ckpt_path=str(checkpoint), preset="small")
+
+
+class _RunsCode:
+    """Unpickling it runs code: here, creating a file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_a_single_file_checkpoint_is_inspected_without_running_its_code(tmp_path) -> None:
+    path, marker = tmp_path / "from-elsewhere.ckpt", tmp_path / "code-ran"
+    torch.save({"state_dict": {"weight": torch.zeros(2)}, "payload": _RunsCode(marker)}, path)
+    with pytest.raises(Exception, match="Weights only load failed"):
+        check_compatible(path, {"weight": (2,)})
+    assert not marker.exists()
+    # An explicit choice of the caller (Trainer.fit(weights_only=False)) is honoured.
+    check_compatible(path, {"weight": (2,)}, weights_only=False)
+    assert marker.exists()

@@ -70,6 +70,26 @@ def test_bad_settings_fail_before_any_process_starts(build, message) -> None:
         build()
 
 
+def _same_on_every_rank(tensor: torch.Tensor) -> bool:
+    everyone = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, tensor.detach().cpu())
+    return all(torch.equal(theirs, everyone[0]) for theirs in everyone)
+
+
+class WithRootParameter(CausalLanguageModel):
+    """A parameter set on the LightningModule itself, which FSDP2 cannot manage."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.loss_scale = torch.nn.Parameter(torch.ones(()))
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) * self.loss_scale
+
+    def configure_optimizers(self):
+        return lc.Muon(lc.matrix_param_groups(self), lr=0.02, adamw_lr=0.01)
+
+
 class CheckComposition(Callback):
     """Runs on every rank: the model is sharded over both meshes and the optimizer is bound."""
 
@@ -79,6 +99,8 @@ class CheckComposition(Callback):
         q_proj = pl_module.model.layers[0].self_attn.q_proj.weight
         assert isinstance(q_proj, DTensor) and q_proj.device_mesh.ndim == 2  # TP then FSDP2
         assert isinstance(pl_module.model.embed_tokens.weight, DTensor)  # FSDP2 over the DP mesh
+        # Its gradient differs per data-parallel rank: averaged, the replicas stay equal.
+        assert _same_on_every_rank(pl_module.loss_scale) and pl_module.loss_scale != 1
         optimizer = trainer.optimizers[0]
         assert isinstance(optimizer, lc.Muon) and optimizer.plan_settings.policy == "lpt"
         engine = optimizer.engines[q_proj.device_mesh]
@@ -93,7 +115,7 @@ class CheckComposition(Callback):
 
 
 def test_fit_composes_tp_and_fsdp2_and_binds_the_plan_settings() -> None:
-    module = CausalLanguageModel(preset="tiny", warmup_steps=1)
+    module = WithRootParameter(preset="tiny", warmup_steps=1)
     strategy = lc.CanzonaStrategy(
         data_parallel_size=2, tensor_parallel_size=2, policy="lpt", start_method="spawn"
     )
@@ -119,8 +141,10 @@ class CheckOwnComposition(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         q_proj = pl_module.model.layers[0].self_attn.q_proj.weight
         assert isinstance(q_proj, DTensor) and q_proj.device_mesh.ndim == 2
-        # The strategy composed nothing on top: what the module left alone stays a plain tensor.
-        assert not isinstance(pl_module.model.embed_tokens.weight, DTensor)
+        # The strategy composed nothing on top: what the module left alone stays a plain tensor,
+        # whose gradient the strategy averages over data parallelism: replicas stay equal.
+        embedding = pl_module.model.embed_tokens.weight
+        assert not isinstance(embedding, DTensor) and _same_on_every_rank(embedding)
         assert trainer.optimizers[0].engines[q_proj.device_mesh].stats.matrices_computed > 0
 
 

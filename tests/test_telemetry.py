@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+from collections import Counter
 
 import pytest
 import torch
@@ -60,4 +61,5 @@ def test_step_costs_are_logged_and_bytes_match_the_planners_traffic_model(tmp_pa
         assert values[IMBALANCE] == pytest.approx(values[COMPUTE_MAX_MS] / values[COMPUTE_MS], rel=1e-5)
         assert values[IMBALANCE] >= 1.0
         assert values[STEP_MS] >= values[WAIT_MS]  # the blocked time lies within the step
-        assert values[MATRICES] >= len(named) / 4
+        # The busiest rank computes as many matrices per step as the plan gives it.
+        assert values[MATRICES] == max(Counter(plan.owners).values())

@@ -15,9 +15,18 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from lightning_canzona.distributed.gradients import agree_on_gradients
+
 
 def total_grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0) -> Tensor:
-    """The ``norm_type``-norm of all gradients together, as a plain tensor on every rank."""
+    """The ``norm_type``-norm of all gradients together, as a plain tensor on every rank.
+
+    The ranks first agree on the gradients (`agree_on_gradients`), so that every rank takes
+    part in the same per-mesh reductions even where its own gradient is ``None`` or laid out
+    differently.
+    """
+    parameters = list(parameters)
+    agree_on_gradients([(f"parameters[{i}]", p) for i, p in enumerate(parameters)], check_finite=False)
     by_mesh: dict[object, list[Tensor]] = {}
     for param in parameters:
         if param.grad is not None:

@@ -2,10 +2,9 @@
 
 Per step, on every rank of the mesh, in the same order:
 
-1. (`gradient_flags`, once per step for all meshes) one ``all_reduce`` of per-parameter flags:
-   does any rank hold a gradient, is any non-finite. A parameter without a gradient on every rank
-   is skipped, as on one device; a rank whose gradient is ``None`` while others have one
-   contributes zeros. A non-finite gradient raises on every rank;
+1. (before, once per step for all meshes: `lightning_canzona.distributed.gradients`) the ranks
+   agree on every gradient: a parameter without a gradient on every rank is skipped, as on one
+   device; the others have a gradient in their parameter's layout on every rank;
 2. AdamW parameters step elementwise on their shards;
 3. every matrix's elementwise part (`MatrixRule.prepare`) runs on its shards;
 4. the micro-groups run through the pipeline: one packed all-to-all gathers the shards to the
@@ -16,6 +15,11 @@ Elementwise state (momentum, Adam moments) is a DTensor sharded like its paramet
 (Shampoo/SOAP factors and bases, step counters) lives on the owner, in full, and nowhere else.
 The plan is built once and rebuilt only when the parameter set changes; matrix state whose owner
 changes then moves to the new owner.
+
+An exception in this rank's own work (an update rule, out of memory) must not leave the other
+ranks waiting in a collective: it is kept in `MeshEngine.failure`, this rank joins the rest of
+the step's collectives with zeros, and the caller raises it on every rank once the step's
+collectives are done (`lightning_canzona.distributed.failures`).
 """
 
 from __future__ import annotations
@@ -35,10 +39,10 @@ from lightning_canzona.distributed import pipeline
 from lightning_canzona.distributed.clock import Clock, Intervals
 from lightning_canzona.distributed.exchange import MicroGroupExchange
 from lightning_canzona.distributed.layout import MatrixLayout, exchange_layouts, local_tensor
+from lightning_canzona.distributed.updates import apply_matrix, prepare_matrix, step_adamw
 from lightning_canzona.planning import MatrixSpec, Plan, PlanSettings, block_of, build_plan
 from lightning_canzona.rules.adamw import ALGORITHM as ADAMW
-from lightning_canzona.rules.adamw import adamw_step, init_adamw_state
-from lightning_canzona.rules.base import MatrixRule, non_finite
+from lightning_canzona.rules.base import MatrixRule
 
 State = dict[str, Tensor]
 
@@ -52,6 +56,8 @@ class StepStats:
         compute: The full-matrix updates this rank owns.
         wait: Blocked on gathers and scatters: communication that compute did not hide.
         matrices_computed: Full-matrix updates this rank computed.
+        decomposition_failures: Factor decompositions that failed in this step's updates (the
+            previous root or basis was kept; see `lightning_canzona.rules.kronecker`).
         bytes_sent: Bytes this rank sent to other ranks in all-to-alls.
         all_to_alls: All-to-all collectives issued.
     """
@@ -60,6 +66,7 @@ class StepStats:
     compute: Intervals = field(default_factory=Intervals)
     wait: Intervals = field(default_factory=Intervals)
     matrices_computed: int = 0
+    decomposition_failures: int = 0
     bytes_sent: int = 0
     all_to_alls: int = 0
 
@@ -68,6 +75,7 @@ class StepStats:
         for mine, theirs in ((self.step, other.step), (self.compute, other.compute), (self.wait, other.wait)):
             mine.extend(theirs)
         self.matrices_computed += other.matrices_computed
+        self.decomposition_failures += other.decomposition_failures
         self.bytes_sent += other.bytes_sent
         self.all_to_alls += other.all_to_alls
 
@@ -128,6 +136,8 @@ class MeshEngine:
         self._exchange_dtypes: list[torch.dtype] = []
         #: Costs of the latest step on this rank.
         self.stats = StepStats()
+        #: The first exception of this rank's work in the latest step (see the module docstring).
+        self.failure: Exception | None = None
         self.clock = Clock(torch.device(mesh.device_type))
 
     def owner(self, index: int) -> int | None:
@@ -148,16 +158,19 @@ class MeshEngine:
     ) -> None:
         """One optimizer step of ``entries`` (all on this engine's mesh).
 
-        ``has_grad`` tells, per entry, whether any rank holds its gradient (`gradient_flags`).
+        ``has_grad`` tells, per entry, whether it has a gradient (on every rank, see
+        `lightning_canzona.distributed.gradients.agree_on_gradients`). An exception of this
+        rank's own work ends up in `failure` instead of being raised.
         """
         self.stats = StepStats()
+        self.failure = None
         start = self.clock.mark()
         matrices = [entry for entry in entries if entry.algorithm != ADAMW]
         rules = [rule_of(entry.group) for entry in matrices]
         self._ensure_plan(matrices, rules, state)
         for entry, stepped in zip(entries, has_grad):
             if entry.algorithm == ADAMW and stepped:
-                self._adamw(entry, state)
+                self.attempt(functools.partial(step_adamw, entry.param, state, entry.group))
         stepped = [flag for entry, flag in zip(entries, has_grad) if entry.algorithm != ADAMW]
         prepared = [self._prepare_matrix(i, rule, state, stepped[i]) for i, rule in enumerate(rules)]
         steps = [
@@ -166,6 +179,15 @@ class MeshEngine:
         ]
         pipeline.run(steps, self.overlap)
         self.stats.step.add(start, self.clock.mark())
+
+    def attempt(self, work: Callable[[], Tensor | None], fallback: Callable[[], Tensor] | None = None) -> Any:
+        """``work()``, or ``fallback()`` once this step failed on this rank (kept in `failure`)."""
+        if self.failure is None:
+            try:
+                return work()
+            except Exception as error:
+                self.failure = error
+        return fallback() if fallback is not None else None
 
     def prepare(
         self,
@@ -258,73 +280,15 @@ class MeshEngine:
             if self.owner(index) == self.rank
         }
 
-    def _adamw(self, entry: Entry, state: dict[Tensor, State]) -> None:
-        param_state = state.setdefault(entry.param, {})
-        if not param_state:
-            param_state.update(init_adamw_state(entry.param))
-        param = local_tensor(entry.param)
-        group = entry.group
-        adamw_step(
-            param,
-            _local_grad(entry.param, param),
-            {key: local_tensor(value) for key, value in param_state.items()},
-            lr=group["lr"],
-            betas=group["betas"],
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-        )
-
     def _prepare_matrix(
         self, index: int, rule: MatrixRule, state: dict[Tensor, State], stepped: bool
     ) -> Tensor:
-        entry = self._entries[index]
-        param = local_tensor(entry.param)
+        param = self._entries[index].param
+        zeros = functools.partial(torch.zeros_like, local_tensor(param))
         if not stepped:  # joins the collectives with zeros; nobody computes or applies it
-            return torch.zeros_like(param)
-        param_state = state.setdefault(entry.param, {})
-        if not param_state:
-            param_state.update(rule.init_elementwise_state(entry.param))
-        if self.computes(index) and not rule.matrix_state(param_state):
-            param_state.update(rule.init_matrix_state(entry.param.shape, param.device))
-        local_state = {key: local_tensor(value) for key, value in param_state.items()}
-        return rule.prepare(_local_grad(entry.param, param), local_state)
-
-
-def gradient_flags(
-    entries: Sequence[Entry], check_finite: bool, group: dist.ProcessGroup | None = None
-) -> list[bool]:
-    """Whether any rank holds a gradient of each entry; raises (on every rank) on NaN/Inf.
-
-    One ``all_reduce`` over ``group`` (default: all ranks) covers the entries of every mesh, so a
-    step pays for one such synchronisation whatever the number of meshes.
-    """
-    device = entries[0].param.device
-    present = [index for index, entry in enumerate(entries) if entry.param.grad is not None]
-    flags = torch.zeros(2 * len(entries), device=device)
-    flags[present] = 1.0
-    if check_finite and present:
-        grads = [local_tensor(entries[index].param.grad) for index in present]
-        flags[[len(entries) + index for index in present]] = non_finite(grads).to(flags)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-    values = flags.tolist()
-    for entry, bad in zip(entries, values[len(entries) :]):
-        if bad:
-            raise FloatingPointError(
-                f"The gradient of parameter {entry.name!r} (shape {tuple(entry.param.shape)}) holds "
-                "NaN or Inf on some rank; the step was not taken. Lower the learning rate, clip "
-                "gradients or check the loss."
-            )
-    return [bool(value) for value in values[: len(entries)]]
-
-
-def _local_grad(param: DTensor, local_param: Tensor) -> Tensor:
-    """The local block of ``param``'s gradient, laid out like the parameter; zeros when ``None``."""
-    grad = param.grad
-    if grad is None:
-        return torch.zeros_like(local_param)
-    if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(param.placements):
-        grad = grad.redistribute(param.device_mesh, param.placements)
-    return local_tensor(grad)
+            return zeros()
+        work = functools.partial(prepare_matrix, param, rule, state, self.computes(index))
+        return self.attempt(work, zeros)
 
 
 class _GroupStep:
@@ -359,13 +323,23 @@ class _GroupStep:
         computing = clock.mark()
         stats.wait.add(start, computing)
         for m, matrix in self.exchange.assemble(self.gathered).items():
+            zeros = functools.partial(torch.zeros_like, matrix)
             if self.stepped[m]:
-                param_state = self.state[self.engine._entries[m].param]
-                self.directions[m] = self.rules[m].direction(matrix, param_state)
-                stats.matrices_computed += 1
+                self.directions[m] = self.engine.attempt(
+                    lambda m=m, matrix=matrix: self._direction(m, matrix), zeros
+                )
             else:
-                self.directions[m] = torch.zeros_like(matrix)
+                self.directions[m] = zeros()
         stats.compute.add(computing, clock.mark())
+
+    def _direction(self, m: int, matrix: Tensor) -> Tensor:
+        param_state = self.state[self.engine._entries[m].param]
+        failures = int(param_state.get("decomposition_failures", 0))
+        direction = self.rules[m].direction(matrix, param_state)
+        stats = self.engine.stats
+        stats.matrices_computed += 1
+        stats.decomposition_failures += int(param_state.get("decomposition_failures", 0)) - failures
+        return direction
 
     def launch_scatter(self) -> None:
         self.scattered = None
@@ -382,16 +356,10 @@ class _GroupStep:
             self.scatter_work.wait()
             self.engine.stats.wait.add(start, clock.mark())
         for m, update in self.exchange.my_updates(self.scattered, self.directions).items():
-            if not self.stepped[m]:
-                continue
-            entry = self.engine._entries[m]
-            self.rules[m].apply(
-                local_tensor(entry.param),
-                update,
-                lr=entry.group["lr"],
-                weight_decay=entry.group["weight_decay"],
-                shape=entry.param.shape,
-            )
+            if self.stepped[m]:
+                entry = self.engine._entries[m]
+                work = functools.partial(apply_matrix, entry.param, self.rules[m], update, entry.group)
+                self.engine.attempt(work)
 
     def _count(self, element_bytes: int, send_sizes: list[int]) -> None:
         self.engine.stats.all_to_alls += 1

@@ -20,11 +20,14 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_canzona.distributed.engine import Entry, MeshEngine, gradient_flags
+from lightning_canzona.distributed.engine import Entry, MeshEngine
+from lightning_canzona.distributed.failures import raise_on_every_rank
+from lightning_canzona.distributed.gradients import agree_on_gradients
+from lightning_canzona.distributed.layout import local_tensor
+from lightning_canzona.distributed.updates import apply_matrix, prepare_matrix, step_adamw
 from lightning_canzona.planning import Plan, PlanSettings
 from lightning_canzona.rules.adamw import ALGORITHM as ADAMW
-from lightning_canzona.rules.adamw import adamw_step, init_adamw_state
-from lightning_canzona.rules.base import MatrixRule, non_finite
+from lightning_canzona.rules.base import MatrixRule
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 
@@ -160,25 +163,50 @@ class MatrixOptimizer(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One optimization step; ``closure`` re-evaluates the loss with gradients enabled."""
+        """One optimization step; ``closure`` re-evaluates the loss with gradients enabled.
+
+        Every gradient is checked on every rank before any parameter changes (see
+        `lightning_canzona.distributed.gradients`); an error in the step's own work is raised on
+        every rank once the step's collectives are done.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        distributed = self._distributed_entries()
-        if self.check_finite:
-            self._raise_on_non_finite_gradients()
-        for group in self.param_groups:
-            if group["algorithm"] == ADAMW:
-                self._adamw_group_step(group)
-            else:
-                self._matrix_group_step(group, self.matrix_rule(group))
-        if distributed:
-            flags = iter(gradient_flags([e for es in distributed.values() for e in es], self.check_finite))
-            for mesh, entries in distributed.items():
-                has_grad = [next(flags) for _ in entries]
-                self._engine(mesh).step(entries, has_grad, self.state, self.matrix_rule)
+        named = [
+            (_param_name(group, index, position).strip("'"), param)
+            for index, group in enumerate(self.param_groups)
+            for position, param in enumerate(group["params"])
+        ]
+        if not named:
+            return loss
+        present = agree_on_gradients(named, self.check_finite)
+        has_grad = {id(param): flag for (_, param), flag in zip(named, present)}
+        failure: Exception | None = None
+        try:
+            self._step_plain_tensors(has_grad)
+        except Exception as error:
+            failure = error
+        for mesh, entries in self._distributed_entries().items():
+            engine = self._engine(mesh)
+            engine.step(entries, [has_grad[id(e.param)] for e in entries], self.state, self.matrix_rule)
+            failure = failure or engine.failure
+        device = local_tensor(named[0][1]).device
+        raise_on_every_rank(failure, device, f"{type(self).__name__}.step")
         return loss
+
+    def _step_plain_tensors(self, has_grad: dict[int, bool]) -> None:
+        """Update the parameters that are not DTensors: whole, on this rank."""
+        for group in self.param_groups:
+            rule = None if group["algorithm"] == ADAMW else self.matrix_rule(group)
+            for param in group["params"]:
+                if isinstance(param, DTensor) or not has_grad[id(param)]:
+                    continue
+                if rule is None:
+                    step_adamw(param, self.state, group)
+                else:
+                    prepared = prepare_matrix(param, rule, self.state, holds_matrix=True)
+                    apply_matrix(param, rule, rule.direction(prepared, self.state[param]), group)
 
     def plans(self) -> dict[Any, Plan]:
         """The plan of every device mesh of the DTensor parameters, built now if need be.
@@ -213,51 +241,6 @@ class MatrixOptimizer(Optimizer):
         if mesh not in self.engines:
             self.engines[mesh] = MeshEngine(mesh, self.plan_settings, self.overlap)
         return self.engines[mesh]
-
-    def _matrix_group_step(self, group: dict[str, Any], rule: MatrixRule) -> None:
-        for param in group["params"]:
-            if param.grad is None or isinstance(param, DTensor):
-                continue
-            state = self.state[param]
-            if not state:
-                state.update(rule.init_elementwise_state(param))
-                state.update(rule.init_matrix_state(param.shape, param.device))
-            direction = rule.direction(rule.prepare(param.grad, state), state)
-            rule.apply(
-                param, direction, lr=group["lr"], weight_decay=group["weight_decay"], shape=param.shape
-            )
-
-    def _adamw_group_step(self, group: dict[str, Any]) -> None:
-        for param in group["params"]:
-            if param.grad is None or isinstance(param, DTensor):
-                continue
-            state = self.state[param]
-            if not state:
-                state.update(init_adamw_state(param))
-            adamw_step(
-                param,
-                param.grad,
-                state,
-                lr=group["lr"],
-                betas=group["betas"],
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
-            )
-
-    def _raise_on_non_finite_gradients(self) -> None:
-        named = [
-            (_param_name(group, index, position), param)
-            for index, group in enumerate(self.param_groups)
-            for position, param in enumerate(group["params"])
-            if param.grad is not None and not isinstance(param, DTensor)
-        ]
-        flags = non_finite([param.grad for _, param in named])
-        if named and flags.any():
-            name, param = named[int(flags.nonzero()[0])]
-            raise FloatingPointError(
-                f"The gradient of parameter {name} (shape {tuple(param.shape)}) holds NaN or Inf; "
-                "the step was not taken. Lower the learning rate, clip gradients or check the loss."
-            )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load state, keeping each state tensor in the dtype it was saved with.

@@ -7,7 +7,8 @@ For gradients ``G`` of shape ``(…, m, n)`` the left factor ``L`` (``m × m``) 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -15,6 +16,8 @@ from torch import Tensor
 from lightning_canzona.rules.base import State, UpdateCost, matrix_dims
 
 SIDES = ("left", "right")
+#: The state key counting the decompositions that failed (see `decompose`).
+FAILURES = "decomposition_failures"
 
 
 def preconditioned_sides(rows: int, cols: int, max_precond_dim: int) -> dict[str, int]:
@@ -25,21 +28,50 @@ def preconditioned_sides(rows: int, cols: int, max_precond_dim: int) -> dict[str
 def init_state(shape: torch.Size, device: torch.device, max_precond_dim: int, companion: str) -> State:
     """Owner-held state of a Kronecker-factored rule, all float32 and batched like ``shape``.
 
-    A step counter (on the host), the two moments, and for each preconditioned side its factor
-    (``"left"``, ``"right"``) and the factor's companion (``"left_<companion>"``: an inverse root
-    for Shampoo, an eigenbasis for SOAP).
+    A step counter and a count of failed decompositions (on the host), the two moments, and for
+    each preconditioned side its factor (``"left"``, ``"right"``) and the factor's companion
+    (``"left_<companion>"``: an inverse root for Shampoo, an eigenbasis for SOAP), starting as the
+    identity, which is also what a first decomposition that fails leaves in place.
     """
     full = dict(device=device, dtype=torch.float32)
     state = {
         "step": torch.zeros((), dtype=torch.int64),
+        FAILURES: torch.zeros((), dtype=torch.int64),
         "exp_avg": torch.zeros(shape, **full),
         "exp_avg_sq": torch.zeros(shape, **full),
     }
     batch = tuple(shape[:-2])
     for side, dim in preconditioned_sides(shape[-2], shape[-1], max_precond_dim).items():
         state[side] = torch.zeros(*batch, dim, dim, **full)
-        state[f"{side}_{companion}"] = torch.zeros(*batch, dim, dim, **full)
+        state[f"{side}_{companion}"] = torch.eye(dim, **full).expand(*batch, dim, dim).clone()
     return state
+
+
+def decompose(state: State, key: str, compute: Callable[[], Tensor], fallback: Tensor | None = None) -> None:
+    """``state[key] ← compute()``, a decomposition of a factor, unless it fails.
+
+    An eigensolver or QR can fail to converge, or return NaN, on an ill-conditioned factor. One
+    such factor must not end a long run: ``state[key]`` then keeps its value (or takes
+    ``fallback``), the failure is counted in ``state["decomposition_failures"]`` (which the
+    engine reports in telemetry), and a warning names the factor's shape.
+    """
+    try:
+        value = compute()
+        failed = not bool(torch.isfinite(value).all())
+    except torch.linalg.LinAlgError:
+        failed = True
+    if not failed:
+        state[key].copy_(value)
+        return
+    if fallback is not None:
+        state[key].copy_(fallback)
+    state.setdefault(FAILURES, torch.zeros((), dtype=torch.int64)).add_(1)
+    warnings.warn(
+        f"The decomposition for {key!r} (shape {tuple(state[key].shape)}) failed; the previous one "
+        "is kept. Counted in telemetry as decomposition failures.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
 
 
 def update_factors(state: State, grad: Tensor, beta: float) -> None:

@@ -23,6 +23,7 @@ All of its state (factors, roots, both moments) is matrix state on the owner.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -80,7 +81,9 @@ class ShampooRule(MatrixRule):
         if since_start % self.precondition_frequency == 0:
             for side in ("left", "right"):
                 if side in state:
-                    state[f"{side}_root"].copy_(inverse_fourth_root(state[side], self.epsilon))
+                    factor = state[side]
+                    root = functools.partial(inverse_fourth_root, factor, self.epsilon)
+                    kronecker.decompose(state, f"{side}_root", root)
         preconditioned = momentum
         if "left" in state:
             preconditioned = state["left_root"] @ preconditioned

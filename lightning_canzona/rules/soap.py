@@ -24,6 +24,7 @@ QR), amortised over ``f`` = precondition_frequency. All of its state is matrix s
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -51,6 +52,10 @@ def _eigenbasis(factor: Tensor) -> Tensor:
     return eigenvectors.flip(-1)
 
 
+def _power_iteration(factor: Tensor, basis: Tensor) -> Tensor:
+    return torch.linalg.qr(factor @ basis).Q
+
+
 def _refresh(state: State) -> None:
     """One QR power iteration per side, re-ordering ``exp_avg_sq`` with the basis columns."""
     exp_avg_sq = state["exp_avg_sq"]
@@ -63,7 +68,8 @@ def _refresh(state: State) -> None:
         basis = basis.take_along_dim(order.unsqueeze(-2), dim=-1)
         order_shape = order.unsqueeze(-1) if axis == -2 else order.unsqueeze(-2)
         exp_avg_sq = exp_avg_sq.take_along_dim(order_shape, dim=axis)
-        state[f"{side}_basis"].copy_(torch.linalg.qr(factor @ basis).Q)
+        power_iteration = functools.partial(_power_iteration, factor, basis)
+        kronecker.decompose(state, f"{side}_basis", power_iteration, fallback=basis)
     state["exp_avg_sq"].copy_(exp_avg_sq)
 
 
@@ -90,7 +96,8 @@ class SOAPRule(MatrixRule):
         if step == 1:
             for side in kronecker.SIDES:
                 if side in state:
-                    state[f"{side}_basis"].copy_(_eigenbasis(state[side]))
+                    eigenbasis = functools.partial(_eigenbasis, state[side])
+                    kronecker.decompose(state, f"{side}_basis", eigenbasis)
         elif step % self.precondition_frequency == 0:
             _refresh(state)
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]

@@ -1,0 +1,75 @@
+"""Gradients of trainable parameters that are not DTensors, kept equal on every rank.
+
+FSDP2 synchronises the gradients of the parameters it manages. A trainable parameter left a plain
+tensor (a layer that ``configure_model`` keeps unsharded, or a parameter set directly on the
+LightningModule, which FSDP2 cannot manage: Lightning calls ``training_step``, never the root
+module's ``forward`` that would run FSDP2's hooks) would otherwise step with each rank's own
+gradient, and its replicas would drift apart without a word. So, after each synchronising
+backward: its gradient is averaged over the data-parallel group, as FSDP2 does, and one ``MAX``
+``all_reduce`` over all ranks checks that every rank now holds the same gradient, which catches a
+plain parameter whose gradient tensor parallelism splits across ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+#: How far two ranks' gradient checksums may differ, relative to their size, and still count as
+#: the same gradient (reductions in another order differ in the last bits).
+RELATIVE_TOLERANCE = 1e-4
+
+
+def average_gradients(params: Sequence[Tensor], group: dist.ProcessGroup) -> None:
+    """Average the gradients of ``params`` over ``group`` with one ``all_reduce``.
+
+    A rank without a gradient adds zeros, as under FSDP2; a parameter without a gradient on every
+    rank keeps ``None``.
+    """
+    if not params:
+        return
+    device = params[0].device
+    pieces = [(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().float() for p in params]
+    presence = torch.tensor([float(p.grad is not None) for p in params], device=device)
+    flat = torch.cat([*pieces, presence])
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
+    averaged = flat[: -len(params)].split([p.numel() for p in params])
+    for param, value, present in zip(params, averaged, flat[-len(params) :].tolist()):
+        if present:
+            param.grad = value.view_as(param).to(param.dtype)
+
+
+def check_gradients_agree(named: Sequence[tuple[str, Tensor]]) -> None:
+    """Raise on every rank, naming them, when ranks hold different gradients of ``named``.
+
+    One ``MAX`` ``all_reduce`` over all ranks of each gradient's presence, sum and sum of squares,
+    and of their negatives.
+    """
+    if not named:
+        return
+    rows = []
+    for _, param in named:
+        grad = param.grad
+        if grad is None:
+            rows.append(torch.zeros(3, dtype=torch.float64, device=param.device))
+        else:
+            wide = grad.double()
+            rows.append(torch.stack([torch.ones_like(wide.sum()), wide.sum(), wide.square().sum()]))
+    checksums = torch.stack(rows)
+    extremes = torch.cat([checksums, -checksums])
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+    largest, smallest = extremes[: len(named)], -extremes[len(named) :]
+    spread = (largest - smallest).abs()
+    differ = (spread > RELATIVE_TOLERANCE * (largest.abs() + smallest.abs())).any(dim=1).tolist()
+    names = [name for (name, _), bad in zip(named, differ) if bad]
+    if names:
+        raise RuntimeError(
+            f"The gradients of the plain (non-DTensor) parameters {names} differ across ranks after "
+            "averaging over data parallelism, so tensor-parallel ranks would update their replicas "
+            "differently. Shard them with the tensor-parallel plan, or make them DTensors whose "
+            "gradients are reduced over the tensor-parallel mesh."
+        )

@@ -1,0 +1,70 @@
+"""The per-parameter parts of a step, on this rank's part of a parameter.
+
+The same routines serve a DTensor parameter (its local shard, state sharded like it) and a plain
+tensor (the whole of it), so the two paths cannot drift apart. Gradients are read after
+`lightning_canzona.distributed.gradients.agree_on_gradients`: in the parameter's layout, or
+``None`` for zeros.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_canzona.distributed.layout import local_tensor
+from lightning_canzona.rules.adamw import adamw_step, init_adamw_state
+from lightning_canzona.rules.base import MatrixRule
+
+State = dict[str, Tensor]
+
+
+def local_grad(param: Tensor) -> Tensor:
+    """This rank's part of ``param``'s gradient; zeros when it has none."""
+    return local_tensor(param.grad) if param.grad is not None else torch.zeros_like(local_tensor(param))
+
+
+def _local_state(state: State) -> State:
+    return {key: local_tensor(value) for key, value in state.items()}
+
+
+def step_adamw(param: Tensor, state: dict[Tensor, State], group: dict[str, Any]) -> None:
+    """One AdamW step of this rank's part of ``param``, with ``group``'s hyperparameters."""
+    param_state = state.setdefault(param, {})
+    if not param_state:
+        param_state.update(init_adamw_state(param))
+    adamw_step(
+        local_tensor(param),
+        local_grad(param),
+        _local_state(param_state),
+        lr=group["lr"],
+        betas=group["betas"],
+        eps=group["eps"],
+        weight_decay=group["weight_decay"],
+    )
+
+
+def prepare_matrix(param: Tensor, rule: MatrixRule, state: dict[Tensor, State], holds_matrix: bool) -> Tensor:
+    """``rule``'s elementwise part on this rank's part of ``param``; creates the state it needs.
+
+    Args:
+        param: The parameter (a DTensor or a plain tensor).
+        rule: Its matrix rule.
+        state: The optimizer's state.
+        holds_matrix: Whether this rank computes the full matrix's update, and so holds the
+            matrix state.
+    """
+    param_state = state.setdefault(param, {})
+    if not param_state:
+        param_state.update(rule.init_elementwise_state(param))
+    if holds_matrix and not rule.matrix_state(param_state):
+        param_state.update(rule.init_matrix_state(param.shape, local_tensor(param).device))
+    return rule.prepare(local_grad(param), _local_state(param_state))
+
+
+def apply_matrix(param: Tensor, rule: MatrixRule, update: Tensor, group: dict[str, Any]) -> None:
+    """Write ``update`` (this rank's block of the full direction) into this rank's part of ``param``."""
+    rule.apply(
+        local_tensor(param), update, lr=group["lr"], weight_decay=group["weight_decay"], shape=param.shape
+    )

@@ -1,0 +1,191 @@
+"""Fault injection: one rank fails, every rank raises the same error in seconds, nothing drifts.
+
+Each body runs on 2 and 4 gloo ranks with a 30-second collective timeout: a rank left waiting in
+a collective fails the test with a timeout instead of hanging the suite. (That a failed save
+leaves the last good checkpoint loadable is tested in ``test_checkpoints.py``.)
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from multiprocess import run_on_ranks
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+import lightning_canzona as lc
+from lightning_canzona.distributed.clipping import total_grad_norm
+from lightning_canzona.distributed.replicas import average_gradients, check_gradients_agree
+from lightning_canzona.rules.muon import MuonRule
+
+TIMEOUT = 30.0
+MUON = {"lr": 0.02, "compute_dtype": "float32", "adamw_lr": 0.01}
+
+
+def _expect_everywhere(error: type[Exception], pattern: str, action) -> pytest.ExceptionInfo:
+    with pytest.raises(error, match=pattern) as raised:
+        action()
+    dist.barrier()  # every rank got here: nobody is left in a collective
+    return raised
+
+
+def _sharded(full: torch.Tensor, mesh, placements) -> nn.Parameter:
+    return nn.Parameter(distribute_tensor(full, mesh, placements, src_data_rank=None))
+
+
+def _snapshot(params) -> list[torch.Tensor]:
+    return [(p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for p in params]
+
+
+def _one_rank_fails(rank: int, world_size: int) -> None:
+    mesh = init_device_mesh("cpu", (world_size,))
+    last = world_size - 1
+    torch.manual_seed(0)
+    plain, head = nn.Parameter(torch.randn(6, 5)), nn.Parameter(torch.randn(5))
+    matrices = [_sharded(torch.randn(4 * world_size + 3, 7), mesh, [Shard(0)]) for _ in range(world_size)]
+    params = [plain, head, *matrices]
+    optimizer = lc.Muon(
+        [("plain", plain), ("head", head), *((f"matrix{i}", m) for i, m in enumerate(matrices))],
+        **MUON,
+        policy="round_robin",
+    )
+    for param in params:
+        param.grad = torch.ones_like(param)
+
+    # A NaN in a plain tensor's gradient on one rank only: every rank raises, nothing is written,
+    # the sharded matrices included (the whole step is checked before any update).
+    if rank == last:
+        plain.grad[2, 3] = float("nan")
+    before = _snapshot(params)
+    _expect_everywhere(FloatingPointError, r"parameter 'plain' \(shape \(6, 5\)\) holds NaN", optimizer.step)
+    assert all(torch.equal(a, b) for a, b in zip(_snapshot(params), before))
+
+    # An exception inside the pipeline on one owner: the others finish the step's collectives
+    # and every rank raises the same error, the failed rank with its own as the cause.
+    plain.grad = torch.ones_like(plain)
+    direction = MuonRule.direction
+
+    def failing_direction(self, matrix, state):
+        raise torch.OutOfMemoryError("injected on the last rank")
+
+    MuonRule.direction = failing_direction if rank == last else direction
+    try:
+        raised = _expect_everywhere(
+            RuntimeError,
+            rf"Muon.step failed on rank {last}: OutOfMemoryError\('injected on the last rank'\)\. "
+            "Every rank stopped here",
+            optimizer.step,
+        )
+    finally:
+        MuonRule.direction = direction
+    assert isinstance(raised.value.__cause__, torch.OutOfMemoryError) == (rank == last)
+    optimizer.step()  # the next step runs normally
+
+
+def _mixed_gradients(rank: int, world_size: int) -> None:
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    full, bias = torch.randn(2 * world_size + 1, 6), torch.randn(6)
+    partials = [torch.randn(full.shape) for _ in range(world_size)]
+    partials[0].zero_()  # rank 0 holds no gradient: it counts as zeros
+
+    def fresh():
+        weight = _sharded(full, mesh, [Shard(0)])
+        replicated = _sharded(bias, mesh, [Replicate()])
+        # The others' gradients are Partial (a sum still to be taken): turning them into the
+        # weight's Shard(0) is a collective that rank 0, whose gradient is None, must join.
+        weight.grad = None if rank == 0 else DTensor.from_local(partials[rank], mesh, [Partial()])
+        # A replicated parameter whose gradient only some ranks hold: replicas must not drift.
+        replicated.grad = (
+            None if rank == 1 else distribute_tensor(torch.ones(6), mesh, [Replicate()], src_data_rank=None)
+        )
+        return weight, replicated
+
+    weight, replicated = fresh()
+    expected_norm = math.hypot(float(sum(partials).norm()), float(torch.ones(6).norm()))
+    torch.testing.assert_close(float(total_grad_norm([weight, replicated])), expected_norm, rtol=1e-5, atol=0)
+
+    weight, replicated = fresh()
+    optimizer = lc.Muon([("weight", weight), ("bias", replicated)], **MUON)
+    reference_weight, reference_bias = nn.Parameter(full.clone()), nn.Parameter(bias.clone())
+    reference = lc.Muon([("weight", reference_weight), ("bias", reference_bias)], **MUON)
+    reference_weight.grad, reference_bias.grad = sum(partials), torch.ones(6)
+    for _ in range(3):
+        optimizer.step()
+        reference.step()
+    torch.testing.assert_close(weight.full_tensor(), reference_weight.detach(), rtol=1e-5, atol=1e-6)
+    replicas = [torch.empty(6) for _ in range(world_size)]
+    dist.all_gather(replicas, replicated.to_local())
+    assert all(torch.equal(replica, replicas[0]) for replica in replicas)
+    torch.testing.assert_close(replicas[0], reference_bias.detach(), rtol=1e-5, atol=1e-6)
+
+
+def _plain_gradients_across_ranks(rank: int, world_size: int) -> None:
+    torch.manual_seed(rank)  # each rank its own data
+    named = [(name, nn.Parameter(torch.zeros(3, 2))) for name in ("embedding", "norm", "unused")]
+    for (_, param), grad in zip(named, (torch.randn(3, 2), torch.randn(3, 2), None)):
+        param.grad = grad
+    average_gradients([param for _, param in named], dist.group.WORLD)
+    check_gradients_agree(named)  # averaged: every rank agrees
+    assert named[2][1].grad is None
+    # A gradient that tensor parallelism leaves different per rank is named on every rank.
+    named[1][1].grad += rank
+    _expect_everywhere(
+        RuntimeError,
+        r"plain \(non-DTensor\) parameters \['norm'\] differ",
+        lambda: check_gradients_agree(named),
+    )
+
+
+def _decomposition_fails_on_the_owner(rank: int, world_size: int) -> None:
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    weight = _sharded(torch.randn(3 * world_size, 5), mesh, [Shard(0)])
+    optimizer = lc.Shampoo(
+        [("weight", weight)], lr=0.01, start_preconditioning_step=1, precondition_frequency=1, policy="lpt"
+    )
+    eigh = torch.linalg.eigh
+
+    def failing_eigh(*args, **kwargs):
+        raise torch.linalg.LinAlgError("injected: the eigensolver did not converge")
+
+    failures = torch.zeros(())
+    for step in range(3):
+        weight.grad = distribute_tensor(torch.randn(weight.shape), mesh, [Shard(0)], src_data_rank=None)
+        torch.linalg.eigh = failing_eigh if step == 1 else eigh
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                optimizer.step()
+        finally:
+            torch.linalg.eigh = eigh
+        (engine,) = optimizer.engines.values()
+        failures += engine.stats.decomposition_failures
+        if engine.stats.decomposition_failures:
+            assert any("failed; the previous one is kept" in str(w.message) for w in caught)
+    dist.all_reduce(failures)
+    assert failures == 2  # both factors of the one matrix, on its owner, once
+    assert torch.isfinite(weight.full_tensor()).all()
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_failure_on_one_rank_is_the_same_error_on_every_rank(world_size) -> None:
+    run_on_ranks(world_size, _one_rank_fails, timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_partial_and_missing_gradients_never_hang_or_let_replicas_drift(world_size) -> None:
+    run_on_ranks(world_size, _mixed_gradients, timeout=TIMEOUT)
+
+
+def test_plain_parameters_are_averaged_and_a_split_gradient_is_refused_on_every_rank() -> None:
+    run_on_ranks(2, _plain_gradients_across_ranks, timeout=TIMEOUT)
+
+
+def test_a_failed_decomposition_keeps_the_previous_root_and_is_counted() -> None:
+    run_on_ranks(2, _decomposition_fails_on_the_owner, timeout=TIMEOUT)
