@@ -36,8 +36,8 @@ from torch.distributed.tensor import DTensor
 import lightning_canzona as lc
 from lightning_canzona.composition import compose
 from lightning_canzona.data import ByteTextDataModule
+from lightning_canzona.launcher import InProcessLauncher
 from lightning_canzona.models import CausalLanguageModel
-from lightning_canzona.strategy import _InProcessLauncher
 
 VARIANTS = ("AdamW", "torch.optim.Muon", "canzona")
 #: Learning rates of the main job (examples/configs/tiny.yaml).
@@ -114,7 +114,7 @@ class _SpawnedModelParallel(ModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy``, started from this process like `CanzonaStrategy`."""
 
     def _configure_launcher(self) -> None:
-        self._launcher = _InProcessLauncher(self, start_method="spawn")
+        self._launcher = InProcessLauncher(self, start_method="spawn")
 
 
 class _Timer(Callback):
