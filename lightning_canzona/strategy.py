@@ -80,6 +80,11 @@ class CanzonaStrategy(ModelParallelStrategy):
             (`lightning_canzona.telemetry.OptimizerTelemetry`) at ``log_every_n_steps``.
         start_method: ``popen`` re-runs the script per rank (scripts, CLI, torchrun, SLURM);
             ``fork`` (notebooks) or ``spawn`` start the ranks from this process.
+        gradient_accumulation: With ``Trainer(accumulate_grad_batches=k)``: ``sharded``
+            reduce-scatters every micro-batch's gradients and accumulates shards (as
+            Lightning's ``ModelParallelStrategy``: least memory); ``unsharded`` skips the
+            reduce-scatter on the micro-batches that do not step, keeping each rank's full
+            unsharded gradients until the last one (one reduce-scatter per step, more memory).
     """
 
     def __init__(
@@ -96,6 +101,7 @@ class CanzonaStrategy(ModelParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         telemetry: bool = True,
         start_method: Literal["popen", "fork", "spawn"] = "popen",
+        gradient_accumulation: Literal["sharded", "unsharded"] = "sharded",
     ) -> None:
         super().__init__(
             data_parallel_size=data_parallel_size,
@@ -110,6 +116,11 @@ class CanzonaStrategy(ModelParallelStrategy):
         if start_method not in ("popen", "fork", "spawn"):
             raise ValueError(f"start_method must be 'popen', 'fork' or 'spawn', got {start_method!r}")
         self.start_method = start_method
+        if gradient_accumulation not in ("sharded", "unsharded"):
+            raise ValueError(
+                f"gradient_accumulation must be 'sharded' or 'unsharded', got {gradient_accumulation!r}"
+            )
+        self.gradient_accumulation = gradient_accumulation
         #: Trainable parameters that are not DTensors, whose gradients the strategy synchronises.
         self._plain_parameters: list[tuple[str, torch.nn.Parameter]] = []
         self._gradient_sync_blocked = False
@@ -208,9 +219,13 @@ class CanzonaStrategy(ModelParallelStrategy):
 
     @contextmanager
     def block_backward_sync(self) -> Iterator[None]:
-        """Skip FSDP2's gradient reduce-scatter on micro-batches that do not step the optimizer."""
+        """Under ``gradient_accumulation="unsharded"``, skip gradient synchronisation (FSDP2's
+        reduce-scatter, the plain parameters' all-reduce) on micro-batches that do not step."""
         from torch.distributed.fsdp import FSDPModule
 
+        if self.gradient_accumulation == "sharded":
+            yield None
+            return
         modules = [m for m in self.model.modules() if isinstance(m, FSDPModule)] if self.model else []
         for module in modules:
             module.set_requires_gradient_sync(False, recurse=False)

@@ -103,6 +103,34 @@ def test_each_matrix_is_computed_once_on_its_owner_with_two_all_to_alls_per_micr
     run_on_ranks(4, _counts)
 
 
+def _buffers_per_group_in_flight(rank: int, world_size: int) -> None:
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    model = Blocks(depth=8)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    groups = lc.matrix_param_groups(model)
+    for overlap in (True, False):
+        # A capacity below any matrix's cost: each of the 16 matrices is a micro-group of its own.
+        optimizer = lc.Muon(groups, policy="canzona", micro_group_capacity=1.0, overlap=overlap)
+        for param in model.parameters():
+            param.grad = torch.ones_like(param)
+        for _ in range(2):
+            optimizer.step()
+        (engine,) = optimizer.engines.values()
+        assert len(engine.plan.micro_groups) == 16
+        # Every group's buffers are freed once it is done: at most the pipeline's three groups
+        # (gathering, computing, scattering) are alive at once, not all 16 until the step ends.
+        assert engine.meter.total > 0
+        assert engine.stats.peak_buffer_bytes <= 0.3 * engine.meter.total, (overlap, engine.meter.peak)
+        assert engine.meter.live == 0  # nothing outlives the step
+
+
+def test_a_step_holds_the_buffers_of_the_micro_groups_in_flight_only() -> None:
+    run_on_ranks(2, _buffers_per_group_in_flight)
+
+
 def _expect_everywhere(error: type[Exception], pattern: str, action) -> None:
     with pytest.raises(error, match=pattern):
         action()

@@ -40,8 +40,21 @@ def test_gradient_norm_spans_parameters_on_different_meshes() -> None:
     run_on_ranks(4, _norm_across_meshes)
 
 
-def _fit(tmp_path, name, callbacks=(), model_class=CausalLanguageModel, batch_size=4, **trainer_kwargs):
-    strategy = lc.CanzonaStrategy(data_parallel_size=2, tensor_parallel_size=2, start_method="spawn")
+def _fit(
+    tmp_path,
+    name,
+    callbacks=(),
+    model_class=CausalLanguageModel,
+    batch_size=4,
+    gradient_accumulation="sharded",
+    **trainer_kwargs,
+):
+    strategy = lc.CanzonaStrategy(
+        data_parallel_size=2,
+        tensor_parallel_size=2,
+        start_method="spawn",
+        gradient_accumulation=gradient_accumulation,
+    )
     settings = dict(
         accelerator="cpu",
         devices=4,
@@ -84,12 +97,27 @@ def test_clipping_by_norm_works_on_dp_and_dp_tp_meshes(tmp_path) -> None:
     assert saved["steps"] == 3
 
 
+class CheckAccumulation(Callback):
+    """After a micro-batch that does not step: sharded gradients, or none yet (kept unsharded)."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        if trainer.fit_loop.epoch_loop._should_accumulate():
+            grad = pl_module.model.layers[0].mlp.up_proj.weight.grad
+            assert (grad is None) == (self.mode == "unsharded")
+
+
 def test_accumulation_equals_a_large_batch_and_steps_once_per_window(tmp_path) -> None:
-    _, accumulated = _fit(tmp_path, "accumulated", accumulate_grad_batches=2)
     _, large = _fit(tmp_path, "large", batch_size=8)
-    assert accumulated["steps"] == large["steps"] == 3
-    for name, expected in large["weights"].items():
-        torch.testing.assert_close(accumulated["weights"][name], expected, rtol=1e-4, atol=1e-5)
+    for mode in ("sharded", "unsharded"):
+        _, accumulated = _fit(
+            tmp_path, mode, [CheckAccumulation(mode)], accumulate_grad_batches=2, gradient_accumulation=mode
+        )
+        assert accumulated["steps"] == large["steps"] == 3
+        for name, expected in large["weights"].items():
+            torch.testing.assert_close(accumulated["weights"][name], expected, rtol=1e-4, atol=1e-5)
 
 
 class ManualOptimization(CausalLanguageModel):

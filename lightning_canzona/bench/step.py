@@ -12,7 +12,9 @@ plan and ``fully_shard`` per block, gives every parameter a fixed gradient, and 
 - ``canzona``: α-balanced owners and micro-groups, pipelined.
 
 A step's latency is the slowest rank's. Busy time is the time each rank spends in full-matrix
-updates; its max/mean across ranks measures the balance actually achieved.
+updates; its max/mean across ranks measures the balance actually achieved. Peak buffers are the
+most bytes of the step's own transient buffers alive at once on the busiest rank
+(`lightning_canzona.distributed.memory`), also as a multiple of the model's matrix bytes per rank.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ class VariantResult:
     busy_max_over_mean: float | None
     state_bytes: list[int]
     plan_max_over_mean: float | None
+    peak_buffer_bytes: int | None
+    matrix_bytes_per_rank: float
 
 
 class _TorchMuonWithAdamW:
@@ -118,6 +122,7 @@ def _worker(rank: int, world: int, port: int, dp: int, tp: int, preset: str, ste
     optimizers = {variant: _build(variant, lc.matrix_param_groups(model)) for variant in VARIANTS}
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     busy: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    peaks: dict[str, int] = dict.fromkeys(VARIANTS, 0)
     for repeat in range(steps + 2):  # two warm-up steps: plans, state, allocator
         for variant, optimizer in optimizers.items():
             dist.barrier()
@@ -129,6 +134,10 @@ def _worker(rank: int, world: int, port: int, dp: int, tp: int, preset: str, ste
                 times[variant].append(float(elapsed))
                 engines = list(optimizer.engines.values())
                 busy[variant].append(sum(e.stats.compute.seconds for e in engines))
+                step_peak = max((e.stats.peak_buffer_bytes for e in engines), default=0)
+                peaks[variant] = max(peaks[variant], step_peak)
+    matrices = [p for g in lc.matrix_param_groups(model) if "algorithm" not in g for _, p in g["params"]]
+    matrix_bytes = sum(p.numel() * p.element_size() for p in matrices)
     results = []
     for variant, optimizer in optimizers.items():
         rank_busy = _gather(statistics.median(busy[variant]))
@@ -141,6 +150,8 @@ def _worker(rank: int, world: int, port: int, dp: int, tp: int, preset: str, ste
                 busy_max_over_mean=max(rank_busy) / mean_busy if engines and mean_busy > 0 else None,
                 state_bytes=_gather(_state_bytes(optimizer)),
                 plan_max_over_mean=report(engines[0].plan).max_over_mean if engines else None,
+                peak_buffer_bytes=max(_gather(peaks[variant])) if engines else None,
+                matrix_bytes_per_rank=matrix_bytes / world,
             )
         )
     if rank == 0:
@@ -172,15 +183,19 @@ def format_table(preset: str, results: list[VariantResult]) -> str:
     lines = [
         f"preset {preset}: optimizer step, median over ranks' slowest",
         f"{'variant':>18} {'step ms':>9} {'÷ canzona':>10} {'busy max/mean':>14} {'plan max/mean':>14} "
-        f"{'state MiB per rank':>24}",
+        f"{'peak buffers MiB':>17} {'÷ matrix bytes/rank':>20} {'state MiB per rank':>24}",
     ]
     for result in results:
         busy = f"{result.busy_max_over_mean:.2f}" if result.busy_max_over_mean else "-"
         planned = f"{result.plan_max_over_mean:.2f}" if result.plan_max_over_mean else "-"
         state = " ".join(f"{b / 2**20:.2f}" for b in result.state_bytes)
+        peak, relative = "-", "-"
+        if result.peak_buffer_bytes is not None:
+            peak = f"{result.peak_buffer_bytes / 2**20:.2f}"
+            relative = f"{result.peak_buffer_bytes / result.matrix_bytes_per_rank:.2f}"
         lines.append(
             f"{result.name:>18} {result.step_ms:9.1f} {result.step_ms / reference:10.2f} {busy:>14} "
-            f"{planned:>14} {state:>24}"
+            f"{planned:>14} {peak:>17} {relative:>20} {state:>24}"
         )
     return "\n".join(lines)
 

@@ -39,10 +39,12 @@ from lightning_canzona.distributed import pipeline
 from lightning_canzona.distributed.clock import Clock, Intervals
 from lightning_canzona.distributed.exchange import MicroGroupExchange
 from lightning_canzona.distributed.layout import MatrixLayout, exchange_layouts, local_tensor
+from lightning_canzona.distributed.memory import BufferMeter
 from lightning_canzona.distributed.updates import apply_matrix, prepare_matrix, step_adamw
 from lightning_canzona.planning import MatrixSpec, Plan, PlanSettings, block_of, build_plan
 from lightning_canzona.rules.adamw import ALGORITHM as ADAMW
 from lightning_canzona.rules.base import MatrixRule
+from lightning_canzona.rules.kronecker import FAILURES
 
 State = dict[str, Tensor]
 
@@ -60,6 +62,8 @@ class StepStats:
             previous root or basis was kept; see `lightning_canzona.rules.kronecker`).
         bytes_sent: Bytes this rank sent to other ranks in all-to-alls.
         all_to_alls: All-to-all collectives issued.
+        peak_buffer_bytes: Most bytes of the step's own buffers alive at once (prepared shards,
+            all-to-all buffers, full matrices, directions; see `memory.BufferMeter`).
     """
 
     step: Intervals = field(default_factory=Intervals)
@@ -69,6 +73,7 @@ class StepStats:
     decomposition_failures: int = 0
     bytes_sent: int = 0
     all_to_alls: int = 0
+    peak_buffer_bytes: int = 0
 
     def add(self, other: StepStats) -> None:
         """Count ``other`` (another mesh's step) in these."""
@@ -78,6 +83,8 @@ class StepStats:
         self.decomposition_failures += other.decomposition_failures
         self.bytes_sent += other.bytes_sent
         self.all_to_alls += other.all_to_alls
+        # Meshes step one after another: their buffers are never alive together.
+        self.peak_buffer_bytes = max(self.peak_buffer_bytes, other.peak_buffer_bytes)
 
 
 @dataclass(frozen=True)
@@ -139,6 +146,7 @@ class MeshEngine:
         #: The first exception of this rank's work in the latest step (see the module docstring).
         self.failure: Exception | None = None
         self.clock = Clock(torch.device(mesh.device_type))
+        self.meter = BufferMeter()
 
     def owner(self, index: int) -> int | None:
         """Owner group-rank of matrix ``index`` (``None`` under ``sync``)."""
@@ -164,6 +172,7 @@ class MeshEngine:
         """
         self.stats = StepStats()
         self.failure = None
+        self.meter.restart()
         start = self.clock.mark()
         matrices = [entry for entry in entries if entry.algorithm != ADAMW]
         rules = [rule_of(entry.group) for entry in matrices]
@@ -172,13 +181,14 @@ class MeshEngine:
             if entry.algorithm == ADAMW and stepped:
                 self.attempt(functools.partial(step_adamw, entry.param, state, entry.group))
         stepped = [flag for entry, flag in zip(entries, has_grad) if entry.algorithm != ADAMW]
-        prepared = [self._prepare_matrix(i, rule, state, stepped[i]) for i, rule in enumerate(rules)]
+        prepare = functools.partial(self._prepare_matrix, rules=rules, state=state, stepped=stepped)
         steps = [
-            _GroupStep(self, exchange, dtype, rules, prepared, stepped, state)
+            _GroupStep(self, exchange, dtype, rules, prepare, stepped, state)
             for exchange, dtype in zip(self._exchanges, self._exchange_dtypes)
         ]
         pipeline.run(steps, self.overlap)
         self.stats.step.add(start, self.clock.mark())
+        self.stats.peak_buffer_bytes = self.meter.peak
 
     def attempt(self, work: Callable[[], Tensor | None], fallback: Callable[[], Tensor] | None = None) -> Any:
         """``work()``, or ``fallback()`` once this step failed on this rank (kept in `failure`)."""
@@ -281,18 +291,29 @@ class MeshEngine:
         }
 
     def _prepare_matrix(
-        self, index: int, rule: MatrixRule, state: dict[Tensor, State], stepped: bool
+        self, index: int, rules: Sequence[MatrixRule], state: dict[Tensor, State], stepped: Sequence[bool]
     ) -> Tensor:
+        """Matrix ``index``'s elementwise part on this rank's shard: what its gather sends."""
         param = self._entries[index].param
         zeros = functools.partial(torch.zeros_like, local_tensor(param))
-        if not stepped:  # joins the collectives with zeros; nobody computes or applies it
-            return zeros()
-        work = functools.partial(prepare_matrix, param, rule, state, self.computes(index))
-        return self.attempt(work, zeros)
+        if not stepped[index]:  # joins the collectives with zeros; nobody computes or applies it
+            return self.meter.track(zeros())
+        work = functools.partial(prepare_matrix, param, rules[index], state, self.computes(index))
+        prepared = self.attempt(work, zeros)
+        # A rule may hand back its input or its state (Shampoo the gradient, Muon its momentum):
+        # only a new tensor is memory of the step's own.
+        held = [param.grad, *state.get(param, {}).values()]
+        if all(local_tensor(t).data_ptr() != prepared.data_ptr() for t in held if t is not None):
+            self.meter.track(prepared)
+        return prepared
 
 
 class _GroupStep:
-    """One micro-group's gather, compute, scatter and apply (see `pipeline.GroupStep`)."""
+    """One micro-group's gather, compute, scatter and apply (see `pipeline.GroupStep`).
+
+    Each phase drops the buffers that later phases do not need, so that the step holds the
+    buffers of the groups in flight only, not of every group until the step ends.
+    """
 
     def __init__(
         self,
@@ -300,19 +321,21 @@ class _GroupStep:
         exchange: MicroGroupExchange,
         dtype: torch.dtype,
         rules: list[MatrixRule],
-        prepared: list[Tensor],
+        prepare: Callable[[int], Tensor],
         stepped: list[bool],
         state: dict[Tensor, State],
     ) -> None:
         self.engine, self.exchange, self.dtype, self.rules = engine, exchange, dtype, rules
-        self.prepared, self.stepped, self.state = prepared, stepped, state
+        self.prepare, self.stepped, self.state = prepare, stepped, state
         self.device = engine._entries[0].param.device
         self.directions: dict[int, Tensor] = {}
+        self.scattered: Tensor | None = None
 
     def launch_gather(self) -> None:
-        prepared = {m: self.prepared[m] for m in self.exchange.members}
+        # Prepared here, not for every group up front: the send buffer copies them at once.
+        prepared = {m: self.prepare(m) for m in self.exchange.members}
         self.gathered, self.gather_work = self.exchange.launch_gather(
-            prepared, self.dtype, self.device, self.engine.group
+            prepared, self.dtype, self.device, self.engine.group, self.engine.meter
         )
         self._count(self.gathered.element_size(), self.exchange.gather_send_sizes)
 
@@ -322,32 +345,35 @@ class _GroupStep:
         self.gather_work.wait()
         computing = clock.mark()
         stats.wait.add(start, computing)
-        for m, matrix in self.exchange.assemble(self.gathered).items():
+        full = self.exchange.assemble(self.gathered, self.engine.meter)
+        del self.gathered, self.gather_work  # the receive buffer, and the send buffer it holds
+        for m in list(full):
+            matrix = full.pop(m)
             zeros = functools.partial(torch.zeros_like, matrix)
             if self.stepped[m]:
-                self.directions[m] = self.engine.attempt(
-                    lambda m=m, matrix=matrix: self._direction(m, matrix), zeros
-                )
+                work = functools.partial(self._direction, m, matrix)
+                self.directions[m] = self.engine.attempt(work, zeros)
             else:
                 self.directions[m] = zeros()
+            del matrix
         stats.compute.add(computing, clock.mark())
 
     def _direction(self, m: int, matrix: Tensor) -> Tensor:
         param_state = self.state[self.engine._entries[m].param]
-        failures = int(param_state.get("decomposition_failures", 0))
+        failures = int(param_state.get(FAILURES, 0))
         direction = self.rules[m].direction(matrix, param_state)
         stats = self.engine.stats
         stats.matrices_computed += 1
-        stats.decomposition_failures += int(param_state.get("decomposition_failures", 0)) - failures
-        return direction
+        stats.decomposition_failures += int(param_state.get(FAILURES, 0)) - failures
+        return self.engine.meter.track(direction)
 
     def launch_scatter(self) -> None:
-        self.scattered = None
         if self.exchange.scatters:
             self.scattered, self.scatter_work = self.exchange.launch_scatter(
-                self.directions, self.dtype, self.device, self.engine.group
+                self.directions, self.dtype, self.device, self.engine.group, self.engine.meter
             )
             self._count(self.scattered.element_size(), self.exchange.scatter_send_sizes)
+            self.directions = {}  # packed into the send buffer (under sync they are the updates)
 
     def finish(self) -> None:
         if self.scattered is not None:
@@ -360,6 +386,7 @@ class _GroupStep:
                 entry = self.engine._entries[m]
                 work = functools.partial(apply_matrix, entry.param, self.rules[m], update, entry.group)
                 self.engine.attempt(work)
+        self.directions, self.scattered, self.scatter_work = {}, None, None
 
     def _count(self, element_bytes: int, send_sizes: list[int]) -> None:
         self.engine.stats.all_to_alls += 1

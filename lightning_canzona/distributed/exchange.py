@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_canzona.distributed.layout import Block, MatrixLayout
+from lightning_canzona.distributed.memory import BufferMeter
 
 
 class MicroGroupExchange:
@@ -76,21 +77,26 @@ class MicroGroupExchange:
         self.scatter_recv_sizes = [sum(b.numel for _, b in pieces) for pieces in self.scatter_recv]
 
     def launch_gather(
-        self, prepared: dict[int, Tensor], dtype: torch.dtype, device: torch.device, group: dist.ProcessGroup
+        self,
+        prepared: dict[int, Tensor],
+        dtype: torch.dtype,
+        device: torch.device,
+        group: dist.ProcessGroup,
+        meter: BufferMeter,
     ) -> tuple[Tensor, dist.Work | None]:
         """Start the gather of ``prepared`` local blocks; returns the receive buffer and handle."""
         pieces = [prepared[m].reshape(-1).to(dtype) for ms in self.gather_send for m in ms]
-        send = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype, device=device)
-        receive = torch.empty(sum(self.gather_recv_sizes), dtype=dtype, device=device)
+        send = meter.track(torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype, device=device))
+        receive = meter.track(torch.empty(sum(self.gather_recv_sizes), dtype=dtype, device=device))
         work = dist.all_to_all_single(
             receive, send, self.gather_recv_sizes, self.gather_send_sizes, group=group, async_op=True
         )
         return receive, work
 
-    def assemble(self, received: Tensor) -> dict[int, Tensor]:
+    def assemble(self, received: Tensor, meter: BufferMeter) -> dict[int, Tensor]:
         """Full matrices of the members this rank computes, from the gather's buffer."""
         full = {
-            m: torch.empty(self.shapes[m], dtype=received.dtype, device=received.device)
+            m: meter.track(torch.empty(self.shapes[m], dtype=received.dtype, device=received.device))
             for m in self.computed
         }
         chunks = received.split([b.numel for pieces in self.gather_recv for _, b in pieces])
@@ -104,13 +110,14 @@ class MicroGroupExchange:
         dtype: torch.dtype,
         device: torch.device,
         group: dist.ProcessGroup,
+        meter: BufferMeter,
     ) -> tuple[Tensor, dist.Work | None]:
         """Start returning every rank's block of the computed ``directions``."""
         pieces = [
             directions[m][block.slices].reshape(-1).to(dtype) for ps in self.scatter_send for m, block in ps
         ]
-        send = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype, device=device)
-        receive = torch.empty(sum(self.scatter_recv_sizes), dtype=dtype, device=device)
+        send = meter.track(torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype, device=device))
+        receive = meter.track(torch.empty(sum(self.scatter_recv_sizes), dtype=dtype, device=device))
         work = dist.all_to_all_single(
             receive, send, self.scatter_recv_sizes, self.scatter_send_sizes, group=group, async_op=True
         )
