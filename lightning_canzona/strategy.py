@@ -13,7 +13,14 @@ FSDP2 and DTensor TP, distributed checkpoints) plus:
 - the optimizer plan printed as a table when fitting starts, and telemetry of every optimizer
   step in the logger (`lightning_canzona.telemetry`);
 - checkpoints that hold every owner's matrix state, never destroy the last good checkpoint, and
-  refuse another model's clearly (`lightning_canzona.checkpoint`).
+  refuse another model's clearly (`lightning_canzona.checkpoint`);
+- trust across ranks: trainable parameters that are not DTensors get their gradients averaged
+  over data parallelism and checked equal on every rank (`lightning_canzona.distributed.replicas`),
+  and decisions of callbacks (`reduce_boolean_decision`) are agreed over all ranks.
+
+Launching (`lightning_canzona.launcher`), metrics (`lightning_canzona.metrics`), clipping
+(`lightning_canzona.precision`) and the optimizer conversion (`lightning_canzona.optim.conversion`)
+live in modules of their own; this class wires them into Lightning.
 """
 
 from __future__ import annotations
@@ -175,10 +182,10 @@ class CanzonaStrategy(ModelParallelStrategy):
             # The module is now sharded like one whose configure_model did the work.
             self.lightning_module._device_mesh = self.device_mesh
         prepare_metrics(self.lightning_module, self.device_mesh["data_parallel"].get_group())
-        self._find_plain_parameters()
         _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        self._find_plain_parameters()  # materialized: the parameters are the final objects
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
