@@ -1,11 +1,27 @@
-"""Lightning precision plugins under `CanzonaStrategy`."""
+"""Lightning precision plugins under `CanzonaStrategy`: FSDP2's policy, and clipping."""
 
 from __future__ import annotations
 
+import torch
 from lightning.pytorch.plugins.precision import Precision
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.optim import Optimizer
 
 from lightning_canzona.distributed.clipping import clip_grad_norm_
+
+
+def mixed_precision_policy(plugin: Precision) -> MixedPrecisionPolicy | None:
+    """FSDP2's policy for the strategy's composition under ``plugin``'s precision.
+
+    ``bf16-mixed``: parameters are all-gathered and used in bf16 while their shards, the
+    gradients' reduce-scatter and the optimizer stay float32 (``param_dtype=bfloat16``,
+    ``reduce_dtype=float32``): half the all-gather traffic of float32, full-precision gradient
+    sums and updates. Lightning's autocast still runs the ops it keeps in float32 in float32.
+    ``32-true`` and ``bf16-true`` (parameters already in their compute dtype) need no policy.
+    """
+    if getattr(plugin, "precision", None) == "bf16-mixed":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return None
 
 
 def clip_across_meshes(plugin: Precision) -> None:

@@ -61,7 +61,7 @@ from lightning_canzona.metrics import prepare_metrics
 from lightning_canzona.optim import MatrixOptimizer
 from lightning_canzona.optim.conversion import convert_torch_muon, is_torch_muon, repoint_scheduler
 from lightning_canzona.planning import PlanSettings, report
-from lightning_canzona.precision import clip_across_meshes
+from lightning_canzona.precision import clip_across_meshes, mixed_precision_policy
 from lightning_canzona.telemetry import OptimizerTelemetry
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
@@ -178,7 +178,8 @@ class CanzonaStrategy(ModelParallelStrategy):
             )
         already_sharded = any(isinstance(p, DTensor) for p in self.lightning_module.parameters())
         if not is_overridden("configure_model", self.lightning_module) and not already_sharded:
-            compose(self.lightning_module, self.device_mesh)  # once: validate/test reuse it
+            # Once: validate/test reuse it.
+            compose(self.lightning_module, self.device_mesh, mixed_precision_policy(self.precision_plugin))
             # The module is now sharded like one whose configure_model did the work.
             self.lightning_module._device_mesh = self.device_mesh
         prepare_metrics(self.lightning_module, self.device_mesh["data_parallel"].get_group())
