@@ -1,0 +1,118 @@
+"""The in-process launcher: forked ranks never deadlock and never outlive their launch.
+
+Each case runs a small script in its own process session, as a notebook kernel would, with a hard
+timeout; whatever happens, the session is killed at the end, so no process is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+PREAMBLE = """
+import os, sys, time
+from pathlib import Path
+import torch
+from lightning import Trainer
+from lightning_canzona.data import ByteTextDataModule
+from lightning_canzona.models import CausalLanguageModel
+
+def trainer(**kwargs):
+    settings = dict(
+        strategy="canzona_notebook", accelerator="cpu", devices=2, max_steps=2, limit_val_batches=0,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    return Trainer(**{**settings, **kwargs})
+"""
+
+# The parent runs multi-threaded OpenMP regions of the kinds the model uses (the rotary
+# embedding's cos/sin, exp, matmul, add) before it forks the ranks, as a notebook that trained
+# or evaluated in its own process does.
+AFTER_OPENMP = """
+torch.set_num_threads(2)
+x = torch.randn(1 << 22)
+for _ in range(3):
+    torch.cos(x); torch.sin(x); torch.exp(x); x + x
+    torch.randn(512, 512) @ torch.randn(512, 512)
+fit = trainer()
+fit.fit(CausalLanguageModel(preset="tiny"), datamodule=ByteTextDataModule(seq_len=32, batch_size=4))
+print("trained", float(fit.callback_metrics["train_loss"]))
+"""
+
+# Ranks that block in training; each writes its pid once it runs.
+BLOCKED = """
+class Blocks(CausalLanguageModel):
+    def training_step(self, batch, batch_idx):
+        Path(sys.argv[1], str(os.getpid())).touch()
+        time.sleep(600)
+
+trainer().fit(Blocks(preset="tiny"), datamodule=ByteTextDataModule(seq_len=32, batch_size=4))
+"""
+
+
+def _start(script: str, *args: str) -> subprocess.Popen:
+    # OMP_NUM_THREADS=2 keeps the ranks' OpenMP regions multi-threaded, where the hazard lives.
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(PREAMBLE + script), *args],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _kill_session(process: subprocess.Popen) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def test_forked_ranks_train_after_the_parent_ran_openmp_regions() -> None:
+    process = _start(AFTER_OPENMP)
+    try:
+        output, _ = process.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        _kill_session(process)
+        pytest.fail("the forked ranks hung (fork after a multi-threaded OpenMP region)")
+    finally:
+        _kill_session(process)
+    assert process.returncode == 0, output[-3000:]
+    assert "trained" in output
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGKILL], ids=["interrupted", "killed"])
+def test_ranks_do_not_outlive_an_interrupted_or_killed_launch(tmp_path, stop) -> None:
+    process = _start(BLOCKED, str(tmp_path))
+    try:
+        deadline = time.monotonic() + 180
+        while len(list(tmp_path.iterdir())) < 2:
+            assert process.poll() is None and time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.2)
+        ranks = [int(path.name) for path in tmp_path.iterdir()]
+        os.kill(process.pid, stop)
+        deadline = time.monotonic() + 20
+        while any(map(_alive, ranks)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(map(_alive, ranks)), "ranks outlived their launch"
+    finally:
+        _kill_session(process)
