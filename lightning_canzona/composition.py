@@ -2,19 +2,26 @@
 
 The contract: a module declares ``tensor_parallel_plan() -> {module name pattern: ParallelStyle}``
 (names relative to itself). `compose` applies that plan on the mesh's ``tensor_parallel``
-dimension, then ``fully_shard`` over its ``data_parallel`` dimension on every member of an
-``nn.ModuleList`` or ``nn.ModuleDict`` (the transformer blocks, the experts inside them, so that
-each one's parameters are gathered only while it runs) and on every top-level submodule with
-parameters. Units are sharded bottom-up (experts before their block), as FSDP2 requires;
-containers without a ``forward`` of their own are never units, and modules FSDP2 already manages
-are left as they are. Parameters set on ``module`` itself stay plain tensors (FSDP2 cannot manage
-them: Lightning calls ``training_step``, not ``module.forward``); `CanzonaStrategy` keeps their
-replicas equal.
+dimension, then ``fully_shard`` over its ``data_parallel`` dimension on its FSDP2 units, each
+after the units inside it (experts before their block), as FSDP2 requires:
+
+- **units** are the children of ``module`` and of every module without a ``forward`` of its own
+  (``nn.ModuleList``, ``nn.ModuleDict``: the transformer blocks, the experts inside them, a dict
+  of heads), when they have a ``forward`` and parameters that no unit inside them manages; each
+  one's parameters are then gathered only while it runs;
+- never a unit: ``module`` itself (Lightning calls ``training_step``, not ``module.forward``, so
+  FSDP2's hooks would never gather its parameters), a module without ``forward`` (its hooks would
+  never run), and a module FSDP2 already manages, with everything inside it;
+- left **plain** (not sharded; `CanzonaStrategy` averages their gradients and keeps the replicas
+  equal): parameters set on ``module`` itself or on a container outside every unit, scalars
+  (FSDP2 shards along a dimension), and parameters shared by modules of different units (a weight
+  tied across units: sharding it in one unit would untie it from the other).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections import defaultdict
+from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, Any
 
@@ -58,8 +65,15 @@ def compose(
         _check_plan_targets(module, plan)
         parallelize_module(module, tp_mesh, plan)
     options = {} if mp_policy is None else {"mp_policy": mp_policy}
-    for unit in _units(module):
-        fully_shard(unit, mesh=device_mesh["data_parallel"], **options)
+    units = _choose_units(module)
+    for unit in units.modules:
+        fully_shard(
+            unit,
+            mesh=device_mesh["data_parallel"],
+            reshard_after_forward=units.reshard_after_forward(unit),
+            ignored_params=units.left_plain_in(unit),
+            **options,
+        )
 
 
 def _check_plan_targets(module: nn.Module, plan: dict[str, Any]) -> None:
@@ -72,35 +86,71 @@ def _check_plan_targets(module: nn.Module, plan: dict[str, Any]) -> None:
         )
 
 
-def _units(module: nn.Module) -> list[nn.Module]:
-    """What to ``fully_shard``, children before their parents."""
+@dataclass
+class _Units:
+    """The modules `compose` shards, in post-order, and the parameters they leave plain."""
+
+    modules: list[nn.Module] = field(default_factory=list)
+    #: Parameters each unit holds itself, not through a unit inside it, by ``id`` of the unit.
+    holds: dict[int, list[nn.Parameter]] = field(default_factory=dict)
+    #: Held by a unit but left plain: scalars, parameters shared with another unit or the outside.
+    left_plain: set[nn.Parameter] = field(default_factory=set)
+    #: Units inside no other unit: FSDP2 makes each the root of its own forward and backward.
+    roots: list[nn.Module] = field(default_factory=list)
+
+    def left_plain_in(self, unit: nn.Module) -> set[nn.Parameter] | None:
+        return {p for p in self.holds[id(unit)] if p in self.left_plain} or None
+
+    def reshard_after_forward(self, unit: nn.Module) -> bool | None:
+        """``True`` for one of several roots; ``None`` (FSDP2's choice) otherwise.
+
+        FSDP2 keeps a root's parameters gathered from its forward to its backward, which suits one
+        root that runs last. Blocks set directly on the LightningModule are each a root: they
+        would all stay gathered through the backward, the memory of an unsharded model.
+        """
+        return True if len(self.roots) > 1 and any(unit is root for root in self.roots) else None
+
+
+def _choose_units(module: nn.Module) -> _Units:
+    """The FSDP2 units of ``module`` (see the module docstring): each parameter ends up managed
+    by exactly one unit, by a module FSDP2 already manages, or by none (plain)."""
     from torch.distributed.fsdp import FSDPModule
 
-    candidates = {id(child) for child in module.children()}
-    for container in module.modules():
-        if isinstance(container, _CONTAINERS):
-            candidates.update(id(member) for member in container.children())
-    return [
-        unit
-        for unit in _post_order(module, set())
-        if id(unit) in candidates
-        and not isinstance(unit, (*_CONTAINERS, FSDPModule))
-        and _has_parameters(unit)
-    ]
+    units = _Units()
+
+    def visit(node: nn.Module, candidate: bool) -> list[nn.Parameter]:
+        """The parameters in ``node``'s subtree that no unit or FSDP2 module inside it manages."""
+        if isinstance(node, FSDPModule) or id(node) in units.holds:
+            return []
+        loose = list(node.parameters(recurse=False))
+        # The owner of a container calls its members directly, as a model calls its blocks.
+        members_are_candidates = node is module or not _has_forward(node)
+        for child in node.children():
+            loose += visit(child, members_are_candidates)
+        if candidate and _has_forward(node) and loose:
+            units.modules.append(node)
+            units.holds[id(node)] = loose
+            return []
+        return loose
+
+    units.left_plain = _unshardable(units, outside=visit(module, candidate=False))
+    # A unit all of whose parameters stay plain would only add hooks.
+    units.modules = [u for u in units.modules if any(p not in units.left_plain for p in units.holds[id(u)])]
+    inner = {id(m) for unit in units.modules for m in unit.modules() if m is not unit}
+    units.roots = [unit for unit in units.modules if id(unit) not in inner]
+    return units
 
 
-#: Modules that only hold others and have no ``forward``: FSDP2 cannot hook them.
-_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+def _unshardable(units: _Units, outside: list[nn.Parameter]) -> set[nn.Parameter]:
+    """Scalars, and parameters held by several units or by a unit and the outside."""
+    holders: dict[nn.Parameter, set[int | None]] = defaultdict(set)
+    for unit in units.modules:
+        for param in units.holds[id(unit)]:
+            holders[param].add(id(unit))
+    for param in outside:
+        holders[param].add(None)
+    return {param for param, held_by in holders.items() if len(held_by) > 1 or param.ndim == 0}
 
 
-def _post_order(module: nn.Module, seen: set[int]) -> Iterator[nn.Module]:
-    """Every submodule once (a shared one at its first place), each after all its descendants."""
-    for child in module.children():
-        if id(child) not in seen:
-            seen.add(id(child))
-            yield from _post_order(child, seen)
-            yield child
-
-
-def _has_parameters(module: nn.Module) -> bool:
-    return next(iter(module.parameters()), None) is not None
+def _has_forward(module: nn.Module) -> bool:
+    return type(module).forward is not nn.Module.forward
