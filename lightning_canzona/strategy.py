@@ -4,9 +4,10 @@ It is Lightning's `ModelParallelStrategy` (a ``(data_parallel, tensor_parallel)`
 FSDP2 and DTensor TP, distributed checkpoints) plus:
 
 - **composition** for LightningModules that do not override ``configure_model``: the module's
-  ``tensor_parallel_plan()`` is applied on the TP mesh, then ``fully_shard`` wraps every member of
-  an ``nn.ModuleList`` (the transformer blocks) and every top-level submodule over the DP mesh. A
-  module that overrides ``configure_model`` keeps full control and uses ``self.device_mesh``;
+  ``tensor_parallel_plan()`` is applied on the TP mesh, then ``fully_shard`` wraps its units
+  (blocks, experts, top-level submodules) bottom-up over the DP mesh
+  (`lightning_canzona.composition`). A module that overrides ``configure_model`` keeps full
+  control and uses ``self.device_mesh``;
 - **optimizer binding**: the strategy's plan settings go to every `lightning_canzona` optimizer, and
   a ``torch.optim.Muon`` from ``configure_optimizers`` becomes a `lightning_canzona.Muon` with the
   same settings (its schedulers re-pointed);
