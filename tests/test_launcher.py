@@ -46,10 +46,14 @@ fit.fit(CausalLanguageModel(preset="tiny"), datamodule=ByteTextDataModule(seq_le
 print("trained", float(fit.callback_metrics["train_loss"]))
 """
 
-# Ranks that block in training; each writes its pid once it runs.
+# Ranks stuck in training, deaf to SIGINT and SIGTERM as a rank stuck in native code is; each
+# writes its pid once it runs.
 BLOCKED = """
+import signal
+
 class Blocks(CausalLanguageModel):
     def training_step(self, batch, batch_idx):
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         Path(sys.argv[1], str(os.getpid())).touch()
         time.sleep(600)
 

@@ -46,25 +46,26 @@ def average_gradients(params: Sequence[Tensor], group: dist.ProcessGroup) -> Non
 def check_gradients_agree(named: Sequence[tuple[str, Tensor]]) -> None:
     """Raise on every rank, naming them, when ranks hold different gradients of ``named``.
 
-    One ``MAX`` ``all_reduce`` over all ranks of each gradient's presence, sum and sum of squares,
-    and of their negatives.
+    One ``MAX`` ``all_reduce`` over all ranks of each gradient's presence, sum and sum of
+    absolute values, and of their negatives. Sums may differ by `RELATIVE_TOLERANCE` of the
+    largest sum of absolute values.
     """
     if not named:
         return
     rows = []
     for _, param in named:
-        grad = param.grad
-        if grad is None:
+        if param.grad is None:
             rows.append(torch.zeros(3, dtype=torch.float64, device=param.device))
         else:
-            wide = grad.double()
-            rows.append(torch.stack([torch.ones_like(wide.sum()), wide.sum(), wide.square().sum()]))
+            wide = param.grad.double()
+            rows.append(torch.stack([torch.ones_like(wide.sum()), wide.sum(), wide.abs().sum()]))
     checksums = torch.stack(rows)
     extremes = torch.cat([checksums, -checksums])
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
     largest, smallest = extremes[: len(named)], -extremes[len(named) :]
-    spread = (largest - smallest).abs()
-    differ = (spread > RELATIVE_TOLERANCE * (largest.abs() + smallest.abs())).any(dim=1).tolist()
+    spread = largest - smallest
+    scale = largest[:, 2:3]
+    differ = ((spread[:, 0] > 0) | (spread[:, 1:] > RELATIVE_TOLERANCE * scale).any(dim=1)).tolist()
     names = [name for (name, _), bad in zip(named, differ) if bad]
     if names:
         raise RuntimeError(
