@@ -130,7 +130,10 @@ def test_checkpoint_loads_at_a_different_mesh_with_every_owners_state(
         owner_held += "left_basis" in state
     assert owner_held == 28  # every matrix's SOAP basis, whichever rank owned it
     if mesh[0] == 2:  # the same data on each data-parallel rank: the same losses
-        assert resumed[0] == uninterrupted[3]  # the restored weights give the same loss, bit for bit
+        # The restored weights (equal bit for bit, above) give the same loss, up to the order in
+        # which one TP rank instead of two sums the forward's partial products: an ulp on some
+        # corpora (Python 3.10's), none on others.
+        assert abs(resumed[0] - uninterrupted[3]) <= 1e-6, (resumed[0], uninterrupted[3])
         # One TP rank instead of two sums the backward's partial products in another order; SOAP
         # (Adam in a refreshed eigenbasis) grows those ulps to ~1e-4 within two steps. A lost or
         # misplaced state shows at ~1e-2 (measured before owner state was gathered).
