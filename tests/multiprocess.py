@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
-import socket
+import sys
+import tempfile
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -13,23 +15,27 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _worker(
-    rank: int, world_size: int, port: int, timeout: float, body: Callable[..., Any], args: tuple
+    rank: int, world_size: int, store_path: str, timeout: float, body: Callable[..., Any], args: tuple
 ) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    # A file store, not a TCP port: a free port picked here can be taken by another process
+    # (CI downloads while the suite runs) before rank 0 binds it.
+    store = dist.FileStore(store_path, world_size)
     # A rank that skips a collective makes the others time out instead of hanging the suite.
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+    )
     try:
         body(rank, world_size, *args)
     finally:
         dist.destroy_process_group()
+    # A spawned process ends with the interpreter's teardown, which can race gloo's threads and
+    # abort a rank that passed ("terminate called without an active exception"). A failure
+    # (above) still reaches torch's error file; a success ends here.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_on_ranks(world_size: int, body: Callable[..., Any], *args: Any, timeout: float = 120.0) -> None:
@@ -38,4 +44,6 @@ def run_on_ranks(world_size: int, body: Callable[..., Any], *args: Any, timeout:
     ``timeout`` (seconds) bounds every collective: a test of a failure that could hang sets it
     short, so that a hang fails the test in seconds.
     """
-    mp.spawn(_worker, args=(world_size, _free_port(), timeout, body, args), nprocs=world_size, join=True)
+    with tempfile.TemporaryDirectory() as directory:
+        store_path = str(Path(directory) / "store")
+        mp.spawn(_worker, args=(world_size, store_path, timeout, body, args), nprocs=world_size, join=True)

@@ -47,7 +47,7 @@ def _fit(
             data_parallel_size=mesh[0],
             tensor_parallel_size=mesh[1],
             save_distributed_checkpoint=distributed,
-            start_method="spawn",
+            start_method="fork",
         ),
         max_steps=6,
         limit_train_batches=3,  # the checkpoint at step 3 ends an epoch: both runs see the same data

@@ -221,6 +221,7 @@ class CheckCompositionAndPrecision(Callback):
 
 
 def test_fit_composes_a_mixture_and_bf16_mixed_gathers_in_bf16_and_reduces_in_float32() -> None:
+    # "spawn" here (every other fit in the suite forks, which is faster): both start methods stay covered.
     trainer = Trainer(
         strategy=lc.CanzonaStrategy(data_parallel_size=2, tensor_parallel_size=1, start_method="spawn"),
         accelerator="cpu",

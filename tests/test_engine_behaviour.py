@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import pytest
@@ -124,7 +125,11 @@ def _buffers_per_group_in_flight(rank: int, world_size: int) -> None:
         # (gathering, computing, scattering) are alive at once, not all 16 until the step ends.
         assert engine.meter.total > 0
         assert engine.stats.peak_buffer_bytes <= 0.3 * engine.meter.total, (overlap, engine.meter.peak)
-        assert engine.meter.live == 0  # nothing outlives the step
+        # Nothing outlives the step: gloo's threads drop the last buffers a moment after wait().
+        deadline = time.monotonic() + 10.0
+        while engine.meter.live and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.meter.live == 0, engine.meter.live
 
 
 def test_a_step_holds_the_buffers_of_the_micro_groups_in_flight_only() -> None:

@@ -117,7 +117,7 @@ class CheckComposition(Callback):
 def test_fit_composes_tp_and_fsdp2_and_binds_the_plan_settings() -> None:
     module = WithRootParameter(preset="tiny", warmup_steps=1)
     strategy = lc.CanzonaStrategy(
-        data_parallel_size=2, tensor_parallel_size=2, policy="lpt", start_method="spawn"
+        data_parallel_size=2, tensor_parallel_size=2, policy="lpt", start_method="fork"
     )
     trainer = _trainer(strategy, callbacks=[CheckComposition()])
     trainer.fit(module, datamodule=ByteTextDataModule(seq_len=32, batch_size=4))
@@ -149,7 +149,7 @@ class CheckOwnComposition(Callback):
 
 
 def test_a_module_that_overrides_configure_model_keeps_full_control() -> None:
-    strategy = lc.CanzonaStrategy(data_parallel_size=2, tensor_parallel_size=2, start_method="spawn")
+    strategy = lc.CanzonaStrategy(data_parallel_size=2, tensor_parallel_size=2, start_method="fork")
     trainer = _trainer(strategy, callbacks=[CheckOwnComposition()], max_steps=2)
     trainer.fit(OwnComposition(preset="tiny"), datamodule=ByteTextDataModule(seq_len=32, batch_size=4))
     assert torch.isfinite(trainer.callback_metrics["train_loss"])
@@ -177,7 +177,7 @@ class CheckConversion(Callback):
 
 
 def test_torch_optim_muon_is_converted_with_its_settings_and_scheduler() -> None:
-    strategy = lc.CanzonaStrategy(data_parallel_size=2, tensor_parallel_size=2, start_method="spawn")
+    strategy = lc.CanzonaStrategy(data_parallel_size=2, tensor_parallel_size=2, start_method="fork")
     trainer = _trainer(strategy, callbacks=[CheckConversion()], max_steps=3)
     trainer.fit(TorchMuonModel(preset="tiny"), datamodule=ByteTextDataModule(seq_len=32, batch_size=4))
 
@@ -193,7 +193,7 @@ def test_callbacks_agree_over_every_rank_under_tensor_parallelism(tmp_path) -> N
     checkpoint = ModelCheckpoint(
         dirpath=tmp_path, monitor="progress", mode="max", save_top_k=1, every_n_train_steps=1
     )
-    strategy = lc.CanzonaStrategy(data_parallel_size=1, tensor_parallel_size=2, start_method="spawn")
+    strategy = lc.CanzonaStrategy(data_parallel_size=1, tensor_parallel_size=2, start_method="fork")
     trainer = _trainer(strategy, [checkpoint], devices=2, max_steps=3, enable_checkpointing=True)
     trainer.fit(LogsProgress(preset="tiny"), datamodule=ByteTextDataModule(seq_len=32, batch_size=4))
     assert Path(checkpoint.best_model_path).name == "epoch=0-step=3.ckpt"
@@ -206,7 +206,7 @@ class MissingModulePlan(CausalLanguageModel):
 
 
 def test_a_tp_plan_naming_a_missing_module_is_a_clear_error() -> None:
-    strategy = lc.CanzonaStrategy(data_parallel_size=2, tensor_parallel_size=2, start_method="spawn")
+    strategy = lc.CanzonaStrategy(data_parallel_size=2, tensor_parallel_size=2, start_method="fork")
     with pytest.raises(Exception, match=r"names modules that do not exist: \['model.layers.0.mlp.fc9'\]"):
         _trainer(strategy).fit(MissingModulePlan(preset="tiny"), datamodule=ByteTextDataModule(seq_len=32))
 
@@ -311,7 +311,7 @@ class WrappedWithFSDP1(CausalLanguageModel):
 
 
 def test_fsdp1_wrapped_modules_are_a_clear_error() -> None:
-    strategy = lc.CanzonaStrategy(data_parallel_size=2, tensor_parallel_size=1, start_method="spawn")
+    strategy = lc.CanzonaStrategy(data_parallel_size=2, tensor_parallel_size=1, start_method="fork")
     with pytest.raises(Exception, match=r"FullyShardedDataParallel \(FSDP1\)"):
         _trainer(strategy, devices=2).fit(
             WrappedWithFSDP1(preset="tiny"), datamodule=ByteTextDataModule(seq_len=32)

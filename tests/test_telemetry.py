@@ -32,7 +32,7 @@ def test_step_costs_are_logged_and_bytes_match_the_planners_traffic_model(tmp_pa
     trainer = Trainer(
         accelerator="cpu",
         devices=4,
-        strategy=lc.CanzonaStrategy(data_parallel_size=2, tensor_parallel_size=2, start_method="spawn"),
+        strategy=lc.CanzonaStrategy(data_parallel_size=2, tensor_parallel_size=2, start_method="fork"),
         max_steps=4,
         log_every_n_steps=2,
         limit_val_batches=0,

@@ -52,7 +52,7 @@ def _fit(
     strategy = lc.CanzonaStrategy(
         data_parallel_size=2,
         tensor_parallel_size=2,
-        start_method="spawn",
+        start_method="fork",
         gradient_accumulation=gradient_accumulation,
     )
     settings = dict(

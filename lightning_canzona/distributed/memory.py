@@ -5,10 +5,16 @@ buffers, assembled full matrices, directions. `BufferMeter` counts every such te
 creation until Python frees it (a ``weakref.finalize``), so the peak it reports is what the step
 really held at once, whatever the device (no allocator statistics needed, so it is measured the
 same way on CPU and GPU).
+
+A buffer given to an asynchronous collective is freed when the backend lets go of it, which may
+be on the backend's own thread and a moment after ``wait()`` returned (gloo's worker threads do
+this for about one all-to-all in five): the counts are kept under a lock, and ``live`` reaches
+zero once the backend has dropped the step's last buffer.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 
 from torch import Tensor
@@ -25,19 +31,24 @@ class BufferMeter:
 
     def __init__(self) -> None:
         self.live = self.peak = self.total = 0
+        # Reentrant: a garbage collection inside a locked block may free a tracked tensor.
+        self._lock = threading.RLock()
 
     def restart(self) -> None:
         """Start a new measurement (tensors still alive keep counting)."""
-        self.peak, self.total = self.live, 0
+        with self._lock:
+            self.peak, self.total = self.live, 0
 
     def track(self, tensor: Tensor) -> Tensor:
         """Count ``tensor`` until it is freed; returns it."""
         size = tensor.numel() * tensor.element_size()
-        self.live += size
-        self.total += size
-        self.peak = max(self.peak, self.live)
+        with self._lock:
+            self.live += size
+            self.total += size
+            self.peak = max(self.peak, self.live)
         weakref.finalize(tensor, self._release, size)
         return tensor
 
     def _release(self, size: int) -> None:
-        self.live -= size
+        with self._lock:
+            self.live -= size
