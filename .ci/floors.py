@@ -2,9 +2,9 @@
 
 ``python .ci/floors.py`` prints pip constraints pinning every dependency to its floor: the
 ``dependencies`` and the ``dev`` extra (what the README's test command installs), each
-``name>=X`` turned into ``name==X``. ``python .ci/floors.py --python`` prints the floor of
-``requires-python``. A requirement without a single ``>=`` floor is an error: every floor that is
-declared is one that CI installs and tests.
+``name>=X`` turned into ``name==X``, an environment marker kept. ``python .ci/floors.py --python``
+prints the floor of ``requires-python``. A requirement without a single ``>=`` floor is an
+error: every floor that is declared is one that CI installs and tests.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import tomllib
 
-REQUIREMENT = re.compile(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(\[[^\]]*\])?\s*>=\s*([^\s,;]+)\s*")
+REQUIREMENT = re.compile(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(\[[^\]]*\])?\s*>=\s*([^\s,;]+)\s*(;\s*(.+))?")
 
 
 def python_floor(project: dict) -> str:
@@ -31,8 +31,9 @@ def constraints(project: dict) -> list[str]:
         match = REQUIREMENT.fullmatch(requirement)
         if match is None:
             raise SystemExit(f"{requirement!r} does not declare a single '>=' floor")
-        name, _extras, version = match.groups()
-        pins.append(f"{name}=={version}")  # constraints take no extras
+        name, _extras, version, _, marker = match.groups()
+        # Constraints take no extras; a marker keeps the pin to where the requirement applies.
+        pins.append(f"{name}=={version}" + (f"; {marker}" if marker else ""))
     return pins
 
 

@@ -3,7 +3,10 @@
 The contract: a module declares ``tensor_parallel_plan() -> {module name pattern: ParallelStyle}``
 (names relative to itself). `compose` applies that plan on the mesh's ``tensor_parallel``
 dimension, then ``fully_shard`` over its ``data_parallel`` dimension on its FSDP2 units, each
-after the units inside it (experts before their block), as FSDP2 requires:
+after the units inside it (experts before their block), as FSDP2 requires. A module that holds a
+Hugging Face ``transformers`` model needs no plan of its own: the model's (and its decoder layers
+as units) are used (`lightning_canzona.huggingface`).
+
 
 - **units** are the children of ``module`` and of every module without a ``forward`` of its own
   (``nn.ModuleList``, ``nn.ModuleDict``: the transformer blocks, the experts inside them, a dict
@@ -28,6 +31,8 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_canzona import huggingface
+
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -50,9 +55,8 @@ def compose(
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
-    plan_fn = getattr(module, "tensor_parallel_plan", None)
-    plan = plan_fn() if callable(plan_fn) else {}
     tp_mesh = device_mesh["tensor_parallel"]
+    plan = declared_plan(module, tp_mesh.size())
     if tp_mesh.size() > 1 and not plan:
         raise ValueError(
             f"tensor_parallel_size={tp_mesh.size()} but {type(module).__name__} declares no "
@@ -74,6 +78,26 @@ def compose(
             ignored_params=units.left_plain_in(unit),
             **options,
         )
+
+
+def has_tensor_parallel_plan(module: nn.Module) -> bool:
+    """Whether ``module`` declares a TP plan: ``tensor_parallel_plan()``, or a ``transformers``
+    model's own (see `lightning_canzona.huggingface`)."""
+    if callable(getattr(module, "tensor_parallel_plan", None)):
+        return True
+    return any(getattr(model, "_tp_plan", None) for _, model in huggingface.transformers_models(module))
+
+
+def declared_plan(module: nn.Module, tp_size: int) -> dict[str, Any]:
+    """The module's ``tensor_parallel_plan()``; else, at ``tp_size > 1``, the plan of the
+    ``transformers`` models it holds, once ``tp_size`` is checked against their configs."""
+    plan_fn = getattr(module, "tensor_parallel_plan", None)
+    if callable(plan_fn):
+        return plan_fn()
+    if tp_size > 1 and has_tensor_parallel_plan(module):
+        huggingface.check_tensor_parallel_size(module, tp_size)
+        return huggingface.tensor_parallel_plan(module)
+    return {}
 
 
 def _check_plan_targets(module: nn.Module, plan: dict[str, Any]) -> None:
@@ -117,6 +141,8 @@ def _choose_units(module: nn.Module) -> _Units:
     from torch.distributed.fsdp import FSDPModule
 
     units = _Units()
+    # Modules a transformers model keeps whole (its decoder layers) are units wherever they sit.
+    whole = huggingface.fsdp_unit_classes(module)
 
     def visit(node: nn.Module, candidate: bool) -> list[nn.Parameter]:
         """The parameters in ``node``'s subtree that no unit or FSDP2 module inside it manages."""
@@ -127,7 +153,7 @@ def _choose_units(module: nn.Module) -> _Units:
         members_are_candidates = node is module or not _has_forward(node)
         for child in node.children():
             loose += visit(child, members_are_candidates)
-        if candidate and _has_forward(node) and loose:
+        if (candidate or type(node).__name__ in whole) and _has_forward(node) and loose:
             units.modules.append(node)
             units.holds[id(node)] = loose
             return []

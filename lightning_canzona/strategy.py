@@ -55,7 +55,7 @@ from lightning_canzona.checkpoint import (
     replace_with,
     staging_path,
 )
-from lightning_canzona.composition import compose
+from lightning_canzona.composition import compose, has_tensor_parallel_plan
 from lightning_canzona.distributed.replicas import average_gradients, check_gradients_agree
 from lightning_canzona.launcher import InProcessLauncher
 from lightning_canzona.metrics import prepare_metrics
@@ -72,8 +72,11 @@ class CanzonaStrategy(ModelParallelStrategy):
     """FSDP2 × DTensor tensor parallelism with exact, non-redundant Muon, Shampoo and SOAP.
 
     Args:
-        data_parallel_size: Devices per data-parallel group; ``"auto"``: the number of nodes.
-        tensor_parallel_size: Devices per tensor-parallel group; ``"auto"``: the devices per node.
+        data_parallel_size: Devices per data-parallel group; ``"auto"``: the number of nodes (all
+            devices when the model declares no tensor-parallel plan).
+        tensor_parallel_size: Devices per tensor-parallel group; ``"auto"``: the devices per node,
+            or 1 when the model declares no tensor-parallel plan (``tensor_parallel_plan()`` or a
+            ``transformers`` model's own).
         policy: Who computes each matrix update: ``canzona`` (α-balanced owners, micro-groups),
             ``lpt``, ``round_robin`` or ``sync`` (every rank, redundantly).
         alpha: ``canzona``'s balance between per-bucket uniformity (0) and global balance (1).
@@ -164,6 +167,21 @@ class CanzonaStrategy(ModelParallelStrategy):
         if self.root_device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             # Ranks on one CPU share its cores: oversubscribed threads would fight each other.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.num_processes))
+        module = self.lightning_module
+        if (
+            self._tensor_parallel_size == "auto"
+            and module is not None
+            and not is_overridden("configure_model", module)
+            and not has_tensor_parallel_plan(module)
+        ):
+            # Nothing to split over tensor parallelism: every device is data-parallel.
+            rank_zero_info(
+                f"lightning_canzona: {type(module).__name__} declares no tensor-parallel plan; "
+                "tensor_parallel_size='auto' becomes 1 (FSDP2 over all devices)."
+            )
+            self._tensor_parallel_size = 1
+            if self._data_parallel_size == "auto":
+                self._data_parallel_size = self.num_processes * self.num_nodes
         super().setup_environment()
 
     def setup(self, trainer: pl.Trainer) -> None:

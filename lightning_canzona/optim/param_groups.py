@@ -25,9 +25,12 @@ def matrix_param_groups(
 ) -> list[dict[str, Any]]:
     """Param groups for `lightning_canzona.Muon`, ``Shampoo`` or ``SOAP``.
 
-    By default the weights of ``nn.Linear`` layers are matrices, except an output head (a layer
-    whose own name is one of `HEAD_NAMES`) and a weight tied to an ``nn.Embedding``; every
-    other trainable parameter goes to AdamW. Patterns (``fnmatch`` on the parameter's qualified
+    By default these are matrices: the weights of ``nn.Linear`` layers and of ``transformers``'
+    ``Conv1D`` (GPT-2's linear layers, stored transposed), except an output head (a layer whose
+    own name is one of `HEAD_NAMES`) and a weight tied to an ``nn.Embedding``; and the 3-D stacks
+    of mixture-of-experts layers (``[experts, rows, cols]``, in a module named ``experts`` or whose
+    class name ends in ``Experts``), which the matrix rule updates expert by expert. Every other
+    trainable parameter goes to AdamW, routers among them. Patterns (``fnmatch`` on the parameter's qualified
     name, e.g. ``"*.experts.*"``) override the default; ``elementwise`` wins over ``matrix``.
 
     Args:
@@ -44,9 +47,11 @@ def matrix_param_groups(
     embedding_weights = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
     default_matrices: set[int] = set()
     for name, child in module.named_modules():
-        if isinstance(child, nn.Linear) and name.rpartition(".")[2] not in HEAD_NAMES:
+        if _is_linear(child) and name.rpartition(".")[2] not in HEAD_NAMES:
             if id(child.weight) not in embedding_weights:
                 default_matrices.add(id(child.weight))
+        if _holds_experts(name, child):
+            default_matrices.update(id(p) for p in child.parameters(recurse=False) if p.ndim == 3)
 
     matrices: list[tuple[str, nn.Parameter]] = []
     others: list[tuple[str, nn.Parameter]] = []
@@ -62,3 +67,14 @@ def matrix_param_groups(
         (matrices if is_matrix else others).append((name, param))
     groups: list[dict[str, Any]] = [{"params": matrices}, {"params": others, "algorithm": "adamw"}]
     return [group for group in groups if group["params"]]
+
+
+def _is_linear(module: nn.Module) -> bool:
+    cls = type(module)
+    return isinstance(module, nn.Linear) or (
+        cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers.")
+    )
+
+
+def _holds_experts(name: str, module: nn.Module) -> bool:
+    return name.rpartition(".")[2] == "experts" or type(module).__name__.endswith("Experts")
