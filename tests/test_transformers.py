@@ -9,6 +9,10 @@ accumulated update must agree (float32 compute; bounds in the test).
 from __future__ import annotations
 
 import ast
+import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -178,3 +182,19 @@ def test_the_package_never_imports_transformers_itself() -> None:
             if any(name.split(".")[0] == "transformers" for name in names):
                 importers.append(str(path.relative_to(package)))
     assert not importers
+
+
+def test_the_documented_example_trains(tmp_path) -> None:
+    example = Path(__file__).parent.parent / "examples" / "models" / "transformers_causal_lm.py"
+    # As a user runs it: a script that Lightning re-runs once per rank.
+    done = subprocess.run(
+        [sys.executable, str(example), "--max_steps", "8"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("final train_loss")]
+    assert float(line.split()[-1]) < math.log(256) - 1.0  # well below a uniform guess over bytes
