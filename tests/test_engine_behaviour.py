@@ -17,6 +17,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import lightning_canzona as lc
+from lightning_canzona.planning import PlanSettings
 from lightning_canzona.rules.muon import MuonRule
 
 
@@ -235,3 +236,66 @@ def _replicated_and_replanned(rank: int, world_size: int) -> None:
 
 def test_replicated_layouts_are_exact_and_state_follows_a_replanned_owner() -> None:
     run_on_ranks(4, _replicated_and_replanned)
+
+
+class Experts(nn.Module):
+    def __init__(self, count: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(count, 16, 12))
+
+
+def _experts_where_they_lie(rank: int, world_size: int) -> None:
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    model = nn.Sequential(Experts(2 * world_size), Experts(world_size + 1))
+    full = [layer.weight.detach().clone() for layer in model]
+    for layer in model:
+        fully_shard(layer, mesh=mesh)  # split on the expert dimension: each expert whole on one rank
+    groups = lc.matrix_param_groups(model)
+    assert [name for name, _ in groups[0]["params"]] == ["0.weight", "1.weight"]  # experts: matrices
+    shapes, direction = [], MuonRule.direction
+
+    def recording(self, matrix, state):
+        shapes.append(tuple(matrix.shape))
+        return direction(self, matrix, state)
+
+    MuonRule.direction = recording
+    try:
+        sent = {}
+        for locality in (True, False):
+            optimizer = lc.Muon(groups, lr=0.02, compute_dtype="float32")
+            optimizer.plan_settings = PlanSettings(locality=locality)
+            for layer in model:
+                layer.weight.grad = torch.ones_like(layer.weight)
+            shapes.clear()
+            optimizer.step()
+            (engine,) = optimizer.engines.values()
+            plan = engine.plan
+            # Each expert is its own matrix in the plan, named by its index in the stack.
+            assert [m.name for m in plan.matrices][:3] == ["0.weight[0]", "0.weight[1]", "0.weight[2]"]
+            assert len(plan.matrices) == 3 * world_size + 1
+            sent[locality] = torch.tensor(float(engine.stats.bytes_sent))
+            dist.all_reduce(sent[locality])
+            if locality:
+                assert all(plan.owners[i] in m.holders for i, m in enumerate(plan.matrices))
+                # This rank's experts of one shape, in one batched call per micro-group.
+                owned = [m for i, m in enumerate(plan.matrices) if plan.owners[i] == rank]
+                assert sum(s[0] if len(s) == 3 else 1 for s in shapes) == len(owned)
+                assert any(len(s) == 3 and s[0] >= 2 for s in shapes), shapes
+        assert sent[True] == 0  # every update computed where its expert lies
+        assert sent[False] > 0
+    finally:
+        MuonRule.direction = direction
+    # Still exact: the same updates as one step each of two one-process optimizers on the stacks.
+    reference = [nn.Parameter(w) for w in full]
+    for _ in range(2):
+        for param in reference:
+            param.grad = torch.ones_like(param)
+        lc.Muon(list(zip(("0.weight", "1.weight"), reference)), lr=0.02, compute_dtype="float32").step()
+    for layer, expected in zip(model, reference):
+        torch.testing.assert_close(layer.weight.full_tensor(), expected.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_experts_are_planned_one_by_one_and_updated_where_they_lie(world_size) -> None:
+    run_on_ranks(world_size, _experts_where_they_lie)

@@ -44,6 +44,15 @@ PLANS = [
 STEPS = 4
 
 
+class MixtureExperts(nn.Module):
+    """A stack of 5 expert matrices: FSDP2 splits it on the expert dimension, 3 + 2 over 2 ranks
+    and 2 + 2 + 1 + 0 over 4, so that each expert lies whole on one rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(5, 12, 9) / 3)
+
+
 class Net(nn.Module):
     """Uneven shapes: 130 and 17 rows over 2 or 4 ranks, and 3 rows over 4 (an empty shard)."""
 
@@ -54,6 +63,7 @@ class Net(nn.Module):
         self.side = nn.Linear(33, 17, bias=False)
         self.tiny = nn.Linear(5, 3, bias=False)
         self.norm = nn.LayerNorm(70)
+        self.experts = MixtureExperts()
 
 
 def _parallelize(model: Net, mesh) -> Net:

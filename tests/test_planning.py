@@ -145,3 +145,30 @@ def test_buckets_are_transformer_blocks() -> None:
 def test_bad_settings_are_named(kwargs, message) -> None:
     with pytest.raises(ValueError, match=message):
         PlanSettings(**kwargs)
+
+
+def test_locality_owns_each_held_matrix_on_a_holder_balanced_and_moves_no_bytes() -> None:
+    from dataclasses import replace
+
+    from lightning_canzona.planning.traffic import traffic
+
+    # 2 MoE layers of 16 experts that FSDP2 left whole, two per rank (Shard(0): experts 2r, 2r + 1
+    # on rank r), around dense attention
+    # matrices fragmented over all 8 ranks.
+    matrices = []
+    for layer in range(2):
+        matrices += [_spec(len(matrices), 64, 64, layer) for _ in range(4)]
+        matrices += [replace(_spec(len(matrices), 96, 64, layer), holders=(e // 2,)) for e in range(16)]
+    local, blind = (build_plan(matrices, 8, 1, PlanSettings(locality=flag)) for flag in (True, False))
+    for index, matrix in enumerate(matrices):
+        if matrix.holders:
+            assert local.owners[index] in matrix.holders
+    assert report(local).max_over_mean <= 1.05
+    expert_bytes = [
+        sum(traffic(plan, 2).gathers[g].sent[r] for g in range(len(plan.micro_groups)) for r in range(8))
+        for plan in (local, blind)
+    ]
+    dense_only = build_plan([m for m in matrices if not m.holders], 8, 1)
+    dense_bytes = sum(traffic(dense_only, 2).rank_sent) // 2  # gathers only
+    assert expert_bytes[0] == dense_bytes  # the experts add nothing
+    assert expert_bytes[1] > 2 * dense_bytes  # blind: most experts travel to another rank and back

@@ -38,7 +38,13 @@ from torch.distributed.tensor import DTensor
 from lightning_canzona.distributed import pipeline
 from lightning_canzona.distributed.clock import Clock, Intervals
 from lightning_canzona.distributed.exchange import MicroGroupExchange
-from lightning_canzona.distributed.layout import MatrixLayout, exchange_layouts, local_tensor
+from lightning_canzona.distributed.layout import (
+    MatrixLayout,
+    exchange_layouts,
+    holders,
+    local_tensor,
+    stack_member,
+)
 from lightning_canzona.distributed.memory import BufferMeter
 from lightning_canzona.distributed.updates import apply_matrix, prepare_matrix, step_adamw
 from lightning_canzona.planning import MatrixSpec, Plan, PlanSettings, block_of, build_plan
@@ -100,6 +106,43 @@ class Entry:
         return self.group["algorithm"]
 
 
+@dataclass(frozen=True)
+class Item:
+    """One matrix the plan assigns an owner: a parameter, or one matrix of a stack.
+
+    A rule whose direction keeps no matrix state (`MatrixRule.splits_stacks`: Muon) updates each
+    matrix of a ``[n, rows, cols]`` stack on its own, so each is planned, owned and moved alone;
+    an expert that FSDP2 leaves whole on one rank is then updated where it lies.
+
+    Attributes:
+        entry: Index of the parameter among the engine's matrix entries.
+        member: Index in the stack (dim 0), or ``None`` for the whole parameter.
+        layout: Every rank's block of this matrix.
+        local_index: This rank's index of ``member`` in its local shard (``None``: it holds none
+            of it, or the item is the whole parameter).
+    """
+
+    entry: int
+    member: int | None
+    layout: MatrixLayout
+    local_index: int | None = None
+
+
+def _items(
+    entries: Sequence[Entry], rules: Sequence[MatrixRule], layouts: Sequence[MatrixLayout], rank: int
+) -> list[Item]:
+    items = []
+    for index, (entry, rule, layout) in enumerate(zip(entries, rules, layouts)):
+        if not (rule.splits_stacks and entry.param.ndim == 3):
+            items.append(Item(index, None, layout))
+            continue
+        first, count = layout.blocks[rank].offset[0], layout.blocks[rank].shape[0]
+        for member in range(layout.shape[0]):
+            local = member - first if layout.blocks[rank].numel and first <= member < first + count else None
+            items.append(Item(index, member, stack_member(layout, member), local))
+    return items
+
+
 def mesh_process_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     """The process group spanning all ranks of ``mesh``."""
     if mesh.ndim == 1:
@@ -138,7 +181,9 @@ class MeshEngine:
         self.plan: Plan | None = None
         self._key: tuple | None = None
         self._entries: list[Entry] = []
-        self._layouts: list[MatrixLayout] = []
+        #: The matrices the plan covers (plan index = item index) and each entry's first item.
+        self._items: list[Item] = []
+        self._first_item: list[int] = []
         self._exchanges: list[MicroGroupExchange] = []
         self._exchange_dtypes: list[torch.dtype] = []
         #: Costs of the latest step on this rank.
@@ -149,13 +194,18 @@ class MeshEngine:
         self.meter = BufferMeter()
 
     def owner(self, index: int) -> int | None:
-        """Owner group-rank of matrix ``index`` (``None`` under ``sync``)."""
+        """Owner group-rank of plan item ``index`` (``None`` under ``sync``)."""
         assert self.plan is not None
         return None if self.plan.owners is None else self.plan.owners[index]
 
     def computes(self, index: int) -> bool:
         owner = self.owner(index)
         return owner is None or owner == self.rank
+
+    def entry_owner(self, entry: int) -> int | None:
+        """Owner of matrix entry ``entry``'s state: its only item's owner (an entry split into
+        several items keeps no matrix state)."""
+        return self.owner(self._first_item[entry])
 
     def step(
         self,
@@ -180,8 +230,9 @@ class MeshEngine:
         for entry, stepped in zip(entries, has_grad):
             if entry.algorithm == ADAMW and stepped:
                 self.attempt(functools.partial(step_adamw, entry.param, state, entry.group))
-        stepped = [flag for entry, flag in zip(entries, has_grad) if entry.algorithm != ADAMW]
-        prepare = functools.partial(self._prepare_matrix, rules=rules, state=state, stepped=stepped)
+        stepped_entries = [flag for entry, flag in zip(entries, has_grad) if entry.algorithm != ADAMW]
+        stepped = [stepped_entries[item.entry] for item in self._items]
+        prepare = _PreparedEntries(self, rules, state, stepped_entries)
         steps = [
             _GroupStep(self, exchange, dtype, rules, prepare, stepped, state)
             for exchange, dtype in zip(self._exchanges, self._exchange_dtypes)
@@ -217,32 +268,45 @@ class MeshEngine:
     def _ensure_plan(
         self, matrices: list[Entry], rules: list[MatrixRule], state: dict[Tensor, State]
     ) -> None:
-        specs = [
-            MatrixSpec(
-                entry.name, tuple(entry.param.shape), block_of(entry.name), rule.cost(entry.param.shape)
-            )
-            for entry, rule in zip(matrices, rules)
-        ]
-        key = tuple((id(entry.param), spec) for entry, spec in zip(matrices, specs))
+        key = tuple((id(entry.param), tuple(entry.param.shape), rule) for entry, rule in zip(matrices, rules))
         if key == self._key:
             # Same matrices, but the param groups may be new dicts (load_state_dict replaces
             # them): hyperparameters such as a scheduled lr must be read from the current ones.
             self._entries = matrices
             return
         previous_owners = (
-            {id(e.param): self.owner(i) for i, e in enumerate(self._entries)} if self.plan else {}
+            {id(e.param): self.entry_owner(i) for i, e in enumerate(self._entries)} if self.plan else {}
         )
-        self._layouts = exchange_layouts([e.name for e in matrices], [e.param for e in matrices], self.group)
+        layouts = exchange_layouts([e.name for e in matrices], [e.param for e in matrices], self.group)
+        self._items = _items(matrices, rules, layouts, self.rank)
+        self._first_item = [0] * len(matrices)
+        for index in reversed(range(len(self._items))):
+            self._first_item[self._items[index].entry] = index
+        specs = [
+            MatrixSpec(
+                matrices[item.entry].name + ("" if item.member is None else f"[{item.member}]"),
+                item.layout.shape,
+                block_of(matrices[item.entry].name),
+                rules[item.entry].cost(item.layout.shape),
+                holders(item.layout),
+            )
+            for item in self._items
+        ]
         self.plan = build_plan(specs, *mesh_sizes(self.mesh), self.settings)
         self._entries, self._key = matrices, key
+        item_layouts = [item.layout for item in self._items]
         self._exchanges = [
-            MicroGroupExchange(members, self._layouts, self.plan.owners, self.rank, self.world)
+            MicroGroupExchange(members, item_layouts, self.plan.owners, self.rank, self.world)
             for members in self.plan.micro_groups
         ]
         # Each group travels in one dtype, wide enough for every member's rule.
         self._exchange_dtypes = [
             functools.reduce(
-                torch.promote_types, (rules[m].exchange_dtype(matrices[m].param.dtype) for m in members)
+                torch.promote_types,
+                (
+                    rules[self._items[m].entry].exchange_dtype(matrices[self._items[m].entry].param.dtype)
+                    for m in members
+                ),
             )
             for members in self.plan.micro_groups
         ]
@@ -253,8 +317,8 @@ class MeshEngine:
     ) -> None:
         """Hand matrix state to a matrix's new owner when a rebuilt plan moved it."""
         for index, entry in enumerate(self._entries):
-            old = previous_owners.get(id(entry.param), self.owner(index))
-            new = self.owner(index)
+            old = previous_owners.get(id(entry.param), self.entry_owner(index))
+            new = self.entry_owner(index)
             if old == new:
                 continue
             held = state.get(entry.param, {})
@@ -276,7 +340,7 @@ class MeshEngine:
         """Remove matrix state from ranks that do not own the matrix (a full, single-file
         checkpoint loads every owner's state on every rank)."""
         for index, entry in enumerate(self._entries):
-            if not self.computes(index) and entry.param in state:
+            if self.entry_owner(index) not in (None, self.rank) and entry.param in state:
                 for key in rules[index].matrix_state(state[entry.param]):
                     del state[entry.param][key]
 
@@ -287,25 +351,60 @@ class MeshEngine:
         return {
             index: rules[index].matrix_state(state.get(entry.param, {}))
             for index, entry in enumerate(self._entries)
-            if self.owner(index) == self.rank
+            if self.entry_owner(index) == self.rank
         }
 
-    def _prepare_matrix(
-        self, index: int, rules: Sequence[MatrixRule], state: dict[Tensor, State], stepped: Sequence[bool]
-    ) -> Tensor:
-        """Matrix ``index``'s elementwise part on this rank's shard: what its gather sends."""
-        param = self._entries[index].param
+
+class _PreparedEntries:
+    """Each matrix entry's elementwise part on this rank's shard, run once per step, and each
+    item's piece of it: what the item's gather sends. An entry's result is dropped once its
+    last item has taken its piece."""
+
+    def __init__(
+        self,
+        engine: MeshEngine,
+        rules: Sequence[MatrixRule],
+        state: dict[Tensor, State],
+        stepped: Sequence[bool],
+    ) -> None:
+        self.engine, self.rules, self.state, self.stepped = engine, rules, state, stepped
+        self.prepared: dict[int, Tensor] = {}
+        self.pending = [0] * len(stepped)
+        for item in engine._items:
+            self.pending[item.entry] += 1
+
+    def __call__(self, index: int) -> Tensor:
+        item = self.engine._items[index]
+        if item.entry not in self.prepared:
+            self.prepared[item.entry] = self._prepare(item.entry)
+        prepared = self.prepared[item.entry]
+        self.pending[item.entry] -= 1
+        if not self.pending[item.entry]:
+            del self.prepared[item.entry]
+        if item.member is None:
+            return prepared
+        return prepared[item.local_index] if item.local_index is not None else prepared[:0]
+
+    def _prepare(self, entry: int) -> Tensor:
+        engine = self.engine
+        param = engine._entries[entry].param
         zeros = functools.partial(torch.zeros_like, local_tensor(param))
-        if not stepped[index]:  # joins the collectives with zeros; nobody computes or applies it
-            return self.meter.track(zeros())
-        work = functools.partial(prepare_matrix, param, rules[index], state, self.computes(index))
-        prepared = self.attempt(work, zeros)
+        if not self.stepped[entry]:  # joins the collectives with zeros; nobody computes or applies it
+            return engine.meter.track(zeros())
+        owner = engine.entry_owner(entry)
+        holds_matrix = owner is None or owner == engine.rank
+        work = functools.partial(prepare_matrix, param, self.rules[entry], self.state, holds_matrix)
+        prepared = engine.attempt(work, zeros)
         # A rule may hand back its input or its state (Shampoo the gradient, Muon its momentum):
         # only a new tensor is memory of the step's own.
-        held = [param.grad, *state.get(param, {}).values()]
+        held = [param.grad, *self.state.get(param, {}).values()]
         if all(local_tensor(t).data_ptr() != prepared.data_ptr() for t in held if t is not None):
-            self.meter.track(prepared)
+            engine.meter.track(prepared)
         return prepared
+
+
+def _zeros_like_each(tensors: Sequence[Tensor]) -> list[Tensor]:
+    return [torch.zeros_like(t) for t in tensors]
 
 
 class _GroupStep:
@@ -347,25 +446,43 @@ class _GroupStep:
         stats.wait.add(start, computing)
         full = self.exchange.assemble(self.gathered, self.engine.meter)
         del self.gathered, self.gather_work  # the receive buffer, and the send buffer it holds
-        for m in list(full):
-            matrix = full.pop(m)
-            zeros = functools.partial(torch.zeros_like, matrix)
-            if self.stepped[m]:
-                work = functools.partial(self._direction, m, matrix)
-                self.directions[m] = self.engine.attempt(work, zeros)
+        for members in self._batches(full):
+            matrices = [full.pop(m) for m in members]
+            zeros = functools.partial(_zeros_like_each, matrices)
+            if self.stepped[members[0]]:
+                work = functools.partial(self._direction, members, matrices)
+                self.directions.update(zip(members, self.engine.attempt(work, zeros)))
             else:
-                self.directions[m] = zeros()
-            del matrix
+                self.directions.update(zip(members, zeros()))
+            del matrices
         stats.compute.add(computing, clock.mark())
 
-    def _direction(self, m: int, matrix: Tensor) -> Tensor:
-        param_state = self.state[self.engine._entries[m].param]
-        failures = int(param_state.get(FAILURES, 0))
-        direction = self.rules[m].direction(matrix, param_state)
+    def _rule(self, m: int) -> MatrixRule:
+        return self.rules[self.engine._items[m].entry]
+
+    def _batches(self, full: dict[int, Tensor]) -> list[list[int]]:
+        """The computed items, in batches that one call of their rule updates: matrices of the
+        same shape and rule (`MatrixRule.splits_stacks`: stacked, they are a stack), else one."""
+        batches: dict[Any, list[int]] = {}
+        for m, matrix in full.items():
+            rule = self._rule(m)
+            key = (rule, matrix.shape, self.stepped[m]) if rule.splits_stacks else m
+            batches.setdefault(key, []).append(m)
+        return list(batches.values())
+
+    def _direction(self, members: list[int], matrices: list[Tensor]) -> list[Tensor]:
         stats = self.engine.stats
+        if len(members) > 1:  # one batched call; the rule keeps no matrix state
+            direction = self.engine.meter.track(self._rule(members[0]).direction(torch.stack(matrices), {}))
+            stats.matrices_computed += len(members)
+            return list(direction.unbind(0))
+        (m,), (matrix,) = members, matrices
+        param_state = self.state[self.engine._entries[self.engine._items[m].entry].param]
+        failures = int(param_state.get(FAILURES, 0))
+        direction = self._rule(m).direction(matrix, param_state)
         stats.matrices_computed += 1
         stats.decomposition_failures += int(param_state.get(FAILURES, 0)) - failures
-        return self.engine.meter.track(direction)
+        return [self.engine.meter.track(direction)]
 
     def launch_scatter(self) -> None:
         if self.exchange.scatters:
@@ -383,8 +500,11 @@ class _GroupStep:
             self.engine.stats.wait.add(start, clock.mark())
         for m, update in self.exchange.my_updates(self.scattered, self.directions).items():
             if self.stepped[m]:
-                entry = self.engine._entries[m]
-                work = functools.partial(apply_matrix, entry.param, self.rules[m], update, entry.group)
+                item = self.engine._items[m]
+                entry = self.engine._entries[item.entry]
+                work = functools.partial(
+                    apply_matrix, entry.param, self._rule(m), update, entry.group, item.local_index
+                )
                 self.engine.attempt(work)
         self.directions, self.scattered, self.scatter_work = {}, None, None
 

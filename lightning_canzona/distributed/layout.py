@@ -108,12 +108,32 @@ def exchange_layouts(
                 "rank one rectangular block of the matrix. Shard each dimension at most once per "
                 "mesh dimension, TP before FSDP (as parallelize_module then fully_shard does)."
             )
-        first_holder: dict[Block, int] = {}
-        for rank, block in enumerate(blocks):
-            first_holder.setdefault(block, rank)
-        senders = tuple(block.numel > 0 and first_holder[block] == rank for rank, block in enumerate(blocks))
-        layouts.append(MatrixLayout(shape, blocks, senders))
+        layouts.append(MatrixLayout(shape, blocks, _senders(blocks)))
     return layouts
+
+
+def _senders(blocks: Sequence[Block]) -> tuple[bool, ...]:
+    first_holder: dict[Block, int] = {}
+    for rank, block in enumerate(blocks):
+        first_holder.setdefault(block, rank)
+    return tuple(block.numel > 0 and first_holder[block] == rank for rank, block in enumerate(blocks))
+
+
+def stack_member(layout: MatrixLayout, index: int) -> MatrixLayout:
+    """The layout of matrix ``index`` of a stack ``[n, rows, cols]`` (split on dim 0 or not):
+    each rank's block of that matrix, empty where the rank holds none of it."""
+
+    def holds(block: Block) -> bool:
+        return block.numel > 0 and block.offset[0] <= index < block.offset[0] + block.shape[0]
+
+    empty = Block((0, 0), (0, 0))
+    blocks = tuple(Block(b.offset[1:], b.shape[1:]) if holds(b) else empty for b in layout.blocks)
+    return MatrixLayout(layout.shape[1:], blocks, _senders(blocks))
+
+
+def holders(layout: MatrixLayout) -> tuple[int, ...]:
+    """The ranks whose block is the whole matrix: an owner among them moves no bytes."""
+    return tuple(rank for rank, block in enumerate(layout.blocks) if block.shape == layout.shape)
 
 
 def local_tensor(tensor: Tensor) -> Tensor:

@@ -63,8 +63,10 @@ def prepare_matrix(param: Tensor, rule: MatrixRule, state: dict[Tensor, State], 
     return rule.prepare(local_grad(param), _local_state(param_state))
 
 
-def apply_matrix(param: Tensor, rule: MatrixRule, update: Tensor, group: dict[str, Any]) -> None:
-    """Write ``update`` (this rank's block of the full direction) into this rank's part of ``param``."""
-    rule.apply(
-        local_tensor(param), update, lr=group["lr"], weight_decay=group["weight_decay"], shape=param.shape
-    )
+def apply_matrix(
+    param: Tensor, rule: MatrixRule, update: Tensor, group: dict[str, Any], member: int | None = None
+) -> None:
+    """Write ``update`` (this rank's block of the full direction) into this rank's part of
+    ``param``, or into matrix ``member`` of its local part of a stack."""
+    target = local_tensor(param) if member is None else local_tensor(param)[member]
+    rule.apply(target, update, lr=group["lr"], weight_decay=group["weight_decay"], shape=param.shape)

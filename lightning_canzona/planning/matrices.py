@@ -22,12 +22,15 @@ class MatrixSpec:
         bucket: The unit its gradients arrive in (an FSDP unit or a layer); the α-balanced
             partition splits each bucket evenly when α = 0.
         cost: The rule's cost of one update of this matrix.
+        holders: Ranks that hold the whole matrix in their shard (an expert of a stack that
+            FSDP2 splits on the expert dimension): owned by one of them, it moves no bytes.
     """
 
     name: str
     shape: tuple[int, ...]
     bucket: str
     cost: UpdateCost
+    holders: tuple[int, ...] = ()
 
     def load(self, kind: CostKind) -> float:
         """The cost the planner balances: FLOPs of the update, or elements of the matrix."""

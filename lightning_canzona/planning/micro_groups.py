@@ -11,6 +11,10 @@ A micro-group's step takes as long as its busiest host, so the pipeline's latenc
   ``α·load_h + (1 − α)·R·bucket_load_h`` — α = 1 balances the ranks' total loads, α = 0 spreads
   every bucket (FSDP unit) evenly so that its collectives are uniform — and into the earliest group
   where that host still has room (first-fit decreasing); when none has, a new group opens.
+  Locality goes beyond the paper, which assumes every matrix is fragmented over all ranks: a
+  matrix that some ranks hold whole (experts that FSDP2 splits on the expert dimension) chooses
+  among those ranks only, by the same score, so that its update moves no bytes; the matrices
+  that come later in the LPT order balance the loads around it.
 
 In both, a matrix costlier than the capacity on its own forms its own group. A group's average
 host load never exceeds its largest, so bounding the largest bounds both.
@@ -43,7 +47,12 @@ def sequential_groups(owners: Sequence[int], loads: Sequence[float], capacity: f
 
 
 def balanced_groups(
-    loads: Sequence[float], buckets: Sequence[str], num_ranks: int, alpha: float, capacity: float
+    loads: Sequence[float],
+    buckets: Sequence[str],
+    num_ranks: int,
+    alpha: float,
+    capacity: float,
+    holders: Sequence[Sequence[int]] | None = None,
 ) -> tuple[list[list[int]], list[int]]:
     """Canzona's joint choice of owners and micro-groups (see the module docstring).
 
@@ -53,6 +62,8 @@ def balanced_groups(
         num_ranks: Number of hosts ``R``.
         alpha: Balance between per-bucket uniformity (0) and global balance (1).
         capacity: Largest load a host may take within one group.
+        holders: For each matrix, the ranks that hold it whole (empty: any rank); ``None``
+            ignores locality.
 
     Returns:
         The groups (matrix indices in model order within each group) and every matrix's owner.
@@ -74,7 +85,8 @@ def balanced_groups(
 
     for index in sorted(range(len(loads)), key=lambda i: (-loads[i], i)):
         load, bucket = loads[index], buckets[index]
-        rank = min(range(num_ranks), key=lambda r: score(r, bucket))
+        candidates = (holders[index] if holders else ()) or range(num_ranks)
+        rank = min(candidates, key=lambda r: score(r, bucket))
         group = next((g for g, hosts in enumerate(group_loads) if hosts[rank] + load <= capacity), None)
         if group is None:
             group = len(group_loads)

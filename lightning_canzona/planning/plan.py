@@ -41,12 +41,15 @@ class PlanSettings:
         cost: What to balance: ``flops`` of the updates or ``numel`` of the matrices.
         capacity: Largest host load of a micro-group, in the cost's unit; ``None`` derives it from
             the model: 1.25 × half the mean per-rank load, at least the largest matrix.
+        locality: ``canzona`` gives a matrix that some ranks hold whole to one of them (see
+            `micro_groups.balanced_groups`); ``False`` plans as if every matrix were fragmented.
     """
 
     policy: str = "canzona"
     alpha: float = 0.5
     cost: CostKind = "flops"
     capacity: float | None = None
+    locality: bool = True
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -162,7 +165,8 @@ def build_plan(matrices: list[MatrixSpec], dp: int, tp: int, settings: PlanSetti
         owners = partition.longest_processing_time(loads, num_ranks)
         return _fixed_owner_plan(settings, matrices, dp, tp, owners, capacity)
     buckets = [m.bucket for m in matrices]
-    groups, owners = balanced_groups(loads, buckets, num_ranks, settings.alpha, capacity)
+    holders = [m.holders for m in matrices] if settings.locality else None
+    groups, owners = balanced_groups(loads, buckets, num_ranks, settings.alpha, capacity, holders)
     plan = Plan(settings, tuple(matrices), dp, tp, tuple(owners), tuple(map(tuple, groups)), capacity)
     naive = _fixed_owner_plan(
         settings, matrices, dp, tp, partition.round_robin(loads, num_ranks), capacity, fell_back=True

@@ -12,6 +12,10 @@ The model (pure arithmetic, no torch.distributed):
   shard and sends its shard to the ``R − 1`` others; there is no scatter, since every rank
   computed the whole update itself.
 
+A matrix that some ranks hold whole (`MatrixSpec.holders`: an expert that FSDP2 left on one
+rank) is sent by the first of them alone: nothing when its owner is a holder, the whole matrix to
+an owner elsewhere (and to every other rank under ``sync``).
+
 Bytes are elements times the size of the exchange dtype (the rule's ``exchange_dtype``).
 """
 
@@ -112,9 +116,8 @@ def _owner_gather(plan: Plan, group: tuple[int, ...], element_bytes: int) -> Exc
     partners: list[set[int]] = [set() for _ in range(num_ranks)]
     assert plan.owners is not None
     for index in group:
-        owner, numel = plan.owners[index], plan.matrices[index].cost.numel
-        for rank in range(num_ranks):
-            shard = shard_numel(numel, num_ranks, rank)
+        owner = plan.owners[index]
+        for rank, shard in enumerate(_held(plan, index)):
             if rank == owner or shard == 0:
                 continue
             sent[rank] += shard * element_bytes
@@ -124,12 +127,20 @@ def _owner_gather(plan: Plan, group: tuple[int, ...], element_bytes: int) -> Exc
     return Exchange(sent, received, [len(p) for p in partners])
 
 
+def _held(plan: Plan, index: int) -> list[int]:
+    """Elements of matrix ``index`` that each rank sends when it is gathered: its even share,
+    or all of it from the first rank that holds it whole."""
+    matrix, num_ranks = plan.matrices[index], plan.num_ranks
+    if matrix.holders:
+        return [matrix.cost.numel if rank == matrix.holders[0] else 0 for rank in range(num_ranks)]
+    return [shard_numel(matrix.cost.numel, num_ranks, rank) for rank in range(num_ranks)]
+
+
 def _all_gather(plan: Plan, group: tuple[int, ...], element_bytes: int) -> Exchange:
     num_ranks = plan.num_ranks
     total = sum(plan.matrices[index].cost.numel for index in group)
-    own = [
-        sum(shard_numel(plan.matrices[i].cost.numel, num_ranks, r) for i in group) for r in range(num_ranks)
-    ]
+    held = [_held(plan, index) for index in group]
+    own = [sum(shares[rank] for shares in held) for rank in range(num_ranks)]
     return Exchange(
         sent=[(num_ranks - 1) * shard * element_bytes for shard in own],
         received=[(total - shard) * element_bytes for shard in own],

@@ -61,6 +61,9 @@ class MatrixRule(ABC):
     name: str
     #: Keys of the state that `init_elementwise_state` creates; every other key is matrix state.
     elementwise_state_keys: ClassVar[tuple[str, ...]] = ()
+    #: `direction` keeps no matrix state and treats a stack as independent matrices: the engine
+    #: may plan each matrix of a stack alone, and stack same-shape matrices into one call.
+    splits_stacks: ClassVar[bool] = False
 
     def matrix_state(self, state: State) -> State:
         """The matrix-state part of a parameter's state."""
