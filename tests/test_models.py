@@ -7,7 +7,17 @@ from lightning_canzona.models import PRESETS, CausalLanguageModel, Qwen3
 
 
 @pytest.mark.parametrize(
-    "preset, billions", [("0.6B", 0.6), ("1.7B", 1.7), ("4B", 4.0), ("8B", 8.2), ("14B", 14.8), ("32B", 32.8)]
+    "preset, billions",
+    [
+        ("0.6B", 0.6),
+        ("1.7B", 1.7),
+        ("4B", 4.0),
+        ("8B", 8.2),
+        ("14B", 14.8),
+        ("32B", 32.8),
+        ("30B-A3B", 30.5),
+        ("235B-A22B", 235.1),
+    ],
 )
 def test_real_presets_build_on_the_meta_device_with_their_published_sizes(preset, billions) -> None:
     with torch.device("meta"):
@@ -69,3 +79,24 @@ def test_language_model_trains_through_a_lightning_trainer() -> None:
     assert isinstance(optimizer, lc.Muon)
     assert [group["algorithm"] for group in optimizer.param_groups] == ["muon", "adamw"]
     assert torch.isfinite(trainer.callback_metrics["val_loss"])
+
+
+def test_mixture_of_experts_routes_each_token_to_its_top_k_experts() -> None:
+    torch.manual_seed(0)
+    model = Qwen3("tiny-moe")
+    moe = model.layers[0].mlp
+    x = torch.randn(3, 5, PRESETS["tiny-moe"].hidden_size)
+    tokens = x.reshape(-1, x.shape[-1])
+    # The same result token by token, with the experts' SwiGLUs written out.
+    probabilities = torch.softmax(moe.router(tokens), dim=-1)
+    expected = torch.zeros_like(tokens)
+    for t in range(tokens.shape[0]):
+        weights, chosen = probabilities[t].topk(moe.top_k)
+        for weight, e in zip(weights / weights.sum(), chosen.tolist()):
+            gate, up = (moe.experts.gate_up_proj[e] @ tokens[t]).chunk(2)
+            expected[t] += weight * (moe.experts.down_proj[e] @ (torch.nn.functional.silu(gate) * up))
+    torch.testing.assert_close(moe(x).reshape(-1, x.shape[-1]), expected, rtol=1e-5, atol=1e-6)
+    assert moe.balance_loss.ndim == 0 and 0 < float(moe.balance_loss) < moe.experts.down_proj.shape[0]
+    groups = lc.matrix_param_groups(model)
+    matrices = {name for name, _ in groups[0]["params"]}
+    assert "layers.0.mlp.experts.gate_up_proj" in matrices and "layers.0.mlp.router.weight" not in matrices

@@ -148,3 +148,11 @@ def test_more_bandwidth_or_flops_is_never_slower() -> None:
 def test_the_balance_target_holds_on_a_small_sweep() -> None:
     table, met = bound_table(make_rule("muon"), PlanSettings(), presets=("0.6B",), meshes=((8, 1), (64, 4)))
     assert met and table.count("met") == 2
+
+
+def test_a_mixture_of_experts_preset_is_planned_expert_by_expert_where_experts_lie(capsys, tmp_path) -> None:
+    out, _ = _plan_output(capsys, tmp_path, "--preset", "30B-A3B", "--dp", "8", "--tp", "2", "--no-simulate")
+    # 48 blocks × (4 attention matrices + 2 stacks × 128 experts)
+    assert "Qwen3 30B-A3B: 12480 matrices" in out
+    saved = re.search(r"locality: 12288 matrices lie whole on some rank .* ([\d.]+)× less", out)
+    assert saved is not None and float(saved.group(1)) > 10

@@ -235,10 +235,10 @@ def test_cli_help_shows_every_strategy_argument() -> None:
     assert "balance between per-bucket uniformity" in result.stdout
 
 
-def _fit_with_cli(tmp_path, *overrides: str) -> str:
+def _fit_with_cli(tmp_path, *overrides: str, config: Path = TINY_CONFIG) -> str:
     """``canzona fit`` on the main job's config, briefly; returns everything it printed."""
     quick = ["--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "false"]
-    command = ["canzona", "fit", "--config", str(TINY_CONFIG), *quick, *overrides]
+    command = ["canzona", "fit", "--config", str(config), *quick, *overrides]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout + result.stderr
@@ -248,6 +248,17 @@ def test_cli_runs_the_main_job_config(tmp_path) -> None:
     output = _fit_with_cli(tmp_path, "--trainer.max_steps", "3")
     assert "lightning_canzona plan on mesh (2, 2)" in output and "policy canzona" in output
     assert "`max_steps=3` reached" in output
+
+
+def test_cli_runs_the_mixture_of_experts_config_with_experts_updated_where_they_lie(tmp_path) -> None:
+    config = TINY_CONFIG.with_name("tiny-moe.yaml")
+    output = _fit_with_cli(tmp_path, "--trainer.max_steps", "3", config=config)
+    assert "`max_steps=3` reached" in output
+    # Attention on the (2, 2) mesh; the expert stacks on the data-parallel mesh, one plan item
+    # per expert: 4 blocks × 2 stacks × 8 experts.
+    table = output.split("lightning_canzona plan on mesh (2,)", 1)[1].split("policy canzona", 1)[0]
+    rows = re.findall(r"^\s*(\d+)\s+([\d.]+)\s+(\d+)\s+([\d.]+)$", table, re.M)
+    assert sum(int(row[2]) for row in rows) == 64
 
 
 def test_cli_top_level_optimizer_is_built_from_the_sharded_model_with_matrix_groups(tmp_path) -> None:

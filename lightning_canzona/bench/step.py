@@ -11,10 +11,19 @@ plan and ``fully_shard`` per block, gives every parameter a fixed gradient, and 
 - ``lpt (no overlap)``: one owner per matrix by LPT, micro-groups run one after another;
 - ``canzona``: α-balanced owners and micro-groups, pipelined.
 
+A mixture-of-experts preset leaves out ``torch.optim.Muon``, which refuses 3-D parameters (the
+expert stacks), and adds two variants of ``canzona`` that take back one thing each:
+
+- ``canzona (locality-blind)``: planned as if every expert were fragmented (the paper's
+  assumption): experts travel to owners elsewhere and back;
+- ``canzona (call per expert)``: each expert orthogonalised by a call of its own, not one
+  batched call per owner and shape.
+
 A step's latency is the slowest rank's. Busy time is the time each rank spends in full-matrix
 updates; its max/mean across ranks measures the balance actually achieved. Peak buffers are the
 most bytes of the step's own transient buffers alive at once on the busiest rank
 (`lightning_canzona.distributed.memory`), also as a multiple of the model's matrix bytes per rank.
+Sent is what the busiest rank sent to other ranks in one step's all-to-alls.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ import socket
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
@@ -40,6 +49,7 @@ from lightning_canzona.models.qwen3 import Qwen3, tensor_parallel_plan
 from lightning_canzona.planning import report
 
 VARIANTS = ("sync", "torch.optim.Muon", "round_robin", "lpt (no overlap)", "canzona")
+MOE_VARIANTS = ("canzona (locality-blind)", "canzona (call per expert)")
 
 
 @dataclass(frozen=True)
@@ -53,6 +63,7 @@ class VariantResult:
     plan_max_over_mean: float | None
     peak_buffer_bytes: int | None
     matrix_bytes_per_rank: float
+    sent_bytes: int | None
 
 
 class _TorchMuonWithAdamW:
@@ -73,6 +84,13 @@ class _TorchMuonWithAdamW:
 def _build(variant: str, groups: list[dict]) -> object:
     if variant == "torch.optim.Muon":
         return _TorchMuonWithAdamW(groups)
+    if variant in MOE_VARIANTS:
+        optimizer = lc.Muon(groups, lr=0.02, adamw_lr=3e-3)
+        if variant == "canzona (locality-blind)":
+            optimizer.plan_settings = replace(optimizer.plan_settings, locality=False)
+        else:
+            optimizer.batch_matrices = False
+        return optimizer
     policy, overlap = {
         "sync": ("sync", True),
         "round_robin": ("round_robin", True),
@@ -119,10 +137,13 @@ def _worker(rank: int, world: int, port: int, dp: int, tp: int, preset: str, ste
         full = torch.randn(param.shape, generator=generator) * 1e-3
         param.grad = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
 
-    optimizers = {variant: _build(variant, lc.matrix_param_groups(model)) for variant in VARIANTS}
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    busy: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    peaks: dict[str, int] = dict.fromkeys(VARIANTS, 0)
+    variants = VARIANTS
+    if model.config.num_experts:  # torch.optim.Muon refuses 3-D parameters such as expert stacks
+        variants = tuple(v for v in VARIANTS if v != "torch.optim.Muon") + MOE_VARIANTS
+    optimizers = {variant: _build(variant, lc.matrix_param_groups(model)) for variant in variants}
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    busy: dict[str, list[float]] = {v: [] for v in variants}
+    peaks: dict[str, int] = dict.fromkeys(variants, 0)
     for repeat in range(steps + 2):  # two warm-up steps: plans, state, allocator
         for variant, optimizer in optimizers.items():
             dist.barrier()
@@ -152,6 +173,7 @@ def _worker(rank: int, world: int, port: int, dp: int, tp: int, preset: str, ste
                 plan_max_over_mean=report(engines[0].plan).max_over_mean if engines else None,
                 peak_buffer_bytes=max(_gather(peaks[variant])) if engines else None,
                 matrix_bytes_per_rank=matrix_bytes / world,
+                sent_bytes=max(_gather(sum(e.stats.bytes_sent for e in engines))) if engines else None,
             )
         )
     if rank == 0:
@@ -182,20 +204,21 @@ def format_table(preset: str, results: list[VariantResult]) -> str:
     reference = next(r for r in results if r.name == "canzona").step_ms
     lines = [
         f"preset {preset}: optimizer step, median over ranks' slowest",
-        f"{'variant':>18} {'step ms':>9} {'÷ canzona':>10} {'busy max/mean':>14} {'plan max/mean':>14} "
-        f"{'peak buffers MiB':>17} {'÷ matrix bytes/rank':>20} {'state MiB per rank':>24}",
+        f"{'variant':>26} {'step ms':>9} {'÷ canzona':>10} {'busy max/mean':>14} {'plan max/mean':>14} "
+        f"{'peak buffers MiB':>17} {'÷ matrix bytes/rank':>20} {'sent MiB':>9} {'state MiB per rank':>24}",
     ]
     for result in results:
         busy = f"{result.busy_max_over_mean:.2f}" if result.busy_max_over_mean else "-"
         planned = f"{result.plan_max_over_mean:.2f}" if result.plan_max_over_mean else "-"
         state = " ".join(f"{b / 2**20:.2f}" for b in result.state_bytes)
         peak, relative = "-", "-"
+        sent = f"{result.sent_bytes / 2**20:.2f}" if result.sent_bytes is not None else "-"
         if result.peak_buffer_bytes is not None:
             peak = f"{result.peak_buffer_bytes / 2**20:.2f}"
             relative = f"{result.peak_buffer_bytes / result.matrix_bytes_per_rank:.2f}"
         lines.append(
-            f"{result.name:>18} {result.step_ms:9.1f} {result.step_ms / reference:10.2f} {busy:>14} "
-            f"{planned:>14} {peak:>17} {relative:>20} {state:>24}"
+            f"{result.name:>26} {result.step_ms:9.1f} {result.step_ms / reference:10.2f} {busy:>14} "
+            f"{planned:>14} {peak:>17} {relative:>20} {sent:>9} {state:>24}"
         )
     return "\n".join(lines)
 

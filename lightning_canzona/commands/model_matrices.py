@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import cache
 
 import torch
@@ -45,7 +46,30 @@ def preset_shapes(preset: str) -> tuple[tuple[tuple[str, tuple[int, ...]], ...],
     return named, sum(param.numel() for param in model.parameters())
 
 
-def preset_matrices(preset: str, rule: MatrixRule) -> tuple[list[MatrixSpec], int]:
-    """The preset's matrix specs under ``rule``, and its total parameter count."""
+def preset_matrices(preset: str, rule: MatrixRule, dp: int = 1, tp: int = 1) -> tuple[list[MatrixSpec], int]:
+    """The preset's matrix specs under ``rule`` on a ``dp × tp`` mesh, and its parameter count.
+
+    Under a rule that plans a stack's matrices one by one (`MatrixRule.splits_stacks`), each expert
+    of a ``[experts, rows, cols]`` stack is a spec of its own, held whole by the ranks where
+    FSDP2 puts it: its ``Shard(0)`` chunk of the experts on a data-parallel coordinate, on every
+    tensor-parallel rank there (the stacks are not split over TP).
+    """
     named, num_params = preset_shapes(preset)
-    return describe(named, rule.cost), num_params
+    specs = []
+    for spec in describe(named, rule.cost):
+        if not (rule.splits_stacks and len(spec.shape) == 3):
+            specs.append(spec)
+            continue
+        experts, matrix = spec.shape[0], spec.shape[1:]
+        chunk = -(-experts // dp)
+        specs += [
+            replace(
+                spec,
+                name=f"{spec.name}[{expert}]",
+                shape=matrix,
+                cost=rule.cost(matrix),
+                holders=tuple((expert // chunk) * tp + t for t in range(tp)),
+            )
+            for expert in range(experts)
+        ]
+    return specs, num_params

@@ -66,7 +66,7 @@ def main(argv: list[str]) -> None:
     rule = make_rule(args.optimizer)
     exchange = rule.exchange_dtype(getattr(torch, args.dtype))
     settings = PlanSettings(alpha=args.alpha, cost=args.cost)
-    matrices, num_params = preset_matrices(args.preset, rule)
+    matrices, num_params = preset_matrices(args.preset, rule, args.dp, args.tp)
     scenario = Scenario(
         matrices=matrices,
         num_params=num_params,
@@ -95,6 +95,8 @@ def main(argv: list[str]) -> None:
     print("\n== summary ==")
     print(tables.summary_table(results))
     print("grouped = synchronized makespan: Σ over micro-groups of the group's busiest host")
+    if any(matrix.holders for matrix in matrices):
+        print(tables.locality_line(scenario, results["canzona"].report, exchange.itemsize))
     if args.preset in sweep.SWEEP_PRESETS:
         canzona = results["canzona"].report.makespan_over_bound
         verdict = "met" if canzona <= sweep.TARGET else "MISSED"

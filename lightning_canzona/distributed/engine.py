@@ -171,10 +171,16 @@ class MeshEngine:
         mesh: The parameters' device mesh.
         settings: How to plan.
         overlap: Pipeline the micro-groups.
+        batch_matrices: Update an owner's same-shape matrices of a micro-group in one call of
+            their rule where it allows (`MatrixRule.splits_stacks`); ``False`` calls it once per
+            matrix (the baseline that ``canzona bench step`` compares with).
     """
 
-    def __init__(self, mesh: DeviceMesh, settings: PlanSettings, overlap: bool) -> None:
+    def __init__(
+        self, mesh: DeviceMesh, settings: PlanSettings, overlap: bool, batch_matrices: bool = True
+    ) -> None:
         self.mesh, self.settings, self.overlap = mesh, settings, overlap
+        self.batch_matrices = batch_matrices
         self.group = mesh_process_group(mesh)
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
@@ -464,9 +470,10 @@ class _GroupStep:
         """The computed items, in batches that one call of their rule updates: matrices of the
         same shape and rule (`MatrixRule.splits_stacks`: stacked, they are a stack), else one."""
         batches: dict[Any, list[int]] = {}
+        batching = self.engine.batch_matrices
         for m, matrix in full.items():
             rule = self._rule(m)
-            key = (rule, matrix.shape, self.stepped[m]) if rule.splits_stacks else m
+            key = (rule, matrix.shape, self.stepped[m]) if batching and rule.splits_stacks else m
             batches.setdefault(key, []).append(m)
         return list(batches.values())
 

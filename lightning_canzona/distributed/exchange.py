@@ -49,17 +49,28 @@ class MicroGroupExchange:
         def receivers(m: int) -> range | tuple[int]:
             return range(world) if owners is None else (owners[m],)
 
+        def sends(m: int, source: int) -> bool:
+            """Whether ``source`` sends its block of ``m``: an owner that holds a block uses its
+            own copy (a replicated or whole-on-one-rank matrix moves nothing to it); other
+            blocks come from their lowest holder."""
+            blocks = layouts[m].blocks
+            if owners is None or not blocks[source].numel:
+                return layouts[m].senders[source]
+            if blocks[owners[m]] == blocks[source]:
+                return source == owners[m]
+            return layouts[m].senders[source]
+
         # What goes where, in buffer order: by peer rank, then by member.
         self.gather_send: list[list[int]] = [[] for _ in range(world)]
         self.gather_recv: list[list[tuple[int, Block]]] = [[] for _ in range(world)]
         for m in members:
             layout = layouts[m]
-            if layout.senders[rank]:
+            if sends(m, rank):
                 for destination in receivers(m):
                     self.gather_send[destination].append(m)
             if m in self.computed:
                 for source in range(world):
-                    if layout.senders[source]:
+                    if sends(m, source):
                         self.gather_recv[source].append((m, layout.blocks[source]))
         self.scatter_send: list[list[tuple[int, Block]]] = [[] for _ in range(world)]
         self.scatter_recv: list[list[tuple[int, Block]]] = [[] for _ in range(world)]

@@ -20,8 +20,9 @@ class CausalLanguageModel(LightningModule):
     """Next-token prediction with a Qwen3-style decoder.
 
     Args:
-        preset: A preset name of `lightning_canzona.models.qwen3.PRESETS` (``"tiny"`` trains on a
-            CPU; the others are the real Qwen3 shapes).
+        preset: A preset name of `lightning_canzona.models.qwen3.PRESETS` (``"tiny"`` and
+            ``"tiny-moe"`` train on a CPU; the others are the real Qwen3 shapes). A
+            mixture-of-experts preset adds the routers' load-balancing loss to the training loss.
         optimizer: Builds the optimizer from param groups (``matrix_param_groups`` of the decoder);
             ``None`` uses ``lightning_canzona.Muon(lr=0.02, adamw_lr=3e-3, weight_decay=0.01)``.
         warmup_steps: Linear learning-rate warm-up, then cosine decay to 10% at the last step.
@@ -52,6 +53,10 @@ class CausalLanguageModel(LightningModule):
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
         loss = self._loss(batch)
         self.log("train_loss", loss, prog_bar=True)
+        if self.model.config.num_experts:
+            balance = self.model.balance_loss()
+            self.log("balance_loss", balance)
+            return loss + self.model.config.router_aux_loss_coef * balance
         return loss
 
     def validation_step(self, batch: Tensor, batch_idx: int) -> None:

@@ -1,8 +1,10 @@
-"""A Qwen3-style decoder: RMSNorm, grouped-query attention with QK-norm, RoPE and SwiGLU.
+"""A Qwen3-style decoder: RMSNorm, grouped-query attention with QK-norm, RoPE and SwiGLU, or
+Qwen3-MoE's top-k routed experts in place of the SwiGLU.
 
-The presets carry the real Qwen3 dense shapes (0.6B–32B; build them on the meta device to plan
-without weights) and a ``tiny`` byte-level model that trains on a CPU in minutes. Attention reads
-its head count from the projection's output, so the same code runs on tensor-parallel shards.
+The presets carry the real Qwen3 shapes (dense 0.6B–32B, mixture-of-experts 30B-A3B and
+235B-A22B; build them on the meta device to plan without weights) and ``tiny`` / ``tiny-moe``
+byte-level models that train on a CPU in minutes. Attention reads its head count from the
+projection's output, so the same code runs on tensor-parallel shards.
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ class Qwen3Config:
         rope_theta: RoPE base.
         rms_norm_eps: RMSNorm epsilon.
         tie_word_embeddings: Share the embedding matrix with the output head.
+        num_experts: Experts per mixture-of-experts layer; 0 for a dense SwiGLU in every block.
+        num_experts_per_tok: Experts each token is routed to (top-k).
+        moe_intermediate_size: SwiGLU hidden width of one expert.
+        router_aux_loss_coef: Weight of the load-balancing loss in the training loss.
     """
 
     vocab_size: int
@@ -47,6 +53,10 @@ class Qwen3Config:
     rope_theta: float = 1_000_000.0
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 0
+    router_aux_loss_coef: float = 0.001
 
 
 _QWEN3_VOCAB = 151_936
@@ -62,6 +72,34 @@ PRESETS: dict[str, Qwen3Config] = {
     "8B": Qwen3Config(_QWEN3_VOCAB, 4096, 12288, 36, 32, 8),
     "14B": Qwen3Config(_QWEN3_VOCAB, 5120, 17408, 40, 40, 8),
     "32B": Qwen3Config(_QWEN3_VOCAB, 5120, 25600, 64, 64, 8),
+    # Mixture-of-experts: every block routes each token to 8 of 128 experts.
+    "tiny-moe": Qwen3Config(
+        256,
+        128,
+        384,
+        4,
+        4,
+        2,
+        head_dim=32,
+        rope_theta=10_000.0,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=96,
+    ),
+    "30B-A3B": Qwen3Config(
+        _QWEN3_VOCAB, 2048, 6144, 48, 32, 4, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768
+    ),
+    "235B-A22B": Qwen3Config(
+        _QWEN3_VOCAB,
+        4096,
+        12288,
+        94,
+        64,
+        4,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=1536,
+    ),
 }
 
 
@@ -129,6 +167,57 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class Experts(nn.Module):
+    """``num_experts`` SwiGLU experts as two stacks, as transformers 5 stores them.
+
+    ``gate_up_proj`` is ``[experts, 2·moe_intermediate, hidden]`` (gate rows, then up rows) and
+    ``down_proj`` ``[experts, hidden, moe_intermediate]``: 3-D stacks that
+    `lightning_canzona.matrix_param_groups` gives to the matrix rule, one matrix per expert.
+    """
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        experts, hidden, inner = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inner, hidden))
+        self.down_proj = nn.Parameter(torch.empty(experts, hidden, inner))
+
+    def forward(self, x: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
+        """``x`` ``(tokens, hidden)``; each token's ``experts`` and routing ``weights`` ``(tokens, k)``."""
+        out = torch.zeros_like(x)
+        for expert in experts.unique().tolist():
+            token, slot = (experts == expert).nonzero(as_tuple=True)
+            gate, up = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[expert])
+            out.index_add_(0, token, y * weights[token, slot, None].to(y.dtype))
+        return out
+
+
+class MixtureOfExperts(nn.Module):
+    """Top-k routed experts (Qwen3-MoE): a linear router, softmax, the k largest renormalised.
+
+    After each forward, `balance_loss` holds the Switch-Transformer load-balancing loss
+    ``E · Σ_e f_e · p_e`` (``f_e``: fraction of routed slots that went to expert ``e``, ``p_e``: its
+    mean router probability): 1 when routing is uniform, up to ``E`` when one expert takes all.
+    """
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.router = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = Experts(config)
+        self.balance_loss = torch.zeros(())
+
+    def forward(self, x: Tensor) -> Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        probabilities = F.softmax(self.router(tokens), dim=-1, dtype=torch.float32)
+        weights, experts = probabilities.topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        num_experts = probabilities.shape[-1]
+        routed = F.one_hot(experts, num_experts).sum(dim=1).float().mean(dim=0) / self.top_k
+        self.balance_loss = num_experts * (routed * probabilities.mean(dim=0)).sum()
+        return self.experts(tokens, experts, weights).reshape(x.shape)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
 
@@ -137,7 +226,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = Attention(config)
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.mlp = SwiGLU(config)
+        self.mlp = MixtureOfExperts(config) if config.num_experts else SwiGLU(config)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
@@ -165,6 +254,9 @@ class Qwen3(nn.Module):
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=0.02)
+            elif isinstance(module, Experts):
+                nn.init.normal_(module.gate_up_proj, std=0.02)
+                nn.init.normal_(module.down_proj, std=0.02)
             elif isinstance(module, nn.RMSNorm):
                 nn.init.ones_(module.weight)
 
@@ -176,6 +268,12 @@ class Qwen3(nn.Module):
             x = layer(x, cos, sin)
         return self.lm_head(self.norm(x))
 
+    def balance_loss(self) -> Tensor:
+        """The mean load-balancing loss of the mixture-of-experts layers in the last forward (0
+        for a dense model)."""
+        losses = [layer.mlp.balance_loss for layer in self.layers if isinstance(layer.mlp, MixtureOfExperts)]
+        return torch.stack(losses).mean() if losses else torch.zeros(())
+
 
 def tensor_parallel_plan(model: Qwen3) -> dict[str, ParallelStyle]:
     """Megatron-style TP plan of the decoder blocks, for ``parallelize_module``.
@@ -186,20 +284,22 @@ def tensor_parallel_plan(model: Qwen3) -> dict[str, ParallelStyle]:
     weights are shared by all heads while each rank sees only its own heads, so they are
     replicated DTensors over heads sharded on dim 2 (``SequenceParallel(sequence_dim=2)``): their
     gradients are then summed over the tensor-parallel ranks instead of diverging per rank. The
-    embedding, the other norms and the head stay whole on every tensor-parallel rank.
+    embedding, the other norms and the head stay whole on every tensor-parallel rank. So do the
+    router and the experts of a mixture-of-experts model: FSDP2 splits the expert stacks on the
+    expert dimension, and each expert's update is computed on the rank that holds it.
     """
     plan: dict[str, ParallelStyle] = {}
+    dense = not model.config.num_experts
     for index in range(len(model.layers)):
         prefix = f"layers.{index}"
-        for name in (
-            "self_attn.q_proj",
-            "self_attn.k_proj",
-            "self_attn.v_proj",
-            "mlp.gate_proj",
-            "mlp.up_proj",
-        ):
+        colwise = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
+        rowwise = ["self_attn.o_proj"]
+        if dense:
+            colwise += ["mlp.gate_proj", "mlp.up_proj"]
+            rowwise += ["mlp.down_proj"]
+        for name in colwise:
             plan[f"{prefix}.{name}"] = ColwiseParallel()
-        for name in ("self_attn.o_proj", "mlp.down_proj"):
+        for name in rowwise:
             plan[f"{prefix}.{name}"] = RowwiseParallel()
         for name in ("self_attn.q_norm", "self_attn.k_norm"):
             plan[f"{prefix}.{name}"] = SequenceParallel(sequence_dim=2, use_local_output=True)

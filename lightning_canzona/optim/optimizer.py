@@ -105,6 +105,8 @@ class MatrixOptimizer(Optimizer):
         self.check_finite = check_finite
         self.plan_settings = PlanSettings(policy, alpha, cost, micro_group_capacity)  # type: ignore[arg-type]
         self.overlap = overlap
+        #: Batch same-shape matrix updates (see `MeshEngine`); read when an engine is created.
+        self.batch_matrices = True
         self.engines: dict[Any, MeshEngine] = {}
         super().__init__(params, defaults)
 
@@ -239,7 +241,7 @@ class MatrixOptimizer(Optimizer):
 
     def _engine(self, mesh: Any) -> MeshEngine:
         if mesh not in self.engines:
-            self.engines[mesh] = MeshEngine(mesh, self.plan_settings, self.overlap)
+            self.engines[mesh] = MeshEngine(mesh, self.plan_settings, self.overlap, self.batch_matrices)
         return self.engines[mesh]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

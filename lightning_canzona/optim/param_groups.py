@@ -15,6 +15,8 @@ from torch import nn
 
 #: Last name components that mark a linear layer as an output head.
 HEAD_NAMES = ("lm_head", "head", "output", "classifier", "score")
+#: Last name components that mark a linear layer as a mixture-of-experts router (per-expert rows).
+ROUTER_NAMES = ("router", "gate")
 
 
 def matrix_param_groups(
@@ -27,7 +29,8 @@ def matrix_param_groups(
 
     By default these are matrices: the weights of ``nn.Linear`` layers and of ``transformers``'
     ``Conv1D`` (GPT-2's linear layers, stored transposed), except an output head (a layer whose
-    own name is one of `HEAD_NAMES`) and a weight tied to an ``nn.Embedding``; and the 3-D stacks
+    own name is one of `HEAD_NAMES`), a router (`ROUTER_NAMES`) and a weight tied to an
+    ``nn.Embedding``; and the 3-D stacks
     of mixture-of-experts layers (``[experts, rows, cols]``, in a module named ``experts`` or whose
     class name ends in ``Experts``), which the matrix rule updates expert by expert. Every other
     trainable parameter goes to AdamW, routers among them. Patterns (``fnmatch`` on the parameter's qualified
@@ -47,7 +50,7 @@ def matrix_param_groups(
     embedding_weights = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
     default_matrices: set[int] = set()
     for name, child in module.named_modules():
-        if _is_linear(child) and name.rpartition(".")[2] not in HEAD_NAMES:
+        if _is_linear(child) and name.rpartition(".")[2] not in HEAD_NAMES + ROUTER_NAMES:
             if id(child.weight) not in embedding_weights:
                 default_matrices.add(id(child.weight))
         if _holds_experts(name, child):

@@ -13,8 +13,11 @@ A micro-group's step takes as long as its busiest host, so the pipeline's latenc
   where that host still has room (first-fit decreasing); when none has, a new group opens.
   Locality goes beyond the paper, which assumes every matrix is fragmented over all ranks: a
   matrix that some ranks hold whole (experts that FSDP2 splits on the expert dimension) chooses
-  among those ranks only, by the same score, so that its update moves no bytes; the matrices
-  that come later in the LPT order balance the loads around it.
+  among those ranks only, by the same score, so that its update moves no bytes. Those matrices
+  are placed first; the fragmented ones, free to go anywhere, then even out the loads of the
+  groups of ranks that hold matrices together (a data-parallel row of experts); last, with the
+  fragmented ones kept where they went, the held ones are placed again, so that within a group
+  the ranks that took a large fragmented matrix take fewer held ones.
 
 In both, a matrix costlier than the capacity on its own forms its own group. A group's average
 host load never exceeds its largest, so bounding the largest bounds both.
@@ -22,6 +25,7 @@ host load never exceeds its largest, so bounding the largest bounds both.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -71,22 +75,66 @@ def balanced_groups(
     _check_capacity(capacity)
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must lie in [0, 1], got {alpha}")
+    held = [tuple(h) for h in holders] if holders else [()] * len(loads)
+    place = functools.partial(_place, loads, buckets, held, num_ranks, alpha, capacity)
+    pinned = sorted((i for i in range(len(loads)) if held[i]), key=lambda i: (-loads[i], i))
+    free = sorted((i for i in range(len(loads)) if not held[i]), key=lambda i: (-loads[i], i))
+    if not (pinned and free):
+        return place(pinned + free, {})
+    # The held matrices first, so that the free ones, placed largest first around them, even out
+    # the loads of the holder groups; then the held ones again, each group's balanced around the
+    # free ones that it took.
+    _, first = place(pinned + free, {})
+    return place(free + pinned, {i: first[i] for i in free})
+
+
+def _place(
+    loads: Sequence[float],
+    buckets: Sequence[str],
+    held: Sequence[tuple[int, ...]],
+    num_ranks: int,
+    alpha: float,
+    capacity: float,
+    order: Sequence[int],
+    fixed: dict[int, int],
+) -> tuple[list[list[int]], list[int]]:
+    """Visit the matrices in ``order``, each to its ``fixed`` owner or to the best-scoring of its
+    candidates (its holders, or every rank), into the first group with room."""
     rank_loads = [0.0] * num_ranks
     bucket_loads: dict[str, list[float]] = {}
     group_loads: list[list[float]] = []
     members: list[list[int]] = []
     owners = [0] * len(loads)
+    # Ranks that hold matrices together (a data-parallel row holding the same experts) share
+    # those matrices' load: a free matrix prefers, among equally loaded ranks, the least
+    # loaded such group, which can still move its held matrices to even itself out.
+    group_of = list(range(num_ranks))
+    for holders in held:
+        for rank in holders:
+            group_of[rank] = min(holders)
+    group_ranks: dict[int, list[int]] = {}
+    for rank, group in enumerate(group_of):
+        group_ranks.setdefault(group, []).append(rank)
 
-    def score(rank: int, bucket: str) -> tuple[float, float, int]:
+    def score(rank: int, bucket: str) -> tuple[float, float, float, int]:
         spread = bucket_loads.setdefault(bucket, [0.0] * num_ranks)[rank]
+        together = group_ranks[group_of[rank]]
         # Ties (always, at α = 0, between ranks without a share of this bucket) go to the rank
-        # with the least total load, then to the lowest rank.
-        return alpha * rank_loads[rank] + (1.0 - alpha) * num_ranks * spread, rank_loads[rank], rank
+        # with the least total load, then the least loaded group, then the lowest rank.
+        return (
+            alpha * rank_loads[rank] + (1.0 - alpha) * num_ranks * spread,
+            rank_loads[rank],
+            sum(rank_loads[r] for r in together) / len(together),
+            rank,
+        )
 
-    for index in sorted(range(len(loads)), key=lambda i: (-loads[i], i)):
+    for index in order:
         load, bucket = loads[index], buckets[index]
-        candidates = (holders[index] if holders else ()) or range(num_ranks)
-        rank = min(candidates, key=lambda r: score(r, bucket))
+        if index in fixed:
+            rank = fixed[index]
+            bucket_loads.setdefault(bucket, [0.0] * num_ranks)
+        else:
+            rank = min(held[index] or range(num_ranks), key=lambda r: score(r, bucket))
         group = next((g for g, hosts in enumerate(group_loads) if hosts[rank] + load <= capacity), None)
         if group is None:
             group = len(group_loads)

@@ -117,7 +117,7 @@ def _owner_gather(plan: Plan, group: tuple[int, ...], element_bytes: int) -> Exc
     assert plan.owners is not None
     for index in group:
         owner = plan.owners[index]
-        for rank, shard in enumerate(_held(plan, index)):
+        for rank, shard in enumerate(_held(plan, index, owner)):
             if rank == owner or shard == 0:
                 continue
             sent[rank] += shard * element_bytes
@@ -127,12 +127,14 @@ def _owner_gather(plan: Plan, group: tuple[int, ...], element_bytes: int) -> Exc
     return Exchange(sent, received, [len(p) for p in partners])
 
 
-def _held(plan: Plan, index: int) -> list[int]:
-    """Elements of matrix ``index`` that each rank sends when it is gathered: its even share,
-    or all of it from the first rank that holds it whole."""
+def _held(plan: Plan, index: int, owner: int | None = None) -> list[int]:
+    """Elements of matrix ``index`` that each rank sends when it is gathered (to ``owner``, or
+    to everyone): its even share, or all of it from one rank that holds it whole: the owner
+    itself if it is one (then nothing travels), else the first."""
     matrix, num_ranks = plan.matrices[index], plan.num_ranks
     if matrix.holders:
-        return [matrix.cost.numel if rank == matrix.holders[0] else 0 for rank in range(num_ranks)]
+        sender = owner if owner in matrix.holders else matrix.holders[0]
+        return [matrix.cost.numel if rank == sender else 0 for rank in range(num_ranks)]
     return [shard_numel(matrix.cost.numel, num_ranks, rank) for rank in range(num_ranks)]
 
 
