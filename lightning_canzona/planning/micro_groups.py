@@ -112,19 +112,17 @@ def _place(
     for holders in held:
         for rank in holders:
             group_of[rank] = min(holders)
-    group_ranks: dict[int, list[int]] = {}
-    for rank, group in enumerate(group_of):
-        group_ranks.setdefault(group, []).append(rank)
+    group_size = [group_of.count(group) for group in group_of]
+    group_totals = [0.0] * num_ranks  # by the group's lowest rank
 
     def score(rank: int, bucket: str) -> tuple[float, float, float, int]:
         spread = bucket_loads.setdefault(bucket, [0.0] * num_ranks)[rank]
-        together = group_ranks[group_of[rank]]
         # Ties (always, at α = 0, between ranks without a share of this bucket) go to the rank
         # with the least total load, then the least loaded group, then the lowest rank.
         return (
             alpha * rank_loads[rank] + (1.0 - alpha) * num_ranks * spread,
             rank_loads[rank],
-            sum(rank_loads[r] for r in together) / len(together),
+            group_totals[group_of[rank]] / group_size[rank],
             rank,
         )
 
@@ -146,6 +144,7 @@ def _place(
         if load > capacity:  # an oversize matrix keeps its group to itself
             group_loads[group] = [math.inf] * num_ranks
         rank_loads[rank] += load
+        group_totals[group_of[rank]] += load
         bucket_loads[bucket][rank] += load
     return [sorted(group) for group in members], owners
 
