@@ -27,23 +27,21 @@ from lightning_canzona import huggingface
 
 STEPS, BATCH, SEQ, VOCAB = 3, 8, 32, 128
 MUON = {"lr": 0.02, "adamw_lr": 3e-3, "compute_dtype": "float32"}
-ATTENTION = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
+# The decoder shapes the Qwen3, Llama and Qwen3-MoE configs share.
+DECODER = {
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+}
 CONFIGS = {
-    "qwen3": lambda: transformers.Qwen3Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, **ATTENTION
-    ),
-    "llama": lambda: transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, **ATTENTION
-    ),
+    "qwen3": lambda: transformers.Qwen3Config(**DECODER),
+    "llama": lambda: transformers.LlamaConfig(**DECODER),
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-        num_hidden_layers=2,
-        **ATTENTION,
+        **DECODER, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2
     ),
     "gpt2": lambda: transformers.GPT2Config(
         vocab_size=VOCAB,
