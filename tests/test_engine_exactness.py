@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.placement_types import _StridedShard
 
 import lightning_canzona as lc
 
@@ -46,7 +47,9 @@ STEPS = 4
 
 class MixtureExperts(nn.Module):
     """A stack of 5 expert matrices: FSDP2 splits it on the expert dimension, 3 + 2 over 2 ranks
-    and 2 + 2 + 1 + 0 over 4, so that each expert lies whole on one rank."""
+    and 2 + 2 + 1 + 0 over 4, so that each expert lies whole on one rank. Under TP it is packed
+    like transformers' fused gate/up experts: rows 0–5 and 6–11 are split separately
+    (``_StridedShard``), so each TP rank holds two row blocks of every expert."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -72,6 +75,9 @@ def _parallelize(model: Net, mesh) -> Net:
         tp_mesh = mesh["tp"] if mesh.ndim > 1 else mesh
         plan = {"up": ColwiseParallel(), "down": RowwiseParallel(), "side": ColwiseParallel()}
         parallelize_module(model, tp_mesh, plan)
+        packed = [_StridedShard(1, split_factor=2)]
+        experts = distribute_tensor(model.experts.weight.detach(), tp_mesh, packed, src_data_rank=None)
+        model.experts.weight = nn.Parameter(experts)
     if "dp" in names:
         fully_shard(model, mesh=mesh["dp"] if mesh.ndim > 1 else mesh)
     return model

@@ -136,10 +136,9 @@ def _items(
         if not (rule.splits_stacks and entry.param.ndim == 3):
             items.append(Item(index, None, layout))
             continue
-        first, count = layout.blocks[rank].offset[0], layout.blocks[rank].shape[0]
         for member in range(layout.shape[0]):
-            local = member - first if layout.blocks[rank].numel and first <= member < first + count else None
-            items.append(Item(index, member, stack_member(layout, member), local))
+            member_layout, positions = stack_member(layout, member)
+            items.append(Item(index, member, member_layout, positions[rank]))
     return items
 
 

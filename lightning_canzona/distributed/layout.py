@@ -1,28 +1,39 @@
 """Where each rank's shard of a DTensor lies in the global tensor.
 
-Every rank asks DTensor for its own shard (``compute_local_shape_and_global_offset``); one
-``all_gather_object`` when a plan is built shares those facts, so every rank knows every rank's
-block without deriving any layout by hand. The blocks must tile the global tensor (replicas
-allowed); a layout whose shards are not rectangular blocks (some orders of ``_StridedShard``)
-cannot be rebuilt and is rejected, on every rank, naming the parameter and its placements.
+A rank's local tensor holds, along each dimension, some *runs* of consecutive global indices, in
+local order: one run under ``Shard``, several under ``_StridedShard`` (transformers' packed
+gate/up experts give each TP rank one row block of the gate and one of the up projection). The
+local tensor is the product of its runs: a list of rectangular *pieces*, each a block of the
+global tensor and the block of the local tensor that holds it.
+
+Every rank asks DTensor itself where its indices lie (``distribute_tensor`` of index vectors,
+without communication); one ``all_gather_object`` when a plan is built shares those facts, so every
+rank knows every rank's pieces without deriving any layout by hand. The distinct pieces must tile
+the global tensor (replicas allowed); a layout that does not is rejected on every rank, naming the
+parameter and its placements.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
+
+#: ``(start, length)``: consecutive global indices along one dimension.
+Run = tuple[int, int]
 
 
 @dataclass(frozen=True)
 class Block:
-    """A rank's local shard: ``shape`` elements starting at ``offset`` of the global tensor."""
+    """A rectangular block: ``shape`` elements starting at ``offset``."""
 
     offset: tuple[int, ...]
     shape: tuple[int, ...]
@@ -37,28 +48,110 @@ class Block:
 
 
 @dataclass(frozen=True)
+class Piece:
+    """A block of the global tensor (``block``) and where a rank's local tensor holds it (``local``)."""
+
+    block: Block
+    local: Block
+
+
+@dataclass(frozen=True)
+class LocalShard:
+    """A rank's local tensor: per dimension, the runs of global indices it holds, in local order."""
+
+    runs: tuple[tuple[Run, ...], ...]
+
+    @cached_property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(sum(length for _, length in runs) for runs in self.runs)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @cached_property
+    def pieces(self) -> tuple[Piece, ...]:
+        """The local tensor's rectangular pieces, in row-major order of their local offsets."""
+        per_dim = []
+        for runs in self.runs:
+            starts = itertools.accumulate((length for _, length in runs), initial=0)
+            per_dim.append([(start, local, length) for (start, length), local in zip(runs, starts)])
+        pieces = []
+        for corner in itertools.product(*per_dim):
+            shape = tuple(length for _, _, length in corner)
+            block = Block(tuple(start for start, _, _ in corner), shape)
+            pieces.append(Piece(block, Block(tuple(local for _, local, _ in corner), shape)))
+        return tuple(pieces)
+
+    @property
+    def is_one_block(self) -> bool:
+        """Whether the local tensor is a single block of the global one (no copy to assemble it)."""
+        return all(len(runs) <= 1 for runs in self.runs)
+
+
+#: What a rank that holds nothing of a matrix holds.
+NOTHING = LocalShard(((), ()))
+
+
+@dataclass(frozen=True)
 class MatrixLayout:
-    """The blocks of one parameter on every rank of its group (indexed by group rank).
+    """The shards of one parameter on every rank of its group (indexed by group rank).
 
     Attributes:
         shape: Global shape.
-        blocks: Each rank's block.
-        senders: For each rank, whether it is the one that sends its block when the whole matrix
-            is gathered: the lowest rank among those holding an identical, non-empty block.
+        shards: Each rank's local shard.
     """
 
     shape: tuple[int, ...]
-    blocks: tuple[Block, ...]
-    senders: tuple[bool, ...]
+    shards: tuple[LocalShard, ...]
+
+    @cached_property
+    def first_holders(self) -> dict[Block, int]:
+        """The lowest rank holding each distinct global block: it sends the block when the whole
+        matrix is gathered."""
+        first: dict[Block, int] = {}
+        for rank, shard in enumerate(self.shards):
+            for piece in shard.pieces:
+                first.setdefault(piece.block, rank)
+        return first
+
+    def holds(self, rank: int, block: Block) -> bool:
+        return any(piece.block == block for piece in self.shards[rank].pieces)
 
 
-def local_block(param: DTensor) -> Block:
-    """This rank's block of ``param``, from DTensor's own layout computation."""
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    return Block(tuple(int(o) for o in offset), tuple(int(s) for s in shape))
+def _runs(indices: Sequence[int]) -> tuple[Run, ...]:
+    """``[4, 5, 6, 0, 1]`` → ``((4, 3), (0, 2))``."""
+    runs: list[list[int]] = []
+    for index in indices:
+        if runs and runs[-1][0] + runs[-1][1] == index:
+            runs[-1][1] += 1
+        else:
+            runs.append([index, 1])
+    return tuple((start, length) for start, length in runs)
 
 
-def _tiles(shape: tuple[int, ...], blocks: Sequence[Block]) -> bool:
+def local_shard(param: DTensor) -> LocalShard:
+    """This rank's shard of ``param``, from DTensor's own placement logic.
+
+    Dimension by dimension, the vector of global indices is distributed with the placements that
+    shard that dimension (the others replicated) and without communication: what stays on this
+    rank is where its indices lie, in the order of its local tensor, whatever the placements
+    (``_StridedShard`` included).
+    """
+    runs = []
+    for dim, size in enumerate(param.shape):
+        placements = [
+            p if isinstance(p, (Shard, _StridedShard)) and p.dim % param.ndim == dim else Replicate()
+            for p in param.placements
+        ]
+        shape = [size if d == dim else 1 for d in range(param.ndim)]
+        indices = torch.arange(size, device=param.device_mesh.device_type).view(shape)
+        mine = distribute_tensor(indices, param.device_mesh, placements, src_data_rank=None).to_local()
+        runs.append(_runs(mine.reshape(-1).tolist()))
+    return LocalShard(tuple(runs))
+
+
+def _tiles(shape: tuple[int, ...], blocks: set[Block]) -> bool:
     """Whether the distinct non-empty ``blocks`` cover ``shape`` exactly once."""
     distinct = {block for block in blocks if block.numel}
     if sum(block.numel for block in distinct) != math.prod(shape):
@@ -83,14 +176,17 @@ def _tiles(shape: tuple[int, ...], blocks: Sequence[Block]) -> bool:
 def exchange_layouts(
     names: Sequence[str], params: Sequence[DTensor], group: dist.ProcessGroup
 ) -> list[MatrixLayout]:
-    """Every rank's block of every parameter, after one ``all_gather_object`` over ``group``.
+    """Every rank's shard of every parameter, after one ``all_gather_object`` over ``group``.
 
     Raises:
-        RuntimeError: On every rank, when ranks disagree on the parameters or a layout does not
-            tile its global tensor.
+        RuntimeError: On every rank, when ranks disagree on the parameters, or a layout does not
+            tile its global tensor or does not match a rank's local tensor.
     """
-    mine = [(tuple(p.shape), local_block(p)) for p in params]
-    everyone: list[list[tuple[tuple[int, ...], Block]]] = [None] * dist.get_world_size(group)  # type: ignore[list-item]
+    mine = []
+    for param in params:
+        shard = local_shard(param)
+        mine.append((tuple(param.shape), shard, shard.shape == tuple(param.to_local().shape)))
+    everyone: list[list[tuple[tuple[int, ...], LocalShard, bool]]] = [None] * dist.get_world_size(group)  # type: ignore[list-item]
     dist.all_gather_object(everyone, mine, group=group)
     layouts = []
     for index, (name, param) in enumerate(zip(names, params)):
@@ -100,40 +196,40 @@ def exchange_layouts(
                 f"{tuple(param.shape)}): every rank must build it from the same model."
             )
         shape = mine[index][0]
-        blocks = tuple(theirs[index][1] for theirs in everyone)
-        if not _tiles(shape, blocks):
+        shards = tuple(theirs[index][1] for theirs in everyone)
+        consistent = all(theirs[index][2] for theirs in everyone)
+        if not consistent or not _tiles(shape, {p.block for s in shards for p in s.pieces}):
             raise RuntimeError(
-                f"Cannot rebuild parameter {name!r} of shape {shape} from its shards: placements "
-                f"{tuple(param.placements)} on mesh {tuple(param.device_mesh.shape)} do not give each "
-                "rank one rectangular block of the matrix. Shard each dimension at most once per "
-                "mesh dimension, TP before FSDP (as parallelize_module then fully_shard does)."
+                f"Cannot rebuild parameter {name!r} of shape {shape} from its shards: the local "
+                f"tensors do not match placements {tuple(param.placements)} on mesh "
+                f"{tuple(param.device_mesh.shape)}. Build it with distribute_tensor, "
+                "parallelize_module or fully_shard, or pass DTensor.from_local the local tensors "
+                "that its placements describe."
             )
-        layouts.append(MatrixLayout(shape, blocks, _senders(blocks)))
+        layouts.append(MatrixLayout(shape, shards))
     return layouts
 
 
-def _senders(blocks: Sequence[Block]) -> tuple[bool, ...]:
-    first_holder: dict[Block, int] = {}
-    for rank, block in enumerate(blocks):
-        first_holder.setdefault(block, rank)
-    return tuple(block.numel > 0 and first_holder[block] == rank for rank, block in enumerate(blocks))
-
-
-def stack_member(layout: MatrixLayout, index: int) -> MatrixLayout:
-    """The layout of matrix ``index`` of a stack ``[n, rows, cols]`` (split on dim 0 or not):
-    each rank's block of that matrix, empty where the rank holds none of it."""
-
-    def holds(block: Block) -> bool:
-        return block.numel > 0 and block.offset[0] <= index < block.offset[0] + block.shape[0]
-
-    empty = Block((0, 0), (0, 0))
-    blocks = tuple(Block(b.offset[1:], b.shape[1:]) if holds(b) else empty for b in layout.blocks)
-    return MatrixLayout(layout.shape[1:], blocks, _senders(blocks))
+def stack_member(layout: MatrixLayout, index: int) -> tuple[MatrixLayout, tuple[int | None, ...]]:
+    """The layout of matrix ``index`` of a stack ``[n, rows, cols]``, and where each rank's local
+    tensor holds it on dim 0 (``None``: the rank holds none of it)."""
+    shards, positions = [], []
+    for shard in layout.shards:
+        position = None
+        local = 0
+        for start, length in shard.runs[0]:
+            if start <= index < start + length:
+                position = local + index - start
+            local += length
+        held = position is not None and shard.numel > 0
+        positions.append(position if held else None)
+        shards.append(LocalShard(shard.runs[1:]) if held else NOTHING)
+    return MatrixLayout(layout.shape[1:], tuple(shards)), tuple(positions)
 
 
 def holders(layout: MatrixLayout) -> tuple[int, ...]:
-    """The ranks whose block is the whole matrix: an owner among them moves no bytes."""
-    return tuple(rank for rank, block in enumerate(layout.blocks) if block.shape == layout.shape)
+    """The ranks that hold the whole matrix: an owner among them moves no bytes."""
+    return tuple(rank for rank, shard in enumerate(layout.shards) if shard.shape == layout.shape)
 
 
 def local_tensor(tensor: Tensor) -> Tensor:
