@@ -13,14 +13,26 @@ package works, and imports fast, without it.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from fnmatch import fnmatchcase
 from typing import Any
 
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor.placement_types import _StridedShard
 
 
 class HeadNormParallel(ParallelStyle):
@@ -54,6 +66,79 @@ def _mark_heads_sharded(module: nn.Module, inputs: tuple[Any, ...], mesh: Device
 
 def _to_local(module: nn.Module, outputs: Any, mesh: DeviceMesh) -> Any:
     return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+
+class ExpertsParallel(ParallelStyle):
+    """Mixture-of-experts experts with every expert split over tensor parallelism
+    (``transformers``' ``"moe_tp_experts"``).
+
+    The expert stacks named in ``placements`` become DTensors (``"packed_colwise"`` gives each rank
+    a row block of the gate and one of the up projection, ``_StridedShard``); the module's own
+    forward then runs on the local blocks: each rank computes its part of every expert's output,
+    the parts are summed over TP, and the inputs' gradients (the hidden states, the routing
+    weights), partial on each rank, are summed in backward.
+
+    Args:
+        placements: The TP placement of each parameter of the module, by name.
+    """
+
+    def __init__(self, placements: dict[str, Placement]) -> None:
+        super().__init__()
+        self.placements = placements
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, placement in self.placements.items():
+            param = module.get_parameter(name)
+            sharded = distribute_tensor(param.detach(), device_mesh, [placement])
+            module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        forward = module.forward
+
+        @functools.wraps(forward)
+        def forward_on_local_blocks(*args: Any, **kwargs: Any) -> Any:
+            args, kwargs = _replicated_inputs(args, kwargs, device_mesh)
+            with _local_parameters(module, self.placements):
+                output = forward(*args, **kwargs)
+            partial = DTensor.from_local(output, device_mesh, [Partial()], run_check=False)
+            return partial.redistribute(placements=[Replicate()]).to_local()
+
+        module.forward = forward_on_local_blocks
+        return module
+
+
+def _replicated_inputs(
+    args: tuple[Any, ...], kwargs: dict[str, Any], mesh: DeviceMesh
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The floating-point inputs, unchanged, but with their gradients summed over ``mesh``."""
+
+    def summed_in_backward(value: Any) -> Any:
+        if not isinstance(value, Tensor) or not value.is_floating_point():
+            return value
+        replicated = DTensor.from_local(value, mesh, [Replicate()], run_check=False)
+        return replicated.to_local(grad_placements=[Partial()])
+
+    return tuple(map(summed_in_backward, args)), {k: summed_in_backward(v) for k, v in kwargs.items()}
+
+
+@contextlib.contextmanager
+def _local_parameters(module: nn.Module, names: Iterable[str]) -> Iterator[None]:
+    """Run ``module`` with the local blocks of its DTensor parameters ``names`` (differentiably)."""
+    held = {name: module._parameters[name] for name in names}
+    try:
+        for name, param in held.items():
+            module._parameters[name] = param.to_local() if isinstance(param, DTensor) else param
+        yield
+    finally:
+        module._parameters.update(held)
+
+
+#: ``transformers`` TP plan strings for single parameters (of an experts module) and their
+#: placement, by the parameter's number of dimensions.
+PARAMETER_PLACEMENTS: dict[str, Callable[[int], Placement]] = {
+    "colwise": lambda ndim: Shard(ndim - 2),
+    "rowwise": lambda ndim: Shard(ndim - 1),
+    "packed_colwise": lambda ndim: _StridedShard(ndim - 2, split_factor=2),
+    "packed_rowwise": lambda ndim: _StridedShard(ndim - 1, split_factor=2),
+}
 
 
 #: ``transformers`` TP plan strings and the torch styles that do the same on DTensors.
@@ -93,30 +178,60 @@ def tensor_parallel_plan(module: nn.Module) -> dict[str, ParallelStyle]:
     """The TP plan that the ``transformers`` models inside ``module`` declare, as torch styles.
 
     Keys are module name patterns relative to ``module`` (``model.model.layers.*.self_attn.q_proj``
-    for a ``Qwen3ForCausalLM`` held as ``self.model``).
+    for a ``Qwen3ForCausalLM`` held as ``self.model``). Entries that name a parameter (an expert
+    stack, ``…experts.gate_up_proj``) give its placement to the style of its module
+    (`ExpertsParallel`).
 
     Raises:
-        ValueError: An entry has a style that has no torch equivalent here (mixture-of-experts
-            entries such as ``"packed_colwise"`` among them), naming every such entry.
+        ValueError: An entry has a style that has no torch equivalent here, or names a parameter
+            whose module has no experts style, naming every such entry.
     """
     plan: dict[str, ParallelStyle] = {}
     unsupported: dict[str, str] = {}
     for prefix, model in transformers_models(module):
-        declared = getattr(model, "_tp_plan", None) or {}
+        declared = dict(getattr(model, "_tp_plan", None) or {})
+        placements: dict[str, dict[str, Placement]] = {}
+        for pattern, style in list(declared.items()):
+            parent, _, name = pattern.rpartition(".")
+            ndim = _parameter_ndim(model, parent, name)
+            if ndim is not None and style in PARAMETER_PLACEMENTS:
+                placements.setdefault(parent, {})[name] = PARAMETER_PLACEMENTS[style](ndim)
+                del declared[pattern]
+        # A model class declares one plan for all its configs: entries for the layers that this
+        # config does not build (dense feed-forwards of a model whose layers are all sparse) apply
+        # to nothing, as in transformers.
+        names = [name for name, _ in model.named_modules()]
         for pattern, style in declared.items():
+            if not any(fnmatchcase(name, pattern) for name in names):
+                continue
             name = f"{prefix}.{pattern}" if prefix else pattern
-            if style in STYLES:
+            if style == "moe_tp_experts":
+                plan[name] = ExpertsParallel(placements.pop(pattern, {}))
+            elif style in STYLES:
                 plan[name] = STYLES[style]()
             else:
                 unsupported[name] = style
+        for parent, names in placements.items():  # parameters without an experts style
+            for param in names:
+                unsupported[f"{prefix}.{parent}.{param}" if prefix else f"{parent}.{param}"] = "parameter"
     if unsupported:
         raise ValueError(
             f"The tensor-parallel plan of the transformers model has entries that lightning_canzona "
-            f"cannot honour: {unsupported} (supported: {sorted(STYLES)}). Train it with "
-            "tensor_parallel_size=1 (FSDP2 only), or override configure_model and parallelize it "
-            "yourself."
+            f"cannot honour: {unsupported} (supported: {sorted(STYLES) + ['moe_tp_experts']}, and "
+            f"{sorted(PARAMETER_PLACEMENTS)} for the parameters of a 'moe_tp_experts' module). "
+            "Train it with tensor_parallel_size=1 (FSDP2 only), or override configure_model and "
+            "parallelize it yourself."
         )
     return plan
+
+
+def _parameter_ndim(model: nn.Module, parent: str, name: str) -> int | None:
+    """The dimensions of parameter ``name`` of the modules matching ``parent`` (``None``: the
+    pattern names modules, not a parameter)."""
+    for module_name, child in model.named_modules():
+        if fnmatchcase(module_name, parent) and name in child._parameters:
+            return child._parameters[name].ndim
+    return None
 
 
 def fsdp_unit_classes(module: nn.Module) -> set[str]:

@@ -119,8 +119,8 @@ def _train_in_one_process(module: CausalLM) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize(
     ("name", "dp", "tp"),
-    [("qwen3", 2, 2), ("llama", 2, 2), ("qwen3_moe", 4, 1), ("gpt2", "auto", "auto")],
-    ids=["qwen3-dp2xtp2", "llama-dp2xtp2", "qwen3_moe-dp4", "gpt2-auto"],
+    [("qwen3", 2, 2), ("llama", 2, 2), ("qwen3_moe", 2, 2), ("gpt2", "auto", "auto")],
+    ids=["qwen3-dp2xtp2", "llama-dp2xtp2", "qwen3_moe-dp2xtp2", "gpt2-auto"],
 )
 def test_a_transformers_model_trains_exactly_with_its_own_plan(tmp_path, name, dp, tp) -> None:
     torch.manual_seed(0)
@@ -146,7 +146,11 @@ def test_a_transformers_model_trains_exactly_with_its_own_plan(tmp_path, name, d
     # bit for bit equal here. Tensor parallelism sums partial products in another order, float32
     # noise that Newton-Schulz amplifies: a float32 run of these models differs from a float64
     # run by up to 1.6e-5 relative; measured up to 1.2e-5 against the reference (Llama o_proj).
+    # An update is the difference of two float32 weights, so it is known to a few ulps of the
+    # weights only: Qwen3-MoE's layer-1 input norm (weights ≈ 1, an element whose AdamW steps
+    # nearly cancel) measured 10 ulps off on one element, 3.1e-5 of its small update.
     tolerance = 3e-5 if tp == 2 else 1e-6
+    ulps = 16 * torch.finfo(torch.float32).eps
     assert distributed.keys() == reference.keys()
     for param_name, expected in reference.items():
         update, expected_update = (
@@ -154,14 +158,25 @@ def test_a_transformers_model_trains_exactly_with_its_own_plan(tmp_path, name, d
             expected - initial[param_name],
         )
         error = float((update - expected_update).norm())
-        assert error <= tolerance * float(expected_update.norm()), (param_name, error)
+        bound = tolerance * float(expected_update.norm()) + ulps * float(initial[param_name].norm())
+        assert error <= bound, (param_name, error, bound)
 
 
 def test_a_plan_entry_that_cannot_be_honoured_or_a_size_that_does_not_divide_is_named() -> None:
     torch.manual_seed(0)
     moe = CausalLM("qwen3_moe")
+    plan = huggingface.tensor_parallel_plan(moe)  # the experts' packed entries are honoured
+    experts = plan["model.model.layers.*.mlp.experts"]
+    assert isinstance(experts, huggingface.ExpertsParallel)
+    assert set(experts.placements) == {"gate_up_proj", "down_proj"}
+    declared = dict(moe.model._tp_plan)
+    moe.model._tp_plan = {**declared, "model.norm": "sequence_parallel"}
+    with pytest.raises(ValueError, match=r"'model\.model\.norm': 'sequence_parallel'"):
+        huggingface.tensor_parallel_plan(moe)
+    # An expert stack's placement without the style that runs its module on local blocks.
+    moe.model._tp_plan = {k: v for k, v in declared.items() if v != "moe_tp_experts"}
     with pytest.raises(
-        ValueError, match=r"'model\.model\.layers\.\*\.mlp\.experts\.gate_up_proj': 'packed_colwise'"
+        ValueError, match=r"'model\.model\.layers\.\*\.mlp\.experts\.gate_up_proj': 'parameter'"
     ):
         huggingface.tensor_parallel_plan(moe)
     with pytest.raises(ValueError, match=r"does not divide Qwen3Config\.num_key_value_heads=2.*\[1, 2\]"):
