@@ -282,7 +282,9 @@ class MeshEngine:
         previous_owners = (
             {id(e.param): self.entry_owner(i) for i, e in enumerate(self._entries)} if self.plan else {}
         )
-        layouts = exchange_layouts([e.name for e in matrices], [e.param for e in matrices], self.group)
+        layouts = exchange_layouts(
+            [e.name for e in matrices], [e.param for e in matrices], self.mesh, self.group
+        )
         self._items = _items(matrices, rules, layouts, self.rank)
         self._first_item = [0] * len(matrices)
         for index in reversed(range(len(self._items))):

@@ -24,7 +24,8 @@ from functools import cached_property
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 #: ``(start, length)``: consecutive global indices along one dimension.
@@ -130,23 +131,53 @@ def _runs(indices: Sequence[int]) -> tuple[Run, ...]:
     return tuple((start, length) for start, length in runs)
 
 
-def local_shard(param: DTensor) -> LocalShard:
-    """This rank's shard of ``param``, from DTensor's own placement logic.
+def planning_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh on which the parameters of ``mesh`` are planned: the mesh it was sliced from.
+
+    FSDP2 puts parameters that tensor parallelism leaves whole (the expert stacks of a bundled
+    MoE, say) on the data-parallel slice of a DP × TP mesh: each TP coordinate holds a replica.
+    Planned on the slice, every TP coordinate would compute every one of their updates; planned on
+    the whole mesh, as replicated over TP, each is computed once and sent to its replicas.
+    """
+    root = mesh._get_root_mesh()
+    names, root_names = mesh.mesh_dim_names, root.mesh_dim_names
+    if root is mesh or root.ndim > 2 or not names or not root_names or not set(names) <= set(root_names):
+        return mesh
+    return root
+
+
+def placements_on(param: DTensor, mesh: DeviceMesh) -> list[Placement]:
+    """``param``'s placements on ``mesh`` (its own mesh, or the mesh that was sliced into it):
+    replicated along the dimensions its own mesh lacks."""
+    own = param.device_mesh
+    if own == mesh:
+        return list(param.placements)
+    names = list(own.mesh_dim_names or ())
+    return [
+        param.placements[names.index(n)] if n in names else Replicate() for n in mesh.mesh_dim_names or ()
+    ]
+
+
+def local_shard(param: DTensor, mesh: DeviceMesh | None = None) -> LocalShard:
+    """This rank's shard of ``param`` (seen on ``mesh``, by default its own), from DTensor's own
+    placement logic.
 
     Dimension by dimension, the vector of global indices is distributed with the placements that
     shard that dimension (the others replicated) and without communication: what stays on this
     rank is where its indices lie, in the order of its local tensor, whatever the placements
     (``_StridedShard`` included).
     """
+    mesh = mesh or param.device_mesh
+    placements = placements_on(param, mesh)
     runs = []
     for dim, size in enumerate(param.shape):
-        placements = [
+        along = [
             p if isinstance(p, (Shard, _StridedShard)) and p.dim % param.ndim == dim else Replicate()
-            for p in param.placements
+            for p in placements
         ]
         shape = [size if d == dim else 1 for d in range(param.ndim)]
-        indices = torch.arange(size, device=param.device_mesh.device_type).view(shape)
-        mine = distribute_tensor(indices, param.device_mesh, placements, src_data_rank=None).to_local()
+        indices = torch.arange(size, device=mesh.device_type).view(shape)
+        mine = distribute_tensor(indices, mesh, along, src_data_rank=None).to_local()
         runs.append(_runs(mine.reshape(-1).tolist()))
     return LocalShard(tuple(runs))
 
@@ -174,9 +205,10 @@ def _tiles(shape: tuple[int, ...], blocks: set[Block]) -> bool:
 
 
 def exchange_layouts(
-    names: Sequence[str], params: Sequence[DTensor], group: dist.ProcessGroup
+    names: Sequence[str], params: Sequence[DTensor], mesh: DeviceMesh, group: dist.ProcessGroup
 ) -> list[MatrixLayout]:
-    """Every rank's shard of every parameter, after one ``all_gather_object`` over ``group``.
+    """Every rank's shard of every parameter, seen on ``mesh`` (see `planning_mesh`), after one
+    ``all_gather_object`` over ``group``, the ranks of ``mesh``.
 
     Raises:
         RuntimeError: On every rank, when ranks disagree on the parameters, or a layout does not
@@ -184,7 +216,7 @@ def exchange_layouts(
     """
     mine = []
     for param in params:
-        shard = local_shard(param)
+        shard = local_shard(param, mesh)
         mine.append((tuple(param.shape), shard, shard.shape == tuple(param.to_local().shape)))
     everyone: list[list[tuple[tuple[int, ...], LocalShard, bool]]] = [None] * dist.get_world_size(group)  # type: ignore[list-item]
     dist.all_gather_object(everyone, mine, group=group)

@@ -23,7 +23,7 @@ from torch.optim import Optimizer
 from lightning_canzona.distributed.engine import Entry, MeshEngine
 from lightning_canzona.distributed.failures import raise_on_every_rank
 from lightning_canzona.distributed.gradients import agree_on_gradients
-from lightning_canzona.distributed.layout import local_tensor
+from lightning_canzona.distributed.layout import local_tensor, planning_mesh
 from lightning_canzona.distributed.updates import apply_matrix, prepare_matrix, step_adamw
 from lightning_canzona.planning import Plan, PlanSettings
 from lightning_canzona.rules.adamw import ALGORITHM as ADAMW
@@ -230,13 +230,14 @@ class MatrixOptimizer(Optimizer):
         return held
 
     def _distributed_entries(self) -> dict[Any, list[Entry]]:
-        """The DTensor parameters by device mesh, in param-group order (the same on every rank)."""
+        """The DTensor parameters by the mesh they are planned on (`planning_mesh`), in
+        param-group order (the same on every rank)."""
         distributed: dict[Any, list[Entry]] = {}
         for index, group in enumerate(self.param_groups):
             for position, param in enumerate(group["params"]):
                 if isinstance(param, DTensor):
                     entry = Entry(param, group, _param_name(group, index, position).strip("'"))
-                    distributed.setdefault(param.device_mesh, []).append(entry)
+                    distributed.setdefault(planning_mesh(param.device_mesh), []).append(entry)
         return distributed
 
     def _engine(self, mesh: Any) -> MeshEngine:

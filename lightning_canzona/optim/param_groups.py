@@ -44,8 +44,8 @@ def matrix_param_groups(
     Returns:
         ``[{"params": [(name, param), …]}, {"params": [(name, param), …], "algorithm": "adamw"}]``,
         leaving out an empty group. Named entries let errors name the parameter. A group may
-        span device meshes (a 2-D DP×TP mesh and a 1-D DP mesh, say): the engine plans each mesh
-        separately.
+        span device meshes (a 2-D DP×TP mesh and its 1-D DP slice, say): the engine plans a mesh
+        and its slices as one (`lightning_canzona.distributed.layout.planning_mesh`).
     """
     embedding_weights = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
     default_matrices: set[int] = set()
