@@ -197,11 +197,16 @@ def test_the_package_never_imports_transformers_itself() -> None:
     assert not importers
 
 
-def test_the_documented_example_trains(tmp_path) -> None:
-    example = Path(__file__).parent.parent / "examples" / "models" / "transformers_causal_lm.py"
+@pytest.mark.parametrize(
+    ("script", "arguments"),
+    [("transformers_causal_lm.py", ["--model", "qwen3-moe"]), ("own_model.py", [])],
+    ids=["transformers-moe", "own-model"],
+)
+def test_the_documented_examples_train(tmp_path, script, arguments) -> None:
+    example = Path(__file__).parent.parent / "examples" / "models" / script
     # As a user runs it: a script that Lightning re-runs once per rank.
     done = subprocess.run(
-        [sys.executable, str(example), "--max_steps", "8"],
+        [sys.executable, str(example), *arguments, "--max_steps", "8"],
         cwd=tmp_path,
         capture_output=True,
         text=True,

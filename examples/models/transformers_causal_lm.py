@@ -1,10 +1,11 @@
 """Train a Hugging Face ``transformers`` model with CanzonaStrategy: no TP plan, no configure_model.
 
 The model's own tensor-parallel plan and decoder layers are used (see docs/models.md). A tiny
-Qwen3 (random init, nothing downloaded) trains on 4 CPU ranks, data-parallel 2 × tensor-parallel 2,
-on the byte-level corpus that ships with Python::
+Qwen3, or Qwen3-MoE (random init, nothing downloaded), trains on 4 CPU ranks, data-parallel 2 ×
+tensor-parallel 2, on the byte-level corpus that ships with Python::
 
     python examples/models/transformers_causal_lm.py --max_steps 20
+    python examples/models/transformers_causal_lm.py --model qwen3-moe
 """
 
 from __future__ import annotations
@@ -58,7 +59,19 @@ def tiny_qwen3() -> transformers.Qwen3Config:
     )
 
 
-def main(max_steps: int) -> None:
+def tiny_qwen3_moe() -> transformers.Qwen3MoeConfig:
+    """Every layer a mixture of 4 experts, 2 per token; each expert split over TP as the model
+    declares (the gate and up projections packed in one stack)."""
+    config = tiny_qwen3().to_dict()
+    return transformers.Qwen3MoeConfig(
+        **config, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2
+    )
+
+
+CONFIGS = {"qwen3": tiny_qwen3, "qwen3-moe": tiny_qwen3_moe}
+
+
+def main(model: str, max_steps: int) -> None:
     """Train, and print the last training loss (rank 0)."""
     torch.manual_seed(0)
     trainer = L.Trainer(
@@ -70,12 +83,16 @@ def main(max_steps: int) -> None:
         enable_checkpointing=False,
         enable_model_summary=False,
     )
-    trainer.fit(TransformersCausalLM(tiny_qwen3()), datamodule=ByteTextDataModule(seq_len=64, batch_size=8))
+    trainer.fit(
+        TransformersCausalLM(CONFIGS[model]()), datamodule=ByteTextDataModule(seq_len=64, batch_size=8)
+    )
     if trainer.is_global_zero:
         print(f"final train_loss {float(trainer.callback_metrics['train_loss']):.4f}")
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(CONFIGS), default="qwen3")
     parser.add_argument("--max_steps", type=int, default=20)
-    main(parser.parse_args().max_steps)
+    arguments = parser.parse_args()
+    main(arguments.model, arguments.max_steps)
