@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import copy
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -207,3 +212,23 @@ def test_matrix_param_groups_split_declared_matrices_and_fused_gate_up_by_defaul
 def test_matrix_param_groups_name_a_row_blocks_pattern_that_does_not_apply(row_blocks, message) -> None:
     with pytest.raises(ValueError, match=message):
         lc.matrix_param_groups(Block(), row_blocks=row_blocks)
+
+
+def test_the_documented_example_trains_with_split_weights(tmp_path) -> None:
+    example = Path(__file__).parent.parent / "examples" / "models" / "fused_weights.py"
+    # As a user runs it: a script that Lightning re-runs once per rank.
+    done = subprocess.run(
+        [sys.executable, str(example), "--max_steps", "8", "--per_head"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert done.returncode == 0, done.stdout[-3000:]
+    # The strategy says what it splits, and how.
+    assert "(8, 8, 8, 8, 8, 8, 8, 8, 16): blocks.0.qkv.weight and 1 more" in done.stdout
+    assert "2: blocks.0.gate_up.weight and 1 more" in done.stdout
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("final train_loss")]
+    assert float(line.split()[-1]) < math.log(256) - 0.5  # well below a uniform guess over bytes
