@@ -63,6 +63,7 @@ from lightning_canzona.optim import MatrixOptimizer
 from lightning_canzona.optim.conversion import convert_torch_muon, is_torch_muon, repoint_scheduler
 from lightning_canzona.planning import PlanSettings, report
 from lightning_canzona.precision import clip_across_meshes, mixed_precision_policy
+from lightning_canzona.rules.blocks import describe_row_blocks
 from lightning_canzona.telemetry import OptimizerTelemetry
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
@@ -355,6 +356,8 @@ class CanzonaStrategy(ModelParallelStrategy):
                     if plan.matrices:  # a mesh of AdamW parameters only has nothing to show
                         table = report(plan).table()
                         rank_zero_info(f"lightning_canzona plan on mesh {tuple(mesh.shape)}:\n{table}")
+                if optimizer.row_blocks():
+                    rank_zero_info(f"lightning_canzona: {describe_row_blocks(optimizer.row_blocks())}")
 
     def _bind(self, optimizer: Optimizer) -> Optimizer:
         """Hand the plan settings to a lightning_canzona optimizer; convert a torch.optim.Muon."""

@@ -43,24 +43,33 @@ PLANS = [
     {"policy": "canzona", "alpha": 1.0},
 ]
 STEPS = 4
+ROW_BLOCKS = {"qkv.weight": (10, 6, 6), "experts.gate_up": 2}
 
 
 class MixtureExperts(nn.Module):
-    """A stack of 5 expert matrices: FSDP2 splits it on the expert dimension, 3 + 2 over 2 ranks
-    and 2 + 2 + 1 + 0 over 4, so that each expert lies whole on one rank. Under TP it is packed
-    like transformers' fused gate/up experts: rows 0–5 and 6–11 are split separately
-    (``_StridedShard``), so each TP rank holds two row blocks of every expert."""
+    """Stacks of 5 expert matrices: FSDP2 splits them on the expert dimension, 3 + 2 over 2 ranks
+    and 2 + 2 + 1 + 0 over 4, so that each expert lies whole on one rank. ``gate_up`` is fused:
+    each expert is updated as two halves (`ROW_BLOCKS`); under TP it is packed as transformers
+    packs its gate/up experts: rows 0–3 and 4–7 are split separately (``_StridedShard``), so each
+    TP rank holds two row blocks of every expert."""
 
     def __init__(self) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.randn(5, 12, 9) / 3)
+        self.gate_up = nn.Parameter(torch.randn(5, 8, 9) / 3)
 
 
 class Net(nn.Module):
-    """Uneven shapes: 130 and 17 rows over 2 or 4 ranks, and 3 rows over 4 (an empty shard)."""
+    """Uneven shapes: 130 and 17 rows over 2 or 4 ranks, and 3 rows over 4 (an empty shard).
+
+    ``qkv`` is a fused GQA-like projection, updated block by block (`ROW_BLOCKS`): under TP its
+    rows are split 11 + 11, across its blocks' boundaries, and its blocks' learning-rate scales
+    differ (the 10-row block is taller than wide, the others are not).
+    """
 
     def __init__(self) -> None:
         super().__init__()
+        self.qkv = nn.Linear(9, 22, bias=False)
         self.up = nn.Linear(70, 130)
         self.down = nn.Linear(130, 70)
         self.side = nn.Linear(33, 17, bias=False)
@@ -73,11 +82,16 @@ def _parallelize(model: Net, mesh) -> Net:
     names = mesh.mesh_dim_names
     if "tp" in names:
         tp_mesh = mesh["tp"] if mesh.ndim > 1 else mesh
-        plan = {"up": ColwiseParallel(), "down": RowwiseParallel(), "side": ColwiseParallel()}
+        plan = {
+            "qkv": ColwiseParallel(),
+            "up": ColwiseParallel(),
+            "down": RowwiseParallel(),
+            "side": ColwiseParallel(),
+        }
         parallelize_module(model, tp_mesh, plan)
         packed = [_StridedShard(1, split_factor=2)]
-        experts = distribute_tensor(model.experts.weight.detach(), tp_mesh, packed, src_data_rank=None)
-        model.experts.weight = nn.Parameter(experts)
+        gate_up = distribute_tensor(model.experts.gate_up.detach(), tp_mesh, packed, src_data_rank=None)
+        model.experts.gate_up = nn.Parameter(gate_up)
     if "dp" in names:
         fully_shard(model, mesh=mesh["dp"] if mesh.ndim > 1 else mesh)
     return model
@@ -97,8 +111,9 @@ def _run_combination(rank: int, mesh, optimizer_name: str, plan: dict, overlap: 
     reference_model = Net()
     torch.manual_seed(0)
     model = _parallelize(Net(), mesh)  # the same initial weights, sharded
-    reference = optimizer_class(lc.matrix_param_groups(reference_model), **kwargs)
-    optimizer = optimizer_class(lc.matrix_param_groups(model), **kwargs, **plan, overlap=overlap)
+    reference = optimizer_class(lc.matrix_param_groups(reference_model, row_blocks=ROW_BLOCKS), **kwargs)
+    groups = lc.matrix_param_groups(model, row_blocks=ROW_BLOCKS)
+    optimizer = optimizer_class(groups, **kwargs, **plan, overlap=overlap)
     shapes = {name: p.shape for name, p in reference_model.named_parameters()}
     params = dict(model.named_parameters())
     for step in range(STEPS):

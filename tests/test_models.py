@@ -98,5 +98,9 @@ def test_mixture_of_experts_routes_each_token_to_its_top_k_experts() -> None:
     torch.testing.assert_close(moe(x).reshape(-1, x.shape[-1]), expected, rtol=1e-5, atol=1e-6)
     assert moe.balance_loss.ndim == 0 and 0 < float(moe.balance_loss) < moe.experts.down_proj.shape[0]
     groups = lc.matrix_param_groups(model)
-    matrices = {name for name, _ in groups[0]["params"]}
+    matrices = {name for group in groups if "algorithm" not in group for name, _ in group["params"]}
     assert "layers.0.mlp.experts.gate_up_proj" in matrices and "layers.0.mlp.router.weight" not in matrices
+    # Gate rows, then up rows (the chunk above): each expert's halves are updated as two matrices.
+    assert {
+        name: group["row_blocks"] for group in groups for name, _ in group["params"] if "row_blocks" in group
+    } == {f"layers.{layer}.mlp.experts.gate_up_proj": 2 for layer in range(PRESETS["tiny-moe"].num_layers)}

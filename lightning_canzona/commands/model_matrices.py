@@ -10,7 +10,8 @@ import torch
 from lightning_canzona.models.qwen3 import Qwen3
 from lightning_canzona.optim.param_groups import matrix_param_groups
 from lightning_canzona.planning.matrices import MatrixSpec, describe
-from lightning_canzona.rules import MatrixRule, MuonRule, ShampooRule, SOAPRule
+from lightning_canzona.rules import MatrixRule, MuonRule, RowBlockRule, ShampooRule, SOAPRule
+from lightning_canzona.rules.blocks import RowBlocks
 from lightning_canzona.rules.newton_schulz import PRESETS as SCHEDULES
 
 OPTIMIZERS: tuple[str, ...] = ("muon", "shampoo", "soap")
@@ -34,15 +35,21 @@ def compute_dtype(rule: MatrixRule) -> str:
 
 
 @cache
-def preset_shapes(preset: str) -> tuple[tuple[tuple[str, tuple[int, ...]], ...], int]:
-    """``((name, shape) of every matrix parameter, total parameter count)`` of a preset.
+def preset_shapes(preset: str) -> tuple[tuple[tuple[str, tuple[int, ...], RowBlocks | None], ...], int]:
+    """``((name, shape, row_blocks) of every matrix parameter, total parameter count)`` of a preset.
 
-    Built on the meta device: no memory, no weights. Cached because large presets take seconds to
-    construct and a sweep asks for each several times.
+    ``row_blocks`` is what `matrix_param_groups` declares (the experts' fused gate/up halves), or
+    ``None``. Built on the meta device: no memory, no weights. Cached because large presets take
+    seconds to construct and a sweep asks for each several times.
     """
     with torch.device("meta"):
         model = Qwen3(preset)
-    named = tuple((name, tuple(param.shape)) for name, param in matrix_param_groups(model)[0]["params"])
+    named = tuple(
+        (name, tuple(param.shape), group.get("row_blocks"))
+        for group in matrix_param_groups(model)
+        if "algorithm" not in group
+        for name, param in group["params"]
+    )
     return named, sum(param.numel() for param in model.parameters())
 
 
@@ -56,7 +63,9 @@ def preset_matrices(preset: str, rule: MatrixRule, dp: int = 1, tp: int = 1) -> 
     """
     named, num_params = preset_shapes(preset)
     specs = []
-    for spec in describe(named, rule.cost):
+    for name, shape, row_blocks in named:
+        matrix_rule = rule if row_blocks is None else RowBlockRule(rule, row_blocks)
+        (spec,) = describe([(name, shape)], matrix_rule.cost)
         if not (rule.splits_stacks and len(spec.shape) == 3):
             specs.append(spec)
             continue
@@ -67,7 +76,7 @@ def preset_matrices(preset: str, rule: MatrixRule, dp: int = 1, tp: int = 1) -> 
                 spec,
                 name=f"{spec.name}[{expert}]",
                 shape=matrix,
-                cost=rule.cost(matrix),
+                cost=matrix_rule.cost(matrix),
                 holders=tuple((expert // chunk) * tp + t for t in range(tp)),
             )
             for expert in range(experts)

@@ -28,6 +28,7 @@ from lightning_canzona.distributed.updates import apply_matrix, prepare_matrix, 
 from lightning_canzona.planning import Plan, PlanSettings
 from lightning_canzona.rules.adamw import ALGORITHM as ADAMW
 from lightning_canzona.rules.base import MatrixRule
+from lightning_canzona.rules.blocks import RowBlockRule, RowBlocks, as_row_blocks, row_block_sizes
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 
@@ -56,7 +57,9 @@ class MatrixOptimizer(Optimizer):
     """An optimizer whose matrix groups follow a `MatrixRule` and the rest AdamW.
 
     Subclasses name their algorithm, declare their hyperparameter defaults and build the rule
-    from a param group (`matrix_rule`), which is how per-group settings take effect.
+    from a param group (`matrix_rule`), which is how per-group settings take effect. A matrix
+    group may declare ``row_blocks`` (``n`` equal blocks or the blocks' row sizes): its fused
+    weights are then updated block by block (`rule_of`, `lightning_canzona.rules.blocks`).
 
     Args:
         params: Tensors, ``(name, tensor)`` pairs or param-group dicts.
@@ -114,6 +117,13 @@ class MatrixOptimizer(Optimizer):
     def matrix_rule(self, group: dict[str, Any]) -> MatrixRule:
         """The rule for a matrix group, built from the group's hyperparameters."""
 
+    def rule_of(self, group: dict[str, Any]) -> MatrixRule:
+        """The rule that updates a matrix group's matrices: `matrix_rule`, applied block by
+        block where the group declares ``row_blocks`` (see `lightning_canzona.rules.blocks`)."""
+        rule = self.matrix_rule(group)
+        spec = group.get("row_blocks")
+        return rule if spec is None else RowBlockRule(rule, as_row_blocks(spec))
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group; without an ``"algorithm"`` it is split into matrix and AdamW groups."""
         if "algorithm" not in param_group:
@@ -148,20 +158,42 @@ class MatrixOptimizer(Optimizer):
         except ValueError as error:
             self.param_groups.pop()
             raise ValueError(f"param_groups[{index}] ({algorithm}): {error}") from None
-        if algorithm != ADAMW:
-            for position, param in enumerate(group["params"]):
-                if param.ndim < 2:
-                    self.param_groups.pop()
-                    placements = (
-                        f", placements {tuple(param.placements)}" if isinstance(param, DTensor) else ""
-                    )
-                    raise ValueError(
-                        f"Parameter {_param_name(group, index, position)} of shape "
-                        f"{tuple(param.shape)}{placements} is in a {self.algorithm!r} group, but matrix "
-                        "rules need 2-D weights or stacks of them. Put it in an AdamW group "
-                        "({'params': [...], 'algorithm': 'adamw'}) or build the groups with "
-                        "lightning_canzona.matrix_param_groups(model)."
-                    )
+        misplaced = self._misplaced_parameter(group, index)
+        if misplaced is not None:
+            self.param_groups.pop()
+            raise ValueError(misplaced)
+        if "row_blocks" in group:
+            group["row_blocks"] = as_row_blocks(group["row_blocks"])
+
+    def _misplaced_parameter(self, group: dict[str, Any], index: int) -> str | None:
+        """Why a parameter of ``group`` cannot be updated by it, or ``None``.
+
+        It reads global shapes only, so every rank finds the same answer before any collective.
+        """
+        spec = group.get("row_blocks")
+        matrices = group["algorithm"] != ADAMW
+        for position, param in enumerate(group["params"]):
+            placements = f", placements {tuple(param.placements)}" if isinstance(param, DTensor) else ""
+            name = _param_name(group, index, position)
+            described = f"Parameter {name} of shape {tuple(param.shape)}{placements}"
+            if spec is not None and not (matrices and param.ndim >= 2):
+                return (
+                    f"{described} has row_blocks {spec!r}, but row blocks split matrices (2-D "
+                    "weights or stacks of them), and it is in an AdamW group."
+                )
+            if matrices and param.ndim < 2:
+                return (
+                    f"{described} is in a {self.algorithm!r} group, but matrix "
+                    "rules need 2-D weights or stacks of them. Put it in an AdamW group "
+                    "({'params': [...], 'algorithm': 'adamw'}) or build the groups with "
+                    "lightning_canzona.matrix_param_groups(model)."
+                )
+            if spec is not None:
+                try:
+                    row_block_sizes(spec, param.shape[-2])
+                except ValueError as error:
+                    return f"{described} has row_blocks {spec!r}: {error}."
+        return None
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -191,7 +223,7 @@ class MatrixOptimizer(Optimizer):
             failure = error
         for mesh, entries in self._distributed_entries().items():
             engine = self._engine(mesh)
-            engine.step(entries, [has_grad[id(e.param)] for e in entries], self.state, self.matrix_rule)
+            engine.step(entries, [has_grad[id(e.param)] for e in entries], self.state, self.rule_of)
             failure = failure or engine.failure
         device = local_tensor(named[0][1]).device
         raise_on_every_rank(failure, device, f"{type(self).__name__}.step")
@@ -200,7 +232,7 @@ class MatrixOptimizer(Optimizer):
     def _step_plain_tensors(self, has_grad: dict[int, bool]) -> None:
         """Update the parameters that are not DTensors: whole, on this rank."""
         for group in self.param_groups:
-            rule = None if group["algorithm"] == ADAMW else self.matrix_rule(group)
+            rule = None if group["algorithm"] == ADAMW else self.rule_of(group)
             for param in group["params"]:
                 if isinstance(param, DTensor) or not has_grad[id(param)]:
                     continue
@@ -216,15 +248,24 @@ class MatrixOptimizer(Optimizer):
         Collective: every rank must call it (it shares the shards' layouts once).
         """
         return {
-            mesh: self._engine(mesh).prepare(entries, self.state, self.matrix_rule)
+            mesh: self._engine(mesh).prepare(entries, self.state, self.rule_of)
             for mesh, entries in self._distributed_entries().items()
+        }
+
+    def row_blocks(self) -> dict[str, RowBlocks]:
+        """The declared ``row_blocks`` of every matrix updated block by block, by parameter name."""
+        return {
+            _param_name(group, index, position).strip("'"): group["row_blocks"]
+            for index, group in enumerate(self.param_groups)
+            if "row_blocks" in group
+            for position in range(len(group["params"]))
         }
 
     def owner_held_state(self) -> list[tuple[Tensor, dict[str, Tensor]]]:
         """``(param, matrix state)`` of every matrix this rank owns (empty under ``sync``)."""
         held = []
         for engine in self.engines.values():
-            rules = [self.matrix_rule(entry.group) for entry in engine._entries]
+            rules = [self.rule_of(entry.group) for entry in engine._entries]
             for index, matrix_state in engine.owned_matrix_state(self.state, rules).items():
                 held.append((engine._entries[index].param, matrix_state))
         return held
@@ -255,10 +296,8 @@ class MatrixOptimizer(Optimizer):
         for mesh, entries in self._distributed_entries().items():
             if mesh in self.engines and self.engines[mesh].plan is not None:
                 engine = self.engines[mesh]
-                engine.prepare(entries, self.state, self.matrix_rule)  # re-read the new param groups
-                engine.drop_foreign_matrix_state(
-                    self.state, [self.matrix_rule(e.group) for e in engine._entries]
-                )
+                engine.prepare(entries, self.state, self.rule_of)  # re-read the new param groups
+                engine.drop_foreign_matrix_state(self.state, [self.rule_of(e.group) for e in engine._entries])
         params = (param for group in self.param_groups for param in group["params"])
         for index, param in enumerate(params):
             for key, saved in state_dict["state"].get(index, {}).items():

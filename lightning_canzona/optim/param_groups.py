@@ -7,16 +7,20 @@ embedding's rows are independent lookups, not a linear map, and the head's rows 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from fnmatch import fnmatchcase
 from typing import Any
 
 from torch import nn
 
+from lightning_canzona.rules.blocks import RowBlocks, as_row_blocks
+
 #: Last name components that mark a linear layer as an output head.
 HEAD_NAMES = ("lm_head", "head", "output", "classifier", "score")
 #: Last name components that mark a linear layer as a mixture-of-experts router (per-expert rows).
 ROUTER_NAMES = ("router", "gate")
+#: The parameter name of transformers' fused mixture-of-experts gate/up stacks.
+GATE_UP_NAME = "gate_up_proj"
 
 
 def matrix_param_groups(
@@ -24,6 +28,7 @@ def matrix_param_groups(
     *,
     matrix: Sequence[str] = (),
     elementwise: Sequence[str] = (),
+    row_blocks: Mapping[str, int | Sequence[int]] | None = None,
 ) -> list[dict[str, Any]]:
     """Param groups for `lightning_canzona.Muon`, ``Shampoo`` or ``SOAP``.
 
@@ -36,16 +41,33 @@ def matrix_param_groups(
     trainable parameter goes to AdamW, routers among them. Patterns (``fnmatch`` on the parameter's qualified
     name, e.g. ``"*.experts.*"``) override the default; ``elementwise`` wins over ``matrix``.
 
+    Fused weights are split by rows (see `lightning_canzona.rules.blocks`): ``row_blocks`` maps
+    patterns to ``n`` equal row blocks (per head: the number of heads) or to the blocks' row sizes
+    (``(q_rows, k_rows, v_rows)`` for a fused QKV). By default a fused expert gate/up stack
+    (`GATE_UP_NAME`, ``[experts, 2·inner, hidden]`` beside a ``down_proj`` of
+    ``[experts, hidden, inner]``: gate rows, then up rows) is split into its halves, as a dense
+    model's separate ``gate_proj`` and ``up_proj`` are two matrices; ``{"*.gate_up_proj": 1}`` keeps
+    it whole. A stack stored the other way round (``[experts, hidden, 2·inner]``, Llama 4, and
+    GPT-OSS's interleaved columns) has no row halves and is left whole.
+
     Args:
         module: The model.
         matrix: Patterns of parameters to update with the matrix rule (e.g. 3-D expert stacks).
         elementwise: Patterns of parameters to update with AdamW.
+        row_blocks: Patterns of matrices to update block by block, with their blocks; ``1`` keeps
+            a matrix whole. A parameter matched by patterns with different blocks is an error.
 
     Returns:
-        ``[{"params": [(name, param), …]}, {"params": [(name, param), …], "algorithm": "adamw"}]``,
-        leaving out an empty group. Named entries let errors name the parameter. A group may
-        span device meshes (a 2-D DP×TP mesh and its 1-D DP slice, say): the engine plans a mesh
-        and its slices as one (`lightning_canzona.distributed.layout.planning_mesh`).
+        ``[{"params": [(name, param), …]}, {"params": [(name, param), …], "row_blocks": blocks}, …,
+        {"params": [(name, param), …], "algorithm": "adamw"}]``: the matrices, then one group per
+        distinct ``row_blocks``, then AdamW's, leaving out an empty group. Named entries let errors
+        name the parameter. A group may span device meshes (a 2-D DP×TP mesh and its 1-D DP
+        slice, say): the engine plans a mesh and its slices as one
+        (`lightning_canzona.distributed.layout.planning_mesh`).
+
+    Raises:
+        ValueError: A ``row_blocks`` pattern matches no parameter or a parameter that is not a
+            matrix, or a parameter's patterns disagree.
     """
     embedding_weights = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
     default_matrices: set[int] = set()
@@ -68,8 +90,63 @@ def matrix_param_groups(
         else:
             is_matrix = id(param) in default_matrices
         (matrices if is_matrix else others).append((name, param))
-    groups: list[dict[str, Any]] = [{"params": matrices}, {"params": others, "algorithm": "adamw"}]
+    blocks = _row_blocks(module, matrices, others, row_blocks or {})
+    groups: list[dict[str, Any]] = [{"params": [entry for entry in matrices if entry[0] not in blocks]}]
+    for spec in dict.fromkeys(blocks[name] for name, _ in matrices if name in blocks):
+        groups.append(
+            {"params": [entry for entry in matrices if blocks.get(entry[0]) == spec], "row_blocks": spec}
+        )
+    groups.append({"params": others, "algorithm": "adamw"})
     return [group for group in groups if group["params"]]
+
+
+def _row_blocks(
+    module: nn.Module,
+    matrices: list[tuple[str, nn.Parameter]],
+    others: list[tuple[str, nn.Parameter]],
+    patterns: Mapping[str, int | Sequence[int]],
+) -> dict[str, RowBlocks]:
+    """The declared row blocks of each matrix that is split: the patterns', else the default."""
+    declared: dict[str, RowBlocks] = {}
+    matrix_names = {name for name, _ in matrices}
+    for pattern, spec in patterns.items():
+        blocks = as_row_blocks(spec)
+        named = [(name, param) for name, param in matrices + others if fnmatchcase(name, pattern)]
+        if not named:
+            raise ValueError(f"row_blocks pattern {pattern!r} matches no trainable parameter")
+        for name, param in named:
+            if name not in matrix_names:
+                raise ValueError(
+                    f"row_blocks pattern {pattern!r} matches {name!r} of shape {tuple(param.shape)}, "
+                    "which is not in the matrix group (AdamW updates it); only matrices split"
+                )
+            if declared.setdefault(name, blocks) != blocks:
+                raise ValueError(f"row_blocks patterns give {name!r} both {declared[name]!r} and {blocks!r}")
+    split = {name: 2 for name in _fused_gate_up(module, matrices)}
+    split.update(declared)
+    return {name: blocks for name, blocks in split.items() if blocks != 1}
+
+
+def _fused_gate_up(module: nn.Module, matrices: list[tuple[str, nn.Parameter]]) -> list[str]:
+    """The fused expert gate/up stacks among ``matrices`` whose rows are gate, then up.
+
+    ``gate_up_proj`` is ``[E, 2·inner, hidden]`` when its rows are twice its sibling ``down_proj``'s
+    columns and its columns are ``down_proj``'s rows (``[E, hidden, inner]``). The transposed
+    layout (``[E, hidden, 2·inner]`` with ``down_proj`` ``[E, inner, hidden]``) never passes: its
+    rows would have to equal twice themselves.
+    """
+    matrix_names = {name for name, _ in matrices}
+    fused = []
+    for prefix, child in module.named_modules():
+        gate_up, down = getattr(child, GATE_UP_NAME, None), getattr(child, "down_proj", None)
+        name = f"{prefix}.{GATE_UP_NAME}" if prefix else GATE_UP_NAME
+        if not (
+            isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and name in matrix_names
+        ):
+            continue
+        if gate_up.ndim == down.ndim == 3 and gate_up.shape[1:] == (2 * down.shape[2], down.shape[1]):
+            fused.append(name)
+    return fused
 
 
 def _is_linear(module: nn.Module) -> bool:

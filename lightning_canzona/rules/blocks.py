@@ -1,0 +1,198 @@
+"""Declared row blocks: a fused weight updated block by block, as separate matrices would be.
+
+A fused QKV projection stores ``[W_q; W_k; W_v]`` in one weight and a fused gate/up
+``[W_gate; W_up]``: linear maps that are separate in the model's math, stacked along the rows (the
+output features). Orthogonalised or preconditioned whole, they are coupled: Newton–Schulz mixes
+their singular vectors, Shampoo's left factor correlates their rows. `RowBlockRule` wraps any
+`MatrixRule` so that each contiguous row block is updated as the matrix it would be on its own;
+per-head attention is the same split with one block per head.
+
+The split happens inside `MatrixRule.direction`, on the owner, which holds the whole matrix: it
+needs no collective of its own, and the plan, gathers and scatters stay those of the fused weight.
+
+Blocks of one size are stacked along a new batch dimension, ``(…, k, size, cols)``, and go through
+one call of the inner rule: per-head Q is one batched call, a GQA QKV two (Q; K and V together).
+Matrix state (Shampoo's and SOAP's factors and moments) is the inner rule's state of each such
+stack, kept under keys prefixed ``rows<size>_``, so that it stays one flat dict of tensors that
+checkpoints and owner hand-overs move like any other. The prefix has no ``.``: torch's flattened
+optimizer state dicts split keys on dots.
+
+Learning-rate scale: Muon's depends on the matrix shape, so each block must move with the scale
+of its own shape. `MatrixRule.apply` runs on shards, which do not know which block a row belongs
+to, with one scale per parameter; `RowBlockRule.lr_scale` is the first block's, and a block whose
+own scale differs carries the ratio in its direction. When the blocks share one scale (equal
+blocks; for Muon's ``"original"`` every block no taller than wide) no ratio is applied. A ratio
+costs one rounding of the block's direction in the rule's exchange dtype (bfloat16 under Muon's
+default ``compute_dtype``), which separate matrices do not have.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lightning_canzona.rules.base import MatrixRule, State, UpdateCost
+from lightning_canzona.rules.kronecker import FAILURES
+
+#: ``n`` equal row blocks, or the row sizes of the blocks in order.
+RowBlocks = int | tuple[int, ...]
+
+
+def as_row_blocks(spec: object) -> RowBlocks:
+    """``spec`` as an ``int`` or a ``tuple`` of ints (hashable: part of a rule's identity).
+
+    Raises:
+        ValueError: ``spec`` is neither a positive int nor a non-empty sequence of positive ints.
+    """
+    if isinstance(spec, int) and not isinstance(spec, bool) and spec >= 1:
+        return spec
+    if (
+        isinstance(spec, Sequence)
+        and not isinstance(spec, str)
+        and spec
+        and all(isinstance(size, int) and not isinstance(size, bool) and size >= 1 for size in spec)
+    ):
+        return tuple(spec)
+    raise ValueError(
+        f"row_blocks must be a number of equal blocks >= 1 or a sequence of positive row sizes, got {spec!r}"
+    )
+
+
+def row_block_sizes(spec: object, rows: int) -> tuple[int, ...]:
+    """The row sizes that ``spec`` declares for a matrix of ``rows`` rows.
+
+    Raises:
+        ValueError: ``spec`` is not a valid spec, or does not fit ``rows``.
+    """
+    blocks = as_row_blocks(spec)
+    if isinstance(blocks, int):
+        if rows % blocks:
+            raise ValueError(f"{blocks} equal row blocks do not divide its {rows} rows")
+        return (rows // blocks,) * blocks
+    if sum(blocks) != rows:
+        raise ValueError(f"the row sizes {blocks} sum to {sum(blocks)}, not to its {rows} rows")
+    return blocks
+
+
+def describe_row_blocks(blocks: Mapping[str, RowBlocks]) -> str:
+    """What is split and how, for a log: one line per distinct ``row_blocks``, with the first
+    matrix's name and how many more share it."""
+    names: dict[RowBlocks, list[str]] = {}
+    for name, spec in blocks.items():
+        names.setdefault(spec, []).append(name)
+    lines = ["Matrices updated block by block (row_blocks):"]
+    for spec, split in names.items():
+        lines.append(f"  {spec!r}: {split[0]}" + (f" and {len(split) - 1} more" if len(split) > 1 else ""))
+    return "\n".join(lines)
+
+
+def _prefix(size: int) -> str:
+    return f"rows{size}_"
+
+
+def _view(state: State, size: int) -> State:
+    """The inner rule's state of the stack of blocks of ``size`` rows."""
+    prefix = _prefix(size)
+    view = {key[len(prefix) :]: value for key, value in state.items() if key.startswith(prefix)}
+    if FAILURES in state:  # one count per parameter: what the engine's telemetry reads
+        view[FAILURES] = state[FAILURES]
+    return view
+
+
+def _store(state: State, size: int, view: State) -> None:
+    """Write ``view`` back into ``state``: an inner rule may replace a tensor, not only update it."""
+    for key, value in view.items():
+        state[key if key == FAILURES else _prefix(size) + key] = value
+
+
+@dataclass(frozen=True)
+class RowBlockRule(MatrixRule):
+    """``inner``, applied to each declared row block of a matrix as to a matrix of its own.
+
+    Attributes:
+        inner: The rule of each block.
+        row_blocks: ``n`` equal blocks (per head: the number of heads) or the blocks' row sizes
+            (``(q_rows, k_rows, v_rows)``), along dim -2 of each matrix of a stack.
+    """
+
+    inner: MatrixRule
+    row_blocks: RowBlocks
+
+    @property  # type: ignore[override]
+    def name(self) -> str:
+        return self.inner.name
+
+    @property  # type: ignore[override]
+    def elementwise_state_keys(self) -> tuple[str, ...]:
+        return self.inner.elementwise_state_keys
+
+    @property  # type: ignore[override]
+    def splits_stacks(self) -> bool:
+        return self.inner.splits_stacks
+
+    def _sizes(self, rows: int) -> dict[int, list[int]]:
+        """Each distinct block size, in order of first appearance, with the first rows of its blocks."""
+        starts: dict[int, list[int]] = {}
+        row = 0
+        for size in row_block_sizes(self.row_blocks, rows):
+            starts.setdefault(size, []).append(row)
+            row += size
+        return starts
+
+    def init_elementwise_state(self, param: Tensor) -> State:
+        return self.inner.init_elementwise_state(param)
+
+    def prepare(self, grad: Tensor, state: State) -> Tensor:
+        return self.inner.prepare(grad, state)
+
+    def init_matrix_state(self, shape: torch.Size, device: torch.device) -> State:
+        state: State = {}
+        for size, starts in self._sizes(shape[-2]).items():
+            stacked = torch.Size((*shape[:-2], len(starts), size, shape[-1]))
+            _store(state, size, self.inner.init_matrix_state(stacked, device))
+        return state
+
+    def direction(self, matrix: Tensor, state: State) -> Tensor:
+        sizes = self._sizes(matrix.shape[-2])
+        scale = self.lr_scale(matrix.shape)
+        if len(sizes) == 1:  # equal blocks (per head): views in and out, no copies
+            ((size, starts),) = sizes.items()
+            blocks = matrix.unflatten(-2, (len(starts), size))
+            return self._blocks_direction(blocks, state, scale).flatten(-3, -2)
+        by_start: dict[int, Tensor] = {}
+        for size, starts in sizes.items():
+            blocks = torch.stack([matrix[..., start : start + size, :] for start in starts], dim=-3)
+            by_start.update(zip(starts, self._blocks_direction(blocks, state, scale).unbind(-3)))
+        return torch.cat([by_start[start] for start in sorted(by_start)], dim=-2)
+
+    def _blocks_direction(self, blocks: Tensor, state: State, scale: float) -> Tensor:
+        """The inner direction of a ``(…, k, size, cols)`` stack of same-size blocks, rescaled from
+        the parameter's learning-rate scale ``scale`` to the blocks' own."""
+        size = blocks.shape[-2]
+        view = _view(state, size)
+        direction = self.inner.direction(blocks, view)
+        _store(state, size, view)
+        ratio = self.inner.lr_scale(blocks.shape[-2:]) / scale
+        return direction if ratio == 1.0 else direction.mul(ratio)
+
+    def exchange_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
+        return self.inner.exchange_dtype(param_dtype)
+
+    def lr_scale(self, shape: Sequence[int]) -> float:
+        first = row_block_sizes(self.row_blocks, shape[-2])[0]
+        return self.inner.lr_scale((*shape[:-2], first, shape[-1]))
+
+    def cost(self, shape: Sequence[int]) -> UpdateCost:
+        costs = [
+            self.inner.cost((*shape[:-2], len(starts), size, shape[-1]))
+            for size, starts in self._sizes(shape[-2]).items()
+        ]
+        return UpdateCost(
+            flops=sum(cost.flops for cost in costs),
+            numel=sum(cost.numel for cost in costs),
+            matrix_state_bytes=sum(cost.matrix_state_bytes for cost in costs),
+            elementwise_state_bytes=sum(cost.elementwise_state_bytes for cost in costs),
+        )
