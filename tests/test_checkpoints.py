@@ -102,9 +102,11 @@ class DumpFullState(Callback):
 
 @pytest.fixture(scope="module")
 def saved_at_dp2_tp2(tmp_path_factory):
-    """A distributed checkpoint at step 3 on dp2×tp2, with the full state it holds."""
+    """A distributed checkpoint at step 3 on dp2×tp2, with the full state it holds, of the model
+    with experts: SOAP keeps each expert's factors with that expert's owner."""
     directory = tmp_path_factory.mktemp("saved")
-    losses = _fit(directory, "uninterrupted", extra=[DumpFullState(directory / "saved.pt", after_step=3)])
+    dump = DumpFullState(directory / "saved.pt", after_step=3)
+    losses = _fit(directory, "uninterrupted", extra=[dump], preset="tiny-moe")
     return directory, losses, torch.load(directory / "saved.pt")
 
 
@@ -116,7 +118,12 @@ def test_checkpoint_loads_at_a_different_mesh_with_every_owners_state(
     checkpoint = directory / "checkpoints" / "epoch=0-step=3.ckpt"
     dump = tmp_path / "restored.pt"
     resumed = _fit(
-        tmp_path, "resumed", ckpt_path=str(checkpoint), mesh=mesh, extra=[DumpFullState(dump, None)]
+        tmp_path,
+        "resumed",
+        ckpt_path=str(checkpoint),
+        mesh=mesh,
+        extra=[DumpFullState(dump, None)],
+        preset="tiny-moe",
     )
     restored = torch.load(dump)
     for name, weight in saved["weights"].items():
@@ -127,8 +134,10 @@ def test_checkpoint_loads_at_a_different_mesh_with_every_owners_state(
         assert state.keys() == restored["optimizer"][name].keys(), name
         for key, value in state.items():
             assert torch.equal(restored["optimizer"][name][key].cpu(), value.cpu()), (name, key)
-        owner_held += "left_basis" in state
-    assert owner_held == 28  # every matrix's SOAP basis, whichever rank owned it
+        owner_held += sum(key.endswith("left_basis") for key in state)
+    # Every matrix's SOAP basis, whichever rank owned it: 4 blocks × (4 attention matrices +
+    # 8 experts' gate/up halves (one basis for the pair) + 8 experts' down projections).
+    assert owner_held == 80
     if mesh[0] == 2:  # the same data on each data-parallel rank: the same losses
         # The restored weights (equal bit for bit, above) give the same loss, up to the order in
         # which one TP rank instead of two sums the forward's partial products: an ulp on some

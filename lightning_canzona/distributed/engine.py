@@ -46,7 +46,13 @@ from lightning_canzona.distributed.layout import (
     stack_member,
 )
 from lightning_canzona.distributed.memory import BufferMeter
-from lightning_canzona.distributed.updates import apply_matrix, prepare_matrix, step_adamw
+from lightning_canzona.distributed.updates import (
+    apply_matrix,
+    member_direction,
+    member_prefix,
+    prepare_matrix,
+    step_adamw,
+)
 from lightning_canzona.planning import MatrixSpec, Plan, PlanSettings, block_of, build_plan
 from lightning_canzona.rules.adamw import ALGORITHM as ADAMW
 from lightning_canzona.rules.base import MatrixRule
@@ -110,9 +116,11 @@ class Entry:
 class Item:
     """One matrix the plan assigns an owner: a parameter, or one matrix of a stack.
 
-    A rule whose direction keeps no matrix state (`MatrixRule.splits_stacks`: Muon) updates each
-    matrix of a ``[n, rows, cols]`` stack on its own, so each is planned, owned and moved alone;
-    an expert that FSDP2 leaves whole on one rank is then updated where it lies.
+    Each matrix of a ``[n, rows, cols]`` stack (mixture-of-experts experts) is planned, owned and
+    moved alone, so that an expert that FSDP2 leaves whole on one rank is updated where it lies.
+    Its matrix state (Shampoo's and SOAP's factors) lives with its owner, in its parameter's state
+    under the keys of `updates.member_prefix`; a rule without matrix state (`MatrixRule.batches_matrices`:
+    Muon) updates an owner's same-shape matrices in one batched call.
 
     Attributes:
         entry: Index of the parameter among the engine's matrix entries.
@@ -128,12 +136,10 @@ class Item:
     local_index: int | None = None
 
 
-def _items(
-    entries: Sequence[Entry], rules: Sequence[MatrixRule], layouts: Sequence[MatrixLayout], rank: int
-) -> list[Item]:
+def _items(entries: Sequence[Entry], layouts: Sequence[MatrixLayout], rank: int) -> list[Item]:
     items = []
-    for index, (entry, rule, layout) in enumerate(zip(entries, rules, layouts)):
-        if not (rule.splits_stacks and entry.param.ndim == 3):
+    for index, (entry, layout) in enumerate(zip(entries, layouts)):
+        if entry.param.ndim != 3:
             items.append(Item(index, None, layout))
             continue
         for member in range(layout.shape[0]):
@@ -171,7 +177,7 @@ class MeshEngine:
         settings: How to plan.
         overlap: Pipeline the micro-groups.
         batch_matrices: Update an owner's same-shape matrices of a micro-group in one call of
-            their rule where it allows (`MatrixRule.splits_stacks`); ``False`` calls it once per
+            their rule where it allows (`MatrixRule.batches_matrices`); ``False`` calls it once per
             matrix (the baseline that ``canzona bench step`` compares with).
     """
 
@@ -206,11 +212,6 @@ class MeshEngine:
     def computes(self, index: int) -> bool:
         owner = self.owner(index)
         return owner is None or owner == self.rank
-
-    def entry_owner(self, entry: int) -> int | None:
-        """Owner of matrix entry ``entry``'s state: its only item's owner (an entry split into
-        several items keeps no matrix state)."""
-        return self.owner(self._first_item[entry])
 
     def step(
         self,
@@ -280,12 +281,12 @@ class MeshEngine:
             self._entries = matrices
             return
         previous_owners = (
-            {id(e.param): self.entry_owner(i) for i, e in enumerate(self._entries)} if self.plan else {}
+            {self._item_key(i): self.owner(i) for i in range(len(self._items))} if self.plan else {}
         )
         layouts = exchange_layouts(
             [e.name for e in matrices], [e.param for e in matrices], self.mesh, self.group
         )
-        self._items = _items(matrices, rules, layouts, self.rank)
+        self._items = _items(matrices, layouts, self.rank)
         self._first_item = [0] * len(matrices)
         for index in reversed(range(len(self._items))):
             self._first_item[self._items[index].entry] = index
@@ -319,47 +320,67 @@ class MeshEngine:
         ]
         self._move_matrix_state(previous_owners, rules, state)
 
+    def _item_key(self, index: int) -> tuple[int, int | None]:
+        item = self._items[index]
+        return id(self._entries[item.entry].param), item.member
+
+    def _item_state_keys(
+        self, index: int, rules: Sequence[MatrixRule], state: dict[Tensor, State]
+    ) -> list[str]:
+        """The keys of item ``index``'s matrix state in its parameter's state: all of it, or
+        those of one matrix of a stack (`updates.member_prefix`)."""
+        item = self._items[index]
+        keys = list(rules[item.entry].matrix_state(state.get(self._entries[item.entry].param, {})))
+        if item.member is None:
+            return keys
+        return [key for key in keys if key.startswith(member_prefix(item.member))]
+
     def _move_matrix_state(
-        self, previous_owners: dict[int, int | None], rules: list[MatrixRule], state: dict[Tensor, State]
+        self,
+        previous_owners: dict[tuple[int, int | None], int | None],
+        rules: list[MatrixRule],
+        state: dict[Tensor, State],
     ) -> None:
         """Hand matrix state to a matrix's new owner when a rebuilt plan moved it."""
-        for index, entry in enumerate(self._entries):
-            old = previous_owners.get(id(entry.param), self.entry_owner(index))
-            new = self.entry_owner(index)
+        for index, item in enumerate(self._items):
+            old = previous_owners.get(self._item_key(index), self.owner(index))
+            new = self.owner(index)
             if old == new:
                 continue
-            held = state.get(entry.param, {})
-            matrix_state = rules[index].matrix_state(held)
-            for key in matrix_state:
-                del held[key]
-            payload = [matrix_state if old in (None, self.rank) else None]
+            param = self._entries[item.entry].param
+            held = state.get(param, {})
+            moving = {key: held.pop(key) for key in self._item_state_keys(index, rules, state)}
+            payload = [moving if old in (None, self.rank) else None]
             source = 0 if old is None else old
             dist.broadcast_object_list(
                 payload, src=dist.get_global_rank(self.group, source), group=self.group
             )
             if new is None or new == self.rank:
-                state.setdefault(entry.param, {}).update(
-                    {k: v.to(entry.param.device) for k, v in (payload[0] or {}).items()}
+                state.setdefault(param, {}).update(
+                    {k: v.to(param.device) for k, v in (payload[0] or {}).items()}
                 )
         self.drop_foreign_matrix_state(state, rules)
 
     def drop_foreign_matrix_state(self, state: dict[Tensor, State], rules: Sequence[MatrixRule]) -> None:
         """Remove matrix state from ranks that do not own the matrix (a full, single-file
         checkpoint loads every owner's state on every rank)."""
-        for index, entry in enumerate(self._entries):
-            if self.entry_owner(index) not in (None, self.rank) and entry.param in state:
-                for key in rules[index].matrix_state(state[entry.param]):
-                    del state[entry.param][key]
+        for index, item in enumerate(self._items):
+            if self.owner(index) not in (None, self.rank):
+                held = state.get(self._entries[item.entry].param, {})
+                for key in self._item_state_keys(index, rules, state):
+                    del held[key]
 
     def owned_matrix_state(self, state: dict[Tensor, State], rules: Sequence[MatrixRule]) -> dict[int, State]:
-        """This rank's matrix state, by index of the matrix in the plan."""
+        """This rank's matrix state, by index of the parameter among the engine's entries."""
         if self.plan is None or self.plan.owners is None:
             return {}
-        return {
-            index: rules[index].matrix_state(state.get(entry.param, {}))
-            for index, entry in enumerate(self._entries)
-            if self.entry_owner(index) == self.rank
-        }
+        owned: dict[int, State] = {}
+        for index, item in enumerate(self._items):
+            if self.owner(index) == self.rank:
+                held = state.get(self._entries[item.entry].param, {})
+                part = {key: held[key] for key in self._item_state_keys(index, rules, state)}
+                owned.setdefault(item.entry, {}).update(part)
+        return {entry: part for entry, part in owned.items() if part}
 
 
 class _PreparedEntries:
@@ -398,8 +419,7 @@ class _PreparedEntries:
         zeros = functools.partial(torch.zeros_like, local_tensor(param))
         if not self.stepped[entry]:  # joins the collectives with zeros; nobody computes or applies it
             return engine.meter.track(zeros())
-        owner = engine.entry_owner(entry)
-        holds_matrix = owner is None or owner == engine.rank
+        holds_matrix = engine.computes(engine._first_item[entry])  # a stack's items: see prepare_matrix
         work = functools.partial(prepare_matrix, param, self.rules[entry], self.state, holds_matrix)
         prepared = engine.attempt(work, zeros)
         # A rule may hand back its input or its state (Shampoo the gradient, Muon its momentum):
@@ -469,12 +489,12 @@ class _GroupStep:
 
     def _batches(self, full: dict[int, Tensor]) -> list[list[int]]:
         """The computed items, in batches that one call of their rule updates: matrices of the
-        same shape and rule (`MatrixRule.splits_stacks`: stacked, they are a stack), else one."""
+        same shape and rule (`MatrixRule.batches_matrices`: stacked, they are a stack), else one."""
         batches: dict[Any, list[int]] = {}
         batching = self.engine.batch_matrices
         for m, matrix in full.items():
             rule = self._rule(m)
-            key = (rule, matrix.shape, self.stepped[m]) if batching and rule.splits_stacks else m
+            key = (rule, matrix.shape, self.stepped[m]) if batching and rule.batches_matrices else m
             batches.setdefault(key, []).append(m)
         return list(batches.values())
 
@@ -485,9 +505,13 @@ class _GroupStep:
             stats.matrices_computed += len(members)
             return list(direction.unbind(0))
         (m,), (matrix,) = members, matrices
-        param_state = self.state[self.engine._entries[self.engine._items[m].entry].param]
+        item = self.engine._items[m]
+        param_state = self.state[self.engine._entries[item.entry].param]
         failures = int(param_state.get(FAILURES, 0))
-        direction = self._rule(m).direction(matrix, param_state)
+        if item.member is None:
+            direction = self._rule(m).direction(matrix, param_state)
+        else:
+            direction = member_direction(self._rule(m), matrix, param_state, item.member)
         stats.matrices_computed += 1
         stats.decomposition_failures += int(param_state.get(FAILURES, 0)) - failures
         return [self.engine.meter.track(direction)]

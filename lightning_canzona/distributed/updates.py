@@ -15,7 +15,7 @@ from torch import Tensor
 
 from lightning_canzona.distributed.layout import local_tensor
 from lightning_canzona.rules.adamw import adamw_step, init_adamw_state
-from lightning_canzona.rules.base import MatrixRule
+from lightning_canzona.rules.base import FAILURES, MatrixRule, state_part, store_state_part
 
 State = dict[str, Tensor]
 
@@ -53,14 +53,40 @@ def prepare_matrix(param: Tensor, rule: MatrixRule, state: dict[Tensor, State], 
         rule: Its matrix rule.
         state: The optimizer's state.
         holds_matrix: Whether this rank computes the full matrix's update, and so holds the
-            matrix state.
+            matrix state (a stack's matrices create theirs when updated: `member_direction`).
     """
     param_state = state.setdefault(param, {})
     if not param_state:
         param_state.update(rule.init_elementwise_state(param))
-    if holds_matrix and not rule.matrix_state(param_state):
+    if holds_matrix and param.ndim != 3 and not rule.matrix_state(param_state):
         param_state.update(rule.init_matrix_state(param.shape, local_tensor(param).device))
     return rule.prepare(local_grad(param), _local_state(param_state))
+
+
+def member_prefix(member: int) -> str:
+    """The prefix of the state keys of matrix ``member`` of a stack (no ``.``: torch's flattened
+    optimizer state dicts split keys on dots)."""
+    return f"stack{member}_"
+
+
+def member_direction(rule: MatrixRule, matrix: Tensor, param_state: State, member: int) -> Tensor:
+    """``rule``'s direction for matrix ``member`` of a stack, with that matrix's own matrix state
+    (kept in the stack's state under `member_prefix`, created on first use)."""
+    prefix = member_prefix(member)
+    part = state_part(param_state, prefix)
+    if all(key == FAILURES for key in part):
+        part.update(rule.init_matrix_state(matrix.shape, matrix.device))
+    direction = rule.direction(matrix, part)
+    store_state_part(param_state, prefix, part)
+    return direction
+
+
+def full_direction(rule: MatrixRule, matrix: Tensor, param_state: State) -> Tensor:
+    """``rule``'s direction for a whole parameter: a matrix, or a stack matrix by matrix (each with
+    its own state, as the engine plans them) unless the rule keeps no matrix state."""
+    if matrix.ndim != 3 or rule.batches_matrices:
+        return rule.direction(matrix, param_state)
+    return torch.stack([member_direction(rule, m, param_state, e) for e, m in enumerate(matrix)])
 
 
 def apply_matrix(

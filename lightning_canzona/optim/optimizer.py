@@ -24,7 +24,7 @@ from lightning_canzona.distributed.engine import Entry, MeshEngine
 from lightning_canzona.distributed.failures import raise_on_every_rank
 from lightning_canzona.distributed.gradients import agree_on_gradients
 from lightning_canzona.distributed.layout import local_tensor, planning_mesh
-from lightning_canzona.distributed.updates import apply_matrix, prepare_matrix, step_adamw
+from lightning_canzona.distributed.updates import apply_matrix, full_direction, prepare_matrix, step_adamw
 from lightning_canzona.planning import Plan, PlanSettings
 from lightning_canzona.rules.adamw import ALGORITHM as ADAMW
 from lightning_canzona.rules.base import MatrixRule
@@ -240,7 +240,7 @@ class MatrixOptimizer(Optimizer):
                     step_adamw(param, self.state, group)
                 else:
                     prepared = prepare_matrix(param, rule, self.state, holds_matrix=True)
-                    apply_matrix(param, rule, rule.direction(prepared, self.state[param]), group)
+                    apply_matrix(param, rule, full_direction(rule, prepared, self.state[param]), group)
 
     def plans(self) -> dict[Any, Plan]:
         """The plan of every device mesh of the DTensor parameters, built now if need be.

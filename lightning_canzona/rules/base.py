@@ -24,6 +24,26 @@ from torch import Tensor
 
 State = dict[str, Tensor]
 
+#: The state key counting the factor decompositions that failed (see
+#: `lightning_canzona.rules.kronecker.decompose`): one count per parameter, which every part of
+#: its state kept under a prefix shares.
+FAILURES = "decomposition_failures"
+
+
+def state_part(state: State, prefix: str) -> State:
+    """The part of ``state`` kept under keys that start with ``prefix`` (the prefix removed), with
+    the parameter's shared failure count: the state of one block, or one matrix of a stack."""
+    part = {key[len(prefix) :]: value for key, value in state.items() if key.startswith(prefix)}
+    if FAILURES in state:
+        part[FAILURES] = state[FAILURES]
+    return part
+
+
+def store_state_part(state: State, prefix: str, part: State) -> None:
+    """Write ``part`` back under ``prefix``: a rule may replace a tensor, not only update it."""
+    for key, value in part.items():
+        state[key if key == FAILURES else prefix + key] = value
+
 
 @dataclass(frozen=True)
 class UpdateCost:
@@ -62,8 +82,9 @@ class MatrixRule(ABC):
     #: Keys of the state that `init_elementwise_state` creates; every other key is matrix state.
     elementwise_state_keys: ClassVar[tuple[str, ...]] = ()
     #: `direction` keeps no matrix state and treats a stack as independent matrices: the engine
-    #: may plan each matrix of a stack alone, and stack same-shape matrices into one call.
-    splits_stacks: ClassVar[bool] = False
+    #: may stack same-shape matrices into one call. (Every rule has each matrix of a stack planned
+    #: alone; a rule with matrix state keeps each one's under `updates.member_prefix`.)
+    batches_matrices: ClassVar[bool] = False
 
     def matrix_state(self, state: State) -> State:
         """The matrix-state part of a parameter's state."""

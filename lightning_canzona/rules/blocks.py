@@ -34,8 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_canzona.rules.base import MatrixRule, State, UpdateCost
-from lightning_canzona.rules.kronecker import FAILURES
+from lightning_canzona.rules.base import MatrixRule, State, UpdateCost, state_part, store_state_part
 
 #: ``n`` equal row blocks, or the row sizes of the blocks in order.
 RowBlocks = int | tuple[int, ...]
@@ -93,21 +92,6 @@ def _prefix(size: int) -> str:
     return f"rows{size}_"
 
 
-def _view(state: State, size: int) -> State:
-    """The inner rule's state of the stack of blocks of ``size`` rows."""
-    prefix = _prefix(size)
-    view = {key[len(prefix) :]: value for key, value in state.items() if key.startswith(prefix)}
-    if FAILURES in state:  # one count per parameter: what the engine's telemetry reads
-        view[FAILURES] = state[FAILURES]
-    return view
-
-
-def _store(state: State, size: int, view: State) -> None:
-    """Write ``view`` back into ``state``: an inner rule may replace a tensor, not only update it."""
-    for key, value in view.items():
-        state[key if key == FAILURES else _prefix(size) + key] = value
-
-
 @dataclass(frozen=True)
 class RowBlockRule(MatrixRule):
     """``inner``, applied to each declared row block of a matrix as to a matrix of its own.
@@ -130,8 +114,8 @@ class RowBlockRule(MatrixRule):
         return self.inner.elementwise_state_keys
 
     @property  # type: ignore[override]
-    def splits_stacks(self) -> bool:
-        return self.inner.splits_stacks
+    def batches_matrices(self) -> bool:
+        return self.inner.batches_matrices
 
     def _sizes(self, rows: int) -> dict[int, list[int]]:
         """Each distinct block size, in order of first appearance, with the first rows of its blocks."""
@@ -152,7 +136,7 @@ class RowBlockRule(MatrixRule):
         state: State = {}
         for size, starts in self._sizes(shape[-2]).items():
             stacked = torch.Size((*shape[:-2], len(starts), size, shape[-1]))
-            _store(state, size, self.inner.init_matrix_state(stacked, device))
+            store_state_part(state, _prefix(size), self.inner.init_matrix_state(stacked, device))
         return state
 
     def direction(self, matrix: Tensor, state: State) -> Tensor:
@@ -172,9 +156,9 @@ class RowBlockRule(MatrixRule):
         """The inner direction of a ``(…, k, size, cols)`` stack of same-size blocks, rescaled from
         the parameter's learning-rate scale ``scale`` to the blocks' own."""
         size = blocks.shape[-2]
-        view = _view(state, size)
-        direction = self.inner.direction(blocks, view)
-        _store(state, size, view)
+        part = state_part(state, _prefix(size))
+        direction = self.inner.direction(blocks, part)
+        store_state_part(state, _prefix(size), part)
         ratio = self.inner.lr_scale(blocks.shape[-2:]) / scale
         return direction if ratio == 1.0 else direction.mul(ratio)
 

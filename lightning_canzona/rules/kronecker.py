@@ -13,11 +13,9 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from lightning_canzona.rules.base import State, UpdateCost, matrix_dims
+from lightning_canzona.rules.base import FAILURES, State, UpdateCost, matrix_dims
 
 SIDES = ("left", "right")
-#: The state key counting the decompositions that failed (see `decompose`).
-FAILURES = "decomposition_failures"
 
 
 def preconditioned_sides(rows: int, cols: int, max_precond_dim: int) -> dict[str, int]:

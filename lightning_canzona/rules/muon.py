@@ -42,7 +42,7 @@ class MuonRule(MatrixRule):
     compute_dtype: torch.dtype = torch.bfloat16
     name = "muon"
     elementwise_state_keys = ("momentum_buffer",)
-    splits_stacks = True
+    batches_matrices = True
 
     def init_elementwise_state(self, param: Tensor) -> State:
         return {"momentum_buffer": torch.zeros_like(param, memory_format=torch.preserve_format)}
