@@ -56,8 +56,8 @@ def preset_shapes(preset: str) -> tuple[tuple[tuple[str, tuple[int, ...], RowBlo
 def preset_matrices(preset: str, rule: MatrixRule, dp: int = 1, tp: int = 1) -> tuple[list[MatrixSpec], int]:
     """The preset's matrix specs under ``rule`` on a ``dp × tp`` mesh, and its parameter count.
 
-    Under a rule that plans a stack's matrices one by one (`MatrixRule.batches_matrices`), each expert
-    of a ``[experts, rows, cols]`` stack is a spec of its own, held whole by the ranks where
+    As the engine plans them, each expert of a ``[experts, rows, cols]`` stack is a spec of its
+    own, held whole by the ranks where
     FSDP2 puts it: its ``Shard(0)`` chunk of the experts on a data-parallel coordinate, on every
     tensor-parallel rank there (the stacks are not split over TP).
     """
@@ -66,7 +66,7 @@ def preset_matrices(preset: str, rule: MatrixRule, dp: int = 1, tp: int = 1) -> 
     for name, shape, row_blocks in named:
         matrix_rule = rule if row_blocks is None else RowBlockRule(rule, row_blocks)
         (spec,) = describe([(name, shape)], matrix_rule.cost)
-        if not (rule.batches_matrices and len(spec.shape) == 3):
+        if len(spec.shape) != 3:
             specs.append(spec)
             continue
         experts, matrix = spec.shape[0], spec.shape[1:]
