@@ -26,3 +26,15 @@ def test_bench_train_runs_every_variant_and_writes_json_and_chart(tmp_path, caps
     assert canzona["final_loss"] == pytest.approx(torch_muon["final_loss"], abs=0.02)
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "canzona / torch.optim.Muon" in capsys.readouterr().out
+
+
+def test_bench_ns_compares_the_forms_on_time_and_accuracy(capsys) -> None:
+    main(["bench", "ns", "--shapes", "32x96", "--dtypes", "float32", "--repeats", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split()[2]: line.split() for line in lines[2:]}
+    assert set(rows) == {"standard", "gram"}
+    for form, row in rows.items():
+        # Rounding alone is float32's; the quintic schedule leaves the polar factor ~15 % away.
+        assert float(row[-1]) < 1e-5, form
+        assert 0.05 < float(row[-2]) < 0.5, form
+    assert float(rows["standard"][4]) == 1.0  # the ÷ standard column

@@ -99,3 +99,24 @@ def test_bf16_is_the_default_compute_dtype() -> None:
     _, fp32 = _run(lc.Muon, (64, 96), steps=1, grads=grads, lr=0.02, compute_dtype="float32")
     error = _relative_error(bf16 - initial, fp32 - initial)
     assert 1e-5 < error < 0.1  # different rounding, same update
+
+
+def test_the_gram_form_updates_as_the_standard_form() -> None:
+    # The same polynomial iterated another way: computed in float64, the directions agree to
+    # 1e-14 and the float32 weights to their rounding; the planner sees the form's own FLOPs
+    # (fewer on a matrix 3× as long as wide).
+    grads = [torch.randn(32, 96) for _ in range(3)]
+    runs = {}
+    for form in ("standard", "gram"):
+        torch.manual_seed(5)
+        runs[form] = _run(lc.Muon, (32, 96), grads=grads, lr=0.02, compute_dtype="float64", ns_form=form)
+    (initial, standard), (_, gram) = runs["standard"], runs["gram"]
+    assert _relative_error(gram - initial, standard - initial) < 1e-6
+    costs = {
+        form: lc.Muon([torch.nn.Parameter(torch.zeros(32, 96))], ns_form=form)
+        for form in ("standard", "gram")
+    }
+    flops = {form: opt.rule_of(opt.param_groups[0]).cost((32, 96)).flops for form, opt in costs.items()}
+    assert flops["gram"] < flops["standard"]
+    with pytest.raises(ValueError, match=r"ns_form must be one of \('standard', 'gram'\), got 'fast'"):
+        lc.Muon([torch.nn.Parameter(torch.zeros(4, 4))], ns_form="fast").step()

@@ -1,7 +1,8 @@
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_canzona.rules.newton_schulz import PRESETS, newton_schulz, resolve_schedule
+from lightning_canzona.rules.newton_schulz import FORMS, PRESETS, flops, newton_schulz, resolve_schedule
 
 
 def _with_singular_values(rows: int, cols: int, singular_values: torch.Tensor) -> torch.Tensor:
@@ -82,3 +83,33 @@ def test_coefficients_forms() -> None:
         resolve_schedule("cubic")
     with pytest.raises(ValueError, match=r"\(a, b, c\) triples"):
         resolve_schedule([(1.0, 2.0)])
+
+
+@pytest.mark.parametrize("preset", ["quintic", "polar_express"])
+def test_the_gram_form_computes_the_same_polynomial(preset: str) -> None:
+    # Both forms apply the same polynomials of XXᵀ to X: equal up to float64 rounding, on wide,
+    # tall, square and stacked inputs, and on an ill-conditioned one.
+    schedule = PRESETS[preset]
+    inputs = {**_inputs(), "square": torch.randn(64, 64, dtype=torch.float64)}
+    inputs["stack"] = torch.randn(3, 40, 100, dtype=torch.float64)
+    for label, matrix in inputs.items():
+        standard = newton_schulz(matrix, schedule, 6, dtype=torch.float64)
+        gram = newton_schulz(matrix, schedule, 6, dtype=torch.float64, form="gram")
+        assert float((gram - standard).norm() / standard.norm()) < 1e-12, label
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("shape", [(48, 160), (160, 48), (64, 64)])
+def test_the_cost_model_counts_the_flops_each_form_runs(form: str, shape: tuple[int, int]) -> None:
+    matrix = torch.randn(shape)
+    with FlopCounterMode(display=False) as counter:
+        newton_schulz(matrix, PRESETS["quintic"], 5, dtype=torch.float32, form=form)
+    assert counter.get_total_flops() == flops(*shape, 5, form)
+    # The Gram form pays off on elongated matrices only.
+    a, b = min(shape), max(shape)
+    assert (flops(*shape, 5, "gram") < flops(*shape, 5)) == (b > 1.5 * a)
+
+
+def test_an_unknown_form_is_named() -> None:
+    with pytest.raises(ValueError, match=r"form must be one of \('standard', 'gram'\), got 'gramm'"):
+        newton_schulz(torch.randn(4, 6), PRESETS["quintic"], 5, form="gramm")

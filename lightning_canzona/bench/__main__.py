@@ -3,7 +3,7 @@
 - ``train`` (the default): end-to-end training iterations, AdamW vs ``ModelParallelStrategy`` +
   ``torch.optim.Muon`` vs canzona; a table, a JSON file and a PNG chart;
 - ``step``: the optimizer step alone, canzona's policies vs the alternatives;
-- ``ns``: Newton–Schulz throughput against plain matmul.
+- ``ns``: Newton–Schulz forms side by side: time, throughput against plain matmul, accuracy.
 """
 
 from __future__ import annotations
@@ -37,7 +37,9 @@ def main(argv: list[str] | None = None) -> None:
     training.add_argument("--warmup", type=int, default=5, help="untimed steps before them")
     training.add_argument("--json", type=Path, default=Path("bench.json"), help="results file")
     training.add_argument("--out", type=Path, default=Path("bench.png"), help="chart file")
-    ns = commands.add_parser("ns", help="Newton–Schulz GFLOP/s against plain matmul, per shape and dtype")
+    ns = commands.add_parser(
+        "ns", help="Newton–Schulz forms: time, GFLOP/s against plain matmul, distance from the polar factor"
+    )
     ns.add_argument("--shapes", nargs="+", type=_shape, default=newton_schulz.DEFAULT_SHAPES, metavar="MxN")
     ns.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float32"])
     ns.add_argument("--ns-steps", type=int, default=5)
@@ -69,7 +71,11 @@ def main(argv: list[str] | None = None) -> None:
     rows = newton_schulz.measure(
         tuple(args.shapes), tuple(getattr(torch, name) for name in args.dtypes), args.ns_steps, args.repeats
     )
-    print(f"Newton–Schulz ({args.ns_steps} steps) vs (a×b)@(b×a) matmul, {torch.get_num_threads()} threads")
+    print(
+        f"Newton–Schulz forms ({args.ns_steps} quintic steps) vs the (a×b)@(b×a) matmul, "
+        f"{torch.get_num_threads()} threads; distances relative to the float64 polar factor and to "
+        "the same form in float64"
+    )
     print(newton_schulz.format_table(rows))
 
 

@@ -16,7 +16,7 @@ from lightning_canzona.optim.optimizer import (
     resolve_dtype,
 )
 from lightning_canzona.rules.muon import ADJUST_LR_FNS, MuonRule
-from lightning_canzona.rules.newton_schulz import Coefficients, resolve_schedule
+from lightning_canzona.rules.newton_schulz import FORMS, Coefficients, resolve_schedule
 from lightning_canzona.rules.shampoo import ShampooRule
 from lightning_canzona.rules.soap import SOAPRule
 
@@ -55,6 +55,9 @@ class Muon(MatrixOptimizer):
             (``0.2·√max(rows, cols)``); ``None`` means ``"original"``.
         compute_dtype: Dtype of the Newton–Schulz iteration: ``"bfloat16"`` (as ``torch.optim.Muon``)
             or ``"float32"``.
+        ns_form: ``"standard"`` (as ``torch.optim.Muon``) or ``"gram"``: the same polynomial
+            iterated on ``XXᵀ``, fewer FLOPs for matrices more than about 1.5 times as long as
+            wide (see `lightning_canzona.rules.newton_schulz`).
         **kwargs: AdamW-group settings (``adamw_lr``, ``adamw_betas``, ``adamw_eps``,
             ``adamw_weight_decay``), ``check_finite``, and the distributed plan (``policy``,
             ``alpha``, ``cost``, ``micro_group_capacity``, ``overlap``): see `MatrixOptimizer`.
@@ -74,6 +77,7 @@ class Muon(MatrixOptimizer):
         ns_steps: int = 5,
         adjust_lr_fn: str | None = None,
         compute_dtype: str = "bfloat16",
+        ns_form: str = "standard",
         **kwargs: Any,
     ) -> None:
         defaults = dict(
@@ -86,6 +90,7 @@ class Muon(MatrixOptimizer):
             ns_steps=ns_steps,
             adjust_lr_fn=adjust_lr_fn,
             compute_dtype=compute_dtype,
+            ns_form=ns_form,
         )
         super().__init__(params, defaults, **kwargs)
 
@@ -96,6 +101,8 @@ class Muon(MatrixOptimizer):
         adjust_lr_fn = group["adjust_lr_fn"] or "original"
         if adjust_lr_fn not in ADJUST_LR_FNS:
             raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS} or None, got {adjust_lr_fn!r}")
+        if group["ns_form"] not in FORMS:
+            raise ValueError(f"ns_form must be one of {FORMS}, got {group['ns_form']!r}")
         return MuonRule(
             schedule=resolve_schedule(group["ns_coefficients"]),
             momentum=group["momentum"],
@@ -104,6 +111,7 @@ class Muon(MatrixOptimizer):
             eps=group["eps"],
             adjust_lr_fn=adjust_lr_fn,
             compute_dtype=resolve_dtype(group["compute_dtype"]),
+            ns_form=group["ns_form"],
         )
 
 

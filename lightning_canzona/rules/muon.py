@@ -10,7 +10,8 @@ For gradient ``G`` of an ``m × n`` weight, momentum ``μ`` and learning rate ``
 with ``s = √max(1, m/n)`` (``"original"``) or ``0.2·√max(m, n)`` (``"match_rms_adamw"``, which makes
 the update's RMS match AdamW's). This is ``torch.optim.Muon``'s algorithm, keyword for keyword.
 
-Cost per step: ``k·(4a²b + 2a³)`` FLOPs with ``a = min(m, n)``, ``b = max(m, n)``, ``k`` = ns_steps;
+Cost per step: ``k·(4a²b + 2a³)`` FLOPs with ``a = min(m, n)``, ``b = max(m, n)``, ``k`` = ns_steps
+(the standard form; ``ns_form="gram"`` costs `newton_schulz.flops`);
 ``m·n`` elements moved; the momentum buffer (``m·n`` parameter-dtype elements) is elementwise state.
 """
 
@@ -25,6 +26,7 @@ from torch import Tensor
 
 from lightning_canzona.rules.base import MatrixRule, State, UpdateCost, matrix_dims
 from lightning_canzona.rules.newton_schulz import NewtonSchulzSchedule, newton_schulz
+from lightning_canzona.rules.newton_schulz import flops as newton_schulz_flops
 
 ADJUST_LR_FNS = ("original", "match_rms_adamw")
 
@@ -40,6 +42,7 @@ class MuonRule(MatrixRule):
     eps: float = 1e-7
     adjust_lr_fn: str = "original"
     compute_dtype: torch.dtype = torch.bfloat16
+    ns_form: str = "standard"
     name = "muon"
     elementwise_state_keys = ("momentum_buffer",)
     batches_matrices = True
@@ -56,7 +59,7 @@ class MuonRule(MatrixRule):
         return {}
 
     def direction(self, matrix: Tensor, state: State) -> Tensor:
-        return newton_schulz(matrix, self.schedule, self.ns_steps, self.eps, self.compute_dtype)
+        return newton_schulz(matrix, self.schedule, self.ns_steps, self.eps, self.compute_dtype, self.ns_form)
 
     def exchange_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
         # Newton–Schulz starts by rounding to compute_dtype and returns compute_dtype: sending bf16
@@ -71,10 +74,9 @@ class MuonRule(MatrixRule):
 
     def cost(self, shape: Sequence[int]) -> UpdateCost:
         batch, rows, cols = matrix_dims(shape)
-        small, large = min(rows, cols), max(rows, cols)
         numel = batch * rows * cols
         return UpdateCost(
-            flops=float(batch * self.ns_steps * (4 * small * small * large + 2 * small**3)),
+            flops=batch * newton_schulz_flops(rows, cols, self.ns_steps, self.ns_form),
             numel=numel,
             matrix_state_bytes=0,
             elementwise_state_bytes=4 * numel,
