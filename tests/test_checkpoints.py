@@ -143,11 +143,13 @@ def test_checkpoint_loads_at_a_different_mesh_with_every_owners_state(
         # which one TP rank instead of two sums the forward's partial products: an ulp on some
         # corpora (Python 3.10's), none on others.
         assert abs(resumed[0] - uninterrupted[3]) <= 1e-6, (resumed[0], uninterrupted[3])
-        # One TP rank instead of two sums the backward's partial products in another order; SOAP
-        # (Adam in a refreshed eigenbasis) grows those ulps to ~1e-4 within two steps. A lost or
-        # misplaced state shows at ~1e-2 (measured before owner state was gathered).
+        # The state restored bit for bit (above) is the check of the resharding; the next losses
+        # only show that training goes on from it. One TP rank instead of two sums the backward's
+        # partial products in another order; SOAP (Adam in a refreshed eigenbasis) grows those
+        # ulps within two steps, and a token whose top-2 experts nearly tie can switch experts:
+        # measured up to 1.6e-3 (Python 3.10's corpus), 1e-4 without experts.
         for got, expected in zip(resumed, uninterrupted[3:]):
-            assert abs(got - expected) <= 5e-4, (resumed, uninterrupted[3:])
+            assert abs(got - expected) <= 5e-3, (resumed, uninterrupted[3:])
 
 
 class SaveThenFailMidway(Callback):
