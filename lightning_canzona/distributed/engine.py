@@ -148,6 +148,15 @@ def _items(entries: Sequence[Entry], layouts: Sequence[MatrixLayout], rank: int)
     return items
 
 
+def _rules(entries: Sequence[Entry], rule_of: Callable[[dict[str, Any]], MatrixRule]) -> list[MatrixRule]:
+    """Each entry's rule, built once per param group (entries share their group's)."""
+    by_group: dict[int, MatrixRule] = {}
+    for entry in entries:
+        if id(entry.group) not in by_group:
+            by_group[id(entry.group)] = rule_of(entry.group)
+    return [by_group[id(entry.group)] for entry in entries]
+
+
 def mesh_process_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     """The process group spanning all ranks of ``mesh``."""
     if mesh.ndim == 1:
@@ -231,11 +240,15 @@ class MeshEngine:
         self.meter.restart()
         start = self.clock.mark()
         matrices = [entry for entry in entries if entry.algorithm != ADAMW]
-        rules = [rule_of(entry.group) for entry in matrices]
+        rules = _rules(matrices, rule_of)
         self._ensure_plan(matrices, rules, state)
+        adamw: dict[int, list[Entry]] = {}  # by param group: one foreach step each
         for entry, stepped in zip(entries, has_grad):
             if entry.algorithm == ADAMW and stepped:
-                self.attempt(functools.partial(step_adamw, entry.param, state, entry.group))
+                adamw.setdefault(id(entry.group), []).append(entry)
+        for group in adamw.values():
+            params = [entry.param for entry in group]
+            self.attempt(functools.partial(step_adamw, params, state, group[0].group))
         stepped_entries = [flag for entry, flag in zip(entries, has_grad) if entry.algorithm != ADAMW]
         stepped = [stepped_entries[item.entry] for item in self._items]
         prepare = _PreparedEntries(self, rules, state, stepped_entries)
@@ -267,7 +280,7 @@ class MeshEngine:
         Collective on the first call and whenever the parameter set changed.
         """
         matrices = [entry for entry in entries if entry.algorithm != ADAMW]
-        self._ensure_plan(matrices, [rule_of(entry.group) for entry in matrices], state)
+        self._ensure_plan(matrices, _rules(matrices, rule_of), state)
         assert self.plan is not None
         return self.plan
 

@@ -8,6 +8,7 @@ tensor (the whole of it), so the two paths cannot drift apart. Gradients are rea
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -29,15 +30,18 @@ def _local_state(state: State) -> State:
     return {key: local_tensor(value) for key, value in state.items()}
 
 
-def step_adamw(param: Tensor, state: dict[Tensor, State], group: dict[str, Any]) -> None:
-    """One AdamW step of this rank's part of ``param``, with ``group``'s hyperparameters."""
-    param_state = state.setdefault(param, {})
-    if not param_state:
-        param_state.update(init_adamw_state(param))
+def step_adamw(params: Sequence[Tensor], state: dict[Tensor, State], group: dict[str, Any]) -> None:
+    """One AdamW step of this rank's parts of ``params``, all of ``group``."""
+    states = []
+    for param in params:
+        param_state = state.setdefault(param, {})
+        if not param_state:
+            param_state.update(init_adamw_state(param))
+        states.append(_local_state(param_state))
     adamw_step(
-        local_tensor(param),
-        local_grad(param),
-        _local_state(param_state),
+        [local_tensor(param) for param in params],
+        [local_grad(param) for param in params],
+        states,
         lr=group["lr"],
         betas=group["betas"],
         eps=group["eps"],

@@ -232,15 +232,14 @@ class MatrixOptimizer(Optimizer):
     def _step_plain_tensors(self, has_grad: dict[int, bool]) -> None:
         """Update the parameters that are not DTensors: whole, on this rank."""
         for group in self.param_groups:
-            rule = None if group["algorithm"] == ADAMW else self.rule_of(group)
-            for param in group["params"]:
-                if isinstance(param, DTensor) or not has_grad[id(param)]:
-                    continue
-                if rule is None:
-                    step_adamw(param, self.state, group)
-                else:
-                    prepared = prepare_matrix(param, rule, self.state, holds_matrix=True)
-                    apply_matrix(param, rule, full_direction(rule, prepared, self.state[param]), group)
+            params = [p for p in group["params"] if not isinstance(p, DTensor) and has_grad[id(p)]]
+            if group["algorithm"] == ADAMW:
+                step_adamw(params, self.state, group)
+                continue
+            rule = self.rule_of(group)
+            for param in params:
+                prepared = prepare_matrix(param, rule, self.state, holds_matrix=True)
+                apply_matrix(param, rule, full_direction(rule, prepared, self.state[param]), group)
 
     def plans(self) -> dict[Any, Plan]:
         """The plan of every device mesh of the DTensor parameters, built now if need be.
