@@ -200,9 +200,9 @@ def tensor_parallel_plan(module: nn.Module) -> dict[str, ParallelStyle]:
         # A model class declares one plan for all its configs: entries for the layers that this
         # config does not build (dense feed-forwards of a model whose layers are all sparse) apply
         # to nothing, as in transformers.
-        names = [name for name, _ in model.named_modules()]
+        module_names = [name for name, _ in model.named_modules()]
         for pattern, style in declared.items():
-            if not any(fnmatchcase(name, pattern) for name in names):
+            if not any(fnmatchcase(name, pattern) for name in module_names):
                 continue
             name = f"{prefix}.{pattern}" if prefix else pattern
             if style == "moe_tp_experts":
@@ -211,8 +211,8 @@ def tensor_parallel_plan(module: nn.Module) -> dict[str, ParallelStyle]:
                 plan[name] = STYLES[style]()
             else:
                 unsupported[name] = style
-        for parent, names in placements.items():  # parameters without an experts style
-            for param in names:
+        for parent, params in placements.items():  # parameters without an experts style
+            for param in params:
                 unsupported[f"{prefix}.{parent}.{param}" if prefix else f"{parent}.{param}"] = "parameter"
     if unsupported:
         raise ValueError(

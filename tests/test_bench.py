@@ -37,4 +37,3 @@ def test_bench_ns_compares_the_forms_on_time_and_accuracy(capsys) -> None:
         # Rounding alone is float32's; the quintic schedule leaves the polar factor ~15 % away.
         assert float(row[-1]) < 1e-5, form
         assert 0.05 < float(row[-2]) < 0.5, form
-    assert float(rows["standard"][4]) == 1.0  # the ÷ standard column

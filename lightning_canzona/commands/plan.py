@@ -96,7 +96,7 @@ def main(argv: list[str]) -> None:
     print(tables.summary_table(results))
     print("grouped = synchronized makespan: Σ over micro-groups of the group's busiest host")
     if any(matrix.holders for matrix in matrices):
-        print(tables.locality_line(scenario, results["canzona"].report, exchange.itemsize))
+        print(tables.locality_line(scenario, results["canzona"]))
     if args.preset in sweep.SWEEP_PRESETS:
         canzona = results["canzona"].report.makespan_over_bound
         verdict = "met" if canzona <= sweep.TARGET else "MISSED"

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from lightning_canzona.commands.analysis import PolicyResult, Scenario
 from lightning_canzona.planning import build_plan, report
-from lightning_canzona.planning.report import COST_UNITS, PlanReport
+from lightning_canzona.planning.report import COST_UNITS
 from lightning_canzona.planning.traffic import traffic
 from lightning_canzona.simulation.device import DeviceModel
 from lightning_canzona.simulation.iteration import Workload
@@ -124,13 +124,12 @@ def assumptions(device: DeviceModel, workload: Workload, num_ranks: int, compute
     )
 
 
-def locality_line(scenario: Scenario, canzona: PlanReport, element_bytes: int) -> str:
+def locality_line(scenario: Scenario, canzona: PolicyResult) -> str:
     """What planning experts where they lie saves: canzona's traffic against the same plan made
     as if every matrix were fragmented (the paper's assumption)."""
-    mesh = (scenario.matrices, scenario.dp, scenario.tp)
-    aware_plan = build_plan(*mesh, scenario.settings)
-    blind_plan = build_plan(*mesh, replace(scenario.settings, locality=False))
-    aware, blind = (traffic(plan, element_bytes) for plan in (aware_plan, blind_plan))
+    settings = replace(scenario.settings, policy="canzona", locality=False)
+    blind_plan = build_plan(scenario.matrices, scenario.dp, scenario.tp, settings)
+    aware, blind = canzona.traffic, traffic(blind_plan, scenario.element_bytes)
     held = sum(1 for matrix in scenario.matrices if matrix.holders)
     return (
         f"locality: {held} matrices lie whole on some rank (experts). canzona moves "
@@ -138,5 +137,5 @@ def locality_line(scenario: Scenario, canzona: PlanReport, element_bytes: int) -
         f"the same plan blind to locality {sum(blind.rank_sent) / MIB:,.1f} MiB "
         f"(busiest {max(blind.rank_bytes) / MIB:,.1f}): "
         f"{sum(blind.rank_sent) / max(1, sum(aware.rank_sent)):.1f}× less; max/mean load "
-        f"{canzona.max_over_mean:.4f} vs {report(blind_plan).max_over_mean:.4f}"
+        f"{canzona.report.max_over_mean:.4f} vs {report(blind_plan).max_over_mean:.4f}"
     )

@@ -148,7 +148,9 @@ def _items(entries: Sequence[Entry], layouts: Sequence[MatrixLayout], rank: int)
     return items
 
 
-def _rules(entries: Sequence[Entry], rule_of: Callable[[dict[str, Any]], MatrixRule]) -> list[MatrixRule]:
+def entry_rules(
+    entries: Sequence[Entry], rule_of: Callable[[dict[str, Any]], MatrixRule]
+) -> list[MatrixRule]:
     """Each entry's rule, built once per param group (entries share their group's)."""
     by_group: dict[int, MatrixRule] = {}
     for entry in entries:
@@ -240,7 +242,7 @@ class MeshEngine:
         self.meter.restart()
         start = self.clock.mark()
         matrices = [entry for entry in entries if entry.algorithm != ADAMW]
-        rules = _rules(matrices, rule_of)
+        rules = entry_rules(matrices, rule_of)
         self._ensure_plan(matrices, rules, state)
         adamw: dict[int, list[Entry]] = {}  # by param group: one foreach step each
         for entry, stepped in zip(entries, has_grad):
@@ -280,7 +282,7 @@ class MeshEngine:
         Collective on the first call and whenever the parameter set changed.
         """
         matrices = [entry for entry in entries if entry.algorithm != ADAMW]
-        self._ensure_plan(matrices, _rules(matrices, rule_of), state)
+        self._ensure_plan(matrices, entry_rules(matrices, rule_of), state)
         assert self.plan is not None
         return self.plan
 

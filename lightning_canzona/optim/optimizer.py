@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_canzona.distributed.engine import Entry, MeshEngine
+from lightning_canzona.distributed.engine import Entry, MeshEngine, entry_rules
 from lightning_canzona.distributed.failures import raise_on_every_rank
 from lightning_canzona.distributed.gradients import agree_on_gradients
 from lightning_canzona.distributed.layout import local_tensor, planning_mesh
@@ -264,7 +264,7 @@ class MatrixOptimizer(Optimizer):
         """``(param, matrix state)`` of every matrix this rank owns (empty under ``sync``)."""
         held = []
         for engine in self.engines.values():
-            rules = [self.rule_of(entry.group) for entry in engine._entries]
+            rules = entry_rules(engine._entries, self.rule_of)
             for index, matrix_state in engine.owned_matrix_state(self.state, rules).items():
                 held.append((engine._entries[index].param, matrix_state))
         return held
@@ -296,7 +296,7 @@ class MatrixOptimizer(Optimizer):
             if mesh in self.engines and self.engines[mesh].plan is not None:
                 engine = self.engines[mesh]
                 engine.prepare(entries, self.state, self.rule_of)  # re-read the new param groups
-                engine.drop_foreign_matrix_state(self.state, [self.rule_of(e.group) for e in engine._entries])
+                engine.drop_foreign_matrix_state(self.state, entry_rules(engine._entries, self.rule_of))
         params = (param for group in self.param_groups for param in group["params"])
         for index, param in enumerate(params):
             for key, saved in state_dict["state"].get(index, {}).items():

@@ -29,6 +29,7 @@ host load never exceeds its largest, so bounding the largest bounds both.
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 from collections.abc import Sequence
@@ -116,7 +117,8 @@ def _place(
     for holders in held:
         for rank in holders:
             group_of[rank] = min(holders)
-    group_size = [group_of.count(group) for group in group_of]
+    sizes = collections.Counter(group_of)
+    group_size = [sizes[group] for group in group_of]
     group_totals = [0.0] * num_ranks  # by the group's lowest rank
 
     def score(rank: int, bucket: str) -> tuple[float, float, float, int]:
