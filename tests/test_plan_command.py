@@ -73,7 +73,7 @@ def test_float32_soap_exchanges_four_bytes_per_element_and_numel_cost_is_used(ca
 def _two_matrices():
     # A: 4×6 = 24 elements (shards 12 + 12), B: 3×3 = 9 elements (shards 5 + 4).
     return describe(
-        [("layers.0.a.weight", (4, 6)), ("layers.1.b.weight", (3, 3))], MuonRule(PRESETS["quintic"]).cost
+        [("layers.0.a.weight", (4, 6)), ("layers.1.b.weight", (3, 3))], MuonRule(PRESETS["quintic"])
     )
 
 

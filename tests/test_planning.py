@@ -108,7 +108,7 @@ def test_canzona_reaches_the_lower_bound_on_qwen3_shapes(preset, mesh) -> None:
     with torch.device("meta"):
         model = Qwen3(preset)
     named = [(name, p.shape) for name, p in matrix_param_groups(model)[0]["params"]]
-    matrices = describe(named, MuonRule(PRESETS["quintic"]).cost)
+    matrices = describe(named, MuonRule(PRESETS["quintic"]))
     canzona = report(build_plan(matrices, *mesh, PlanSettings("canzona")))
     assert canzona.makespan_over_bound <= 1.02
     if preset == "32B" and mesh == (256, 1):
@@ -117,7 +117,7 @@ def test_canzona_reaches_the_lower_bound_on_qwen3_shapes(preset, mesh) -> None:
 
 def test_report_accounts_state_on_owners_only() -> None:
     rule = SOAPRule()
-    matrices = describe([("layers.0.a.weight", (64, 32)), ("layers.1.b.weight", (32, 64))], rule.cost)
+    matrices = describe([("layers.0.a.weight", (64, 32)), ("layers.1.b.weight", (32, 64))], rule)
     plan = build_plan(matrices, 2, 1, PlanSettings("round_robin"))
     summary = report(plan)
     assert summary.rank_state_bytes == [m.cost.matrix_state_bytes for m in matrices]

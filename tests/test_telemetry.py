@@ -48,7 +48,7 @@ def test_step_costs_are_logged_and_bytes_match_the_planners_traffic_model(tmp_pa
 
     with torch.device("meta"):
         named = [(n, p.shape) for n, p in matrix_param_groups(Qwen3("tiny"))[0]["params"]]
-    plan = build_plan(describe(named, MuonRule(PRESETS["quintic"]).cost), 2, 2, PlanSettings())
+    plan = build_plan(describe(named, MuonRule(PRESETS["quintic"])), 2, 2, PlanSettings())
     # Every tiny matrix splits evenly over the 4 ranks, as the model assumes; Muon exchanges bf16.
     expected_mib = sum(traffic(plan, element_bytes=2).rank_sent) / 2**20
     for row in logged:

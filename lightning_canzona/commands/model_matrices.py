@@ -65,7 +65,7 @@ def preset_matrices(preset: str, rule: MatrixRule, dp: int = 1, tp: int = 1) -> 
     specs = []
     for name, shape, row_blocks in named:
         matrix_rule = rule if row_blocks is None else RowBlockRule(rule, row_blocks)
-        (spec,) = describe([(name, shape)], matrix_rule.cost)
+        (spec,) = describe([(name, shape)], matrix_rule)
         if len(spec.shape) != 3:
             specs.append(spec)
             continue
@@ -77,6 +77,7 @@ def preset_matrices(preset: str, rule: MatrixRule, dp: int = 1, tp: int = 1) -> 
                 name=f"{spec.name}[{expert}]",
                 shape=matrix,
                 cost=matrix_rule.cost(matrix),
+                team_costs=(),
                 holders=tuple((expert // chunk) * tp + t for t in range(tp)),
             )
             for expert in range(experts)

@@ -6,7 +6,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from lightning_canzona.rules.base import UpdateCost
+from lightning_canzona.planning.teams import TEAM_SIZES
+from lightning_canzona.rules.base import MatrixRule, UpdateCost
 
 CostKind = Literal["flops", "numel"]
 COST_KINDS: tuple[str, ...] = ("flops", "numel")
@@ -24,6 +25,8 @@ class MatrixSpec:
         cost: The rule's cost of one update of this matrix.
         holders: Ranks that hold the whole matrix in their shard (an expert of a stack that
             FSDP2 splits on the expert dimension): owned by one of them, it moves no bytes.
+        team_costs: The busiest member's cost when a team of each of `teams.TEAM_SIZES` ranks
+            computes the update together (``None``: the rule cannot split it; empty: none can).
     """
 
     name: str
@@ -31,14 +34,45 @@ class MatrixSpec:
     bucket: str
     cost: UpdateCost
     holders: tuple[int, ...] = ()
+    team_costs: tuple[UpdateCost | None, ...] = ()
 
-    def load(self, kind: CostKind) -> float:
-        """The cost the planner balances: FLOPs of the update, or elements of the matrix."""
+    def member_cost(self, team: int = 1) -> UpdateCost:
+        """The cost to each member of a team of ``team`` ranks (the whole cost for one)."""
+        if team == 1:
+            return self.cost
+        cost = dict(zip(TEAM_SIZES, self.team_costs)).get(team)
+        if cost is None:
+            raise ValueError(f"{self.name} (shape {self.shape}) cannot be split over {team} ranks")
+        return cost
+
+    def team_sizes(self) -> tuple[int, ...]:
+        """The team sizes (beyond 1) that can compute this matrix together."""
+        return tuple(size for size, cost in zip(TEAM_SIZES, self.team_costs) if cost is not None)
+
+    def load(self, kind: CostKind, team: int = 1) -> float:
+        """The cost the planner balances, to each member of a team of ``team``: FLOPs of the
+        update, or elements of the matrix."""
+        cost = self.member_cost(team)
         if kind == "flops":
-            return self.cost.flops
+            return cost.flops
         if kind == "numel":
-            return float(self.cost.numel)
+            return float(cost.numel)
         raise ValueError(f"cost must be one of {COST_KINDS}, got {kind!r}")
+
+
+def matrix_spec(
+    name: str, shape: Sequence[int], rule: MatrixRule, bucket: str | None = None, holders: Sequence[int] = ()
+) -> MatrixSpec:
+    """The spec of a matrix of ``shape`` updated by ``rule``, with its team costs."""
+    shape = tuple(int(size) for size in shape)
+    return MatrixSpec(
+        name,
+        shape,
+        block_of(name) if bucket is None else bucket,
+        rule.cost(shape),
+        tuple(holders),
+        tuple(rule.team_cost(shape, size) for size in TEAM_SIZES),
+    )
 
 
 def block_of(name: str) -> str:
@@ -53,11 +87,8 @@ def block_of(name: str) -> str:
 
 def describe(
     named_shapes: Sequence[tuple[str, Sequence[int]]],
-    cost_of: Callable[[Sequence[int]], UpdateCost],
+    rule: MatrixRule,
     bucket_of: Callable[[str], str] = block_of,
 ) -> list[MatrixSpec]:
-    """Matrix specs from ``(name, shape)`` pairs, a rule's cost function and a bucketing."""
-    return [
-        MatrixSpec(name, tuple(int(size) for size in shape), bucket_of(name), cost_of(shape))
-        for name, shape in named_shapes
-    ]
+    """Matrix specs from ``(name, shape)`` pairs, the rule that updates them and a bucketing."""
+    return [matrix_spec(name, shape, rule, bucket_of(name)) for name, shape in named_shapes]

@@ -23,6 +23,10 @@ A micro-group's step takes as long as its busiest host, so the pipeline's latenc
   away from the ranks of their layer's experts whatever their loads: 1.054 × the bound at
   dp 32 × tp 8 instead of 1.008).
 
+A matrix that a team of ranks computes together (`teams`) goes to the aligned block of ranks
+whose busiest member scores lowest, into the first group where every member has room, and adds
+its per-member cost to each member.
+
 In both, a matrix costlier than the capacity on its own forms its own group. A group's average
 host load never exceeds its largest, so bounding the largest bounds both.
 """
@@ -33,6 +37,8 @@ import collections
 import functools
 import math
 from collections.abc import Sequence
+
+from lightning_canzona.planning.teams import candidate_teams
 
 
 def sequential_groups(owners: Sequence[int], loads: Sequence[float], capacity: float) -> list[list[int]]:
@@ -62,26 +68,30 @@ def balanced_groups(
     alpha: float,
     capacity: float,
     holders: Sequence[Sequence[int]] | None = None,
-) -> tuple[list[list[int]], list[int]]:
+    team_sizes: Sequence[int] | None = None,
+) -> tuple[list[list[int]], list[tuple[int, ...]]]:
     """Canzona's joint choice of owners and micro-groups (see the module docstring).
 
     Args:
-        loads: Cost of each matrix.
+        loads: Cost of each matrix to each rank that computes it.
         buckets: Bucket of each matrix.
         num_ranks: Number of hosts ``R``.
         alpha: Balance between per-bucket uniformity (0) and global balance (1).
         capacity: Largest load a host may take within one group.
         holders: For each matrix, the ranks that hold it whole (empty: any rank); ``None``
             ignores locality.
+        team_sizes: How many ranks compute each matrix together; ``None``: one each.
 
     Returns:
-        The groups (matrix indices in model order within each group) and every matrix's owner.
+        The groups (matrix indices in model order within each group) and the ranks that compute
+        each matrix (its owner alone, or its team).
     """
     _check_capacity(capacity)
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must lie in [0, 1], got {alpha}")
     held = [tuple(h) for h in holders] if holders else [()] * len(loads)
-    place = functools.partial(_place, loads, buckets, held, num_ranks, alpha, capacity)
+    sizes = list(team_sizes) if team_sizes else [1] * len(loads)
+    place = functools.partial(_place, loads, buckets, held, sizes, num_ranks, alpha, capacity)
     pinned = sorted((i for i in range(len(loads)) if held[i]), key=lambda i: (-loads[i], i))
     free = sorted((i for i in range(len(loads)) if not held[i]), key=lambda i: (-loads[i], i))
     if not (pinned and free):
@@ -97,19 +107,21 @@ def _place(
     loads: Sequence[float],
     buckets: Sequence[str],
     held: Sequence[tuple[int, ...]],
+    sizes: Sequence[int],
     num_ranks: int,
     alpha: float,
     capacity: float,
     order: Sequence[int],
-    fixed: dict[int, int],
-) -> tuple[list[list[int]], list[int]]:
-    """Visit the matrices in ``order``, each to its ``fixed`` owner or to the best-scoring of its
-    candidates (its holders, or every rank), into the first group with room."""
+    fixed: dict[int, tuple[int, ...]],
+) -> tuple[list[list[int]], list[tuple[int, ...]]]:
+    """Visit the matrices in ``order``, each to its ``fixed`` ranks or to the best-scoring of its
+    candidates (its holders, every rank, or every aligned team), into the first group with room."""
     rank_loads = [0.0] * num_ranks
     bucket_loads: dict[str, list[float]] = {}
     group_loads: list[list[float]] = []
     members: list[list[int]] = []
-    owners = [0] * len(loads)
+    owners: list[tuple[int, ...]] = [(0,)] * len(loads)
+    teams = {size: candidate_teams(num_ranks, size) for size in set(sizes) if size > 1}
     # Ranks that hold matrices together (a data-parallel row holding the same experts) share
     # those matrices' load: a free matrix prefers, among equally loaded ranks, the least
     # loaded such group, which can still move its held matrices to even itself out.
@@ -117,8 +129,8 @@ def _place(
     for holders in held:
         for rank in holders:
             group_of[rank] = min(holders)
-    sizes = collections.Counter(group_of)
-    group_size = [sizes[group] for group in group_of]
+    holder_counts = collections.Counter(group_of)
+    group_size = [holder_counts[group] for group in group_of]
     group_totals = [0.0] * num_ranks  # by the group's lowest rank
 
     def score(rank: int, bucket: str) -> tuple[float, float, float, int]:
@@ -134,25 +146,32 @@ def _place(
 
     for index in order:
         load, bucket = loads[index], buckets[index]
+        bucket_loads.setdefault(bucket, [0.0] * num_ranks)
         if index in fixed:
-            rank = fixed[index]
-            bucket_loads.setdefault(bucket, [0.0] * num_ranks)
+            team = fixed[index]
+        elif sizes[index] > 1:
+            # A team spreads its bucket's share over its members already: placed by load alone.
+            team = min(teams[sizes[index]], key=lambda t: (max(rank_loads[r] for r in t), t))
         else:
-            rank = min(held[index] or range(num_ranks), key=lambda r: score(r, bucket))
-        group = next((g for g, hosts in enumerate(group_loads) if hosts[rank] + load <= capacity), None)
+            team = (min(held[index] or range(num_ranks), key=lambda r: score(r, bucket)),)
+        group = next(
+            (g for g, hosts in enumerate(group_loads) if all(hosts[r] + load <= capacity for r in team)),
+            None,
+        )
         if group is None:
             group = len(group_loads)
             group_loads.append([0.0] * num_ranks)
             members.append([])
-        owners[index] = rank
+        owners[index] = team
         members[group].append(index)
-        group_loads[group][rank] += load
+        for rank in team:
+            group_loads[group][rank] += load
+            rank_loads[rank] += load
+            group_totals[group_of[rank]] += load
+            if not held[index]:  # updated where it lies, it takes no part in its bucket's collectives
+                bucket_loads[bucket][rank] += load
         if load > capacity:  # an oversize matrix keeps its group to itself
             group_loads[group] = [math.inf] * num_ranks
-        rank_loads[rank] += load
-        group_totals[group_of[rank]] += load
-        if not held[index]:  # updated where it lies, it takes no part in its bucket's collectives
-            bucket_loads[bucket][rank] += load
     return [sorted(group) for group in members], owners
 
 

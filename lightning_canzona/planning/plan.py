@@ -7,8 +7,13 @@ Policies:
 - ``round_robin``: owner ``i mod R`` in model order (the layer-wise baseline, blind to cost);
 - ``lpt``: largest cost first onto the least-loaded rank, one global pass;
 - ``canzona``: owners and micro-groups chosen together, α-balanced between per-bucket uniformity
-  and global balance (see `micro_groups.balanced_groups`); kept only if its max/mean load beats
+  and global balance (see `micro_groups.balanced_groups`); kept only if its makespan beats
   round-robin's.
+
+Beyond the paper, ``canzona`` gives the costliest matrices to *teams* of ranks that compute one
+update together, where the rule allows (`teams`, `MatrixRule.team_cost`) and the cost model says
+it pays (`team_sizes`). Without teams, the step can never be shorter than the largest matrix's
+update, and matrices larger than half a rank's share cannot be packed evenly.
 
 The baselines are cut into micro-groups in model order under the same capacity. Under FSDP2 × TP
 every matrix is spread over the whole mesh, so any rank can own any matrix and the mesh is planned
@@ -18,11 +23,12 @@ settings: every rank builds the same plan alone.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from lightning_canzona.planning import partition
 from lightning_canzona.planning.matrices import COST_KINDS, CostKind, MatrixSpec
 from lightning_canzona.planning.micro_groups import balanced_groups, sequential_groups
+from lightning_canzona.planning.teams import TEAM_SIZES
 
 POLICIES: tuple[str, ...] = ("canzona", "lpt", "round_robin", "sync")
 
@@ -43,6 +49,13 @@ class PlanSettings:
             the model: 1.25 × half the mean per-rank load, at least the largest matrix.
         locality: ``canzona`` gives a matrix that some ranks hold whole to one of them (see
             `micro_groups.balanced_groups`); ``False`` plans as if every matrix were fragmented.
+        max_team: Most ranks that ``canzona`` lets compute one matrix's update together (a power
+            of two; 1 keeps every matrix whole). The default keeps a team within a node of 8.
+        team_flops_per_element: What a team member's sending one element to its team costs, in
+            FLOPs of the same time (``flops`` cost only). Default: an H100's effective bf16
+            matmul rate (594 TFLOP/s) over NVLink's 450 GB/s, at 2 bytes per element.
+        team_flops_per_message: What one collective among a team costs in latency, in FLOPs
+            (default: 3 µs at 594 TFLOP/s).
     """
 
     policy: str = "canzona"
@@ -50,6 +63,9 @@ class PlanSettings:
     cost: CostKind = "flops"
     capacity: float | None = None
     locality: bool = True
+    max_team: int = 8
+    team_flops_per_element: float = 2640.0
+    team_flops_per_message: float = 1.8e9
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -60,6 +76,8 @@ class PlanSettings:
             raise ValueError(f"alpha must lie in [0, 1], got {self.alpha}")
         if self.capacity is not None and not self.capacity > 0:
             raise ValueError(f"micro_group_capacity must be > 0 or None, got {self.capacity}")
+        if self.max_team not in (1, *TEAM_SIZES):
+            raise ValueError(f"max_team must be one of {(1, *TEAM_SIZES)}, got {self.max_team}")
 
 
 @dataclass(frozen=True)
@@ -71,10 +89,14 @@ class Plan:
         matrices: The matrices, in model order.
         dp: Data-parallel size of the mesh.
         tp: Tensor-parallel size of the mesh; rank ``r = d·tp + t``.
-        owners: Owner rank of each matrix; ``None`` under ``sync`` (every rank computes all).
+        owners: Owner rank of each matrix (a team's first member); ``None`` under ``sync``
+            (every rank computes all).
         micro_groups: Matrix indices of each micro-group, in pipeline order.
         capacity: The capacity used.
         fell_back: ``canzona`` did not beat round-robin and took its owners.
+        teams: The ranks that compute each matrix, in member order; ``None`` under ``sync``.
+            Defaults to each owner alone.
+        loads: Each matrix's cost to each rank that computes it.
     """
 
     settings: PlanSettings
@@ -85,31 +107,48 @@ class Plan:
     micro_groups: tuple[tuple[int, ...], ...]
     capacity: float
     fell_back: bool = False
+    teams: tuple[tuple[int, ...], ...] | None = None
     loads: tuple[float, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "loads", tuple(m.load(self.settings.cost) for m in self.matrices))
+        if self.teams is None and self.owners is not None:
+            object.__setattr__(self, "teams", tuple((owner,) for owner in self.owners))
+        sizes = [1] * len(self.matrices) if self.teams is None else map(len, self.teams)
+        loads = tuple(member_load(m, size, self.settings) for m, size in zip(self.matrices, sizes))
+        object.__setattr__(self, "loads", loads)
 
     @property
     def num_ranks(self) -> int:
         return self.dp * self.tp
 
+    @property
+    def ideal(self) -> float:
+        """The whole matrices' total cost over the ranks: what a perfectly divided step costs."""
+        return sum(m.load(self.settings.cost) for m in self.matrices) / self.num_ranks
+
+    def split_matrices(self) -> dict[int, int]:
+        """Team size → how many matrices teams of that size compute."""
+        sizes: dict[int, int] = {}
+        for team in self.teams or ():
+            if len(team) > 1:
+                sizes[len(team)] = sizes.get(len(team), 0) + 1
+        return dict(sorted(sizes.items()))
+
     def rank_loads(self) -> list[float]:
         """Total cost each rank computes."""
-        if self.owners is None:
-            return [sum(self.loads)] * self.num_ranks
-        totals = [0.0] * self.num_ranks
-        for owner, load in zip(self.owners, self.loads):
-            totals[owner] += load
-        return totals
+        return self._host_loads(range(len(self.matrices)))
 
     def group_host_loads(self, group: tuple[int, ...]) -> list[float]:
         """Cost each rank computes within one micro-group."""
-        if self.owners is None:
-            return [sum(self.loads[i] for i in group)] * self.num_ranks
+        return self._host_loads(group)
+
+    def _host_loads(self, indices) -> list[float]:
+        if self.teams is None:
+            return [sum(self.loads[i] for i in indices)] * self.num_ranks
         totals = [0.0] * self.num_ranks
-        for index in group:
-            totals[self.owners[index]] += self.loads[index]
+        for index in indices:
+            for rank in self.teams[index]:
+                totals[rank] += self.loads[index]
         return totals
 
 
@@ -122,10 +161,52 @@ def _capacity(settings: PlanSettings, loads: list[float], per_rank: float) -> fl
     return max(largest, 1.25 * per_rank / GROUPS_PER_RANK, 1e-30)
 
 
-def _max_over_mean(plan: Plan) -> float:
-    totals = plan.rank_loads()
-    mean = sum(totals) / len(totals)
-    return max(totals) / mean if mean > 0 else 1.0
+def member_load(matrix: MatrixSpec, team: int, settings: PlanSettings) -> float:
+    """What ``matrix`` costs each member of a team of ``team`` ranks, in the cost's unit: under
+    ``flops``, its FLOPs plus the team's collectives at the settings' exchange rates."""
+    load = matrix.load(settings.cost, team)
+    if team > 1 and settings.cost == "flops":
+        cost = matrix.member_cost(team)
+        load += cost.team_numel * settings.team_flops_per_element
+        load += cost.team_messages * settings.team_flops_per_message
+    return load
+
+
+def team_sizes(matrices: list[MatrixSpec], num_ranks: int, settings: PlanSettings) -> list[int]:
+    """How many ranks compute each matrix (see the module docstring).
+
+    Teams trade a larger total (their collectives) for smaller items. Greedy over classes of
+    same-cost matrices, costliest member load first: double the class's team while that lowers
+    the bound ``max(total / ranks, largest item)``. A matrix that some ranks hold whole stays
+    whole: updated where it lies, it moves nothing.
+    """
+    sizes = [1] * len(matrices)
+    limit = min(settings.max_team, num_ranks)
+    classes: dict[tuple, list[int]] = {}
+    for index, matrix in enumerate(matrices):
+        if not matrix.holders and matrix.team_sizes():
+            classes.setdefault((matrix.cost, matrix.team_costs), []).append(index)
+    loads = [member_load(m, 1, settings) for m in matrices]
+    total = sum(loads)
+    while True:
+        largest = max(loads, default=0.0)
+        best = None
+        for members in classes.values():
+            index = members[0]
+            size = 2 * sizes[index]
+            if loads[index] < largest or size > limit or size not in matrices[index].team_sizes():
+                continue
+            load = member_load(matrices[index], size, settings)
+            grown = total + len(members) * (size * load - sizes[index] * loads[index])
+            rest = max((loads[i] for i in range(len(loads)) if i not in members), default=0.0)
+            if max(grown / num_ranks, load, rest) < max(total / num_ranks, largest):
+                best = (members, size, load, grown)
+                break
+        if best is None:
+            return sizes
+        members, size, load, total = best
+        for index in members:
+            sizes[index], loads[index] = size, load
 
 
 def _fixed_owner_plan(settings, matrices, dp, tp, owners, capacity, fell_back=False) -> Plan:
@@ -164,11 +245,29 @@ def build_plan(matrices: list[MatrixSpec], dp: int, tp: int, settings: PlanSetti
     if settings.policy == "lpt":
         owners = partition.longest_processing_time(loads, num_ranks)
         return _fixed_owner_plan(settings, matrices, dp, tp, owners, capacity)
+    sizes = team_sizes(matrices, num_ranks, settings)
+    member_loads = [member_load(m, size, settings) for m, size in zip(matrices, sizes)]
     buckets = [m.bucket for m in matrices]
     holders = [m.holders for m in matrices] if settings.locality else None
-    groups, owners = balanced_groups(loads, buckets, num_ranks, settings.alpha, capacity, holders)
-    plan = Plan(settings, tuple(matrices), dp, tp, tuple(owners), tuple(map(tuple, groups)), capacity)
+    team_capacity = _capacity(settings, member_loads, sum(loads) / num_ranks)
+    groups, teams = balanced_groups(
+        member_loads, buckets, num_ranks, settings.alpha, team_capacity, holders, sizes
+    )
+    owners = tuple(team[0] for team in teams)
+    plan = Plan(
+        settings,
+        tuple(matrices),
+        dp,
+        tp,
+        owners,
+        tuple(map(tuple, groups)),
+        team_capacity,
+        teams=tuple(teams),
+    )
+    if plan.split_matrices():  # teams must beat the whole matrices' packing, not only its bound
+        whole = build_plan(matrices, dp, tp, replace(settings, max_team=1))
+        plan = plan if max(plan.rank_loads()) < max(whole.rank_loads()) else whole
     naive = _fixed_owner_plan(
         settings, matrices, dp, tp, partition.round_robin(loads, num_ranks), capacity, fell_back=True
     )
-    return plan if _max_over_mean(plan) <= _max_over_mean(naive) else naive
+    return plan if max(plan.rank_loads()) <= max(naive.rank_loads()) else naive

@@ -21,11 +21,15 @@ class PlanReport:
         rank_matrices: Matrices each rank computes per step.
         rank_state_bytes: Optimizer-state bytes each rank holds: the owned matrices' matrix state
             plus its even share of every matrix's elementwise state.
-        lower_bound: ``max(largest matrix, total / ranks)``: no non-redundant plan does better.
+        lower_bound: ``max(largest matrix, total / ranks)``: no plan of whole matrices does
+            better.
+        ideal: ``total / ranks``: the whole matrices' cost perfectly divided, which only teams
+            (`lightning_canzona.planning.teams`) can approach once a matrix exceeds it.
         makespan: The largest rank load.
         synchronized_makespan: Σ over micro-groups of the group's largest host load: the makespan
             when every group waits for its slowest host.
         num_micro_groups: Number of micro-groups.
+        split_matrices: Team size → matrices that teams of that size compute together.
     """
 
     policy: str
@@ -34,9 +38,11 @@ class PlanReport:
     rank_matrices: list[int]
     rank_state_bytes: list[int]
     lower_bound: float
+    ideal: float
     makespan: float
     synchronized_makespan: float
     num_micro_groups: int
+    split_matrices: dict[int, int]
 
     @property
     def max_over_mean(self) -> float:
@@ -46,6 +52,15 @@ class PlanReport:
     @property
     def makespan_over_bound(self) -> float:
         return self.makespan / self.lower_bound if self.lower_bound > 0 else 1.0
+
+    @property
+    def makespan_over_ideal(self) -> float:
+        return self.makespan / self.ideal if self.ideal > 0 else 1.0
+
+    @property
+    def state_max_over_mean(self) -> float:
+        mean = sum(self.rank_state_bytes) / len(self.rank_state_bytes)
+        return max(self.rank_state_bytes) / mean if mean > 0 else 1.0
 
     def table(self) -> str:
         """A per-rank table with the summary underneath."""
@@ -57,12 +72,15 @@ class PlanReport:
             lines.append(f"{rank:>5} {load / scale:>18.3f} {count:>9} {state / 2**20:>12.2f}")
         lines.append(
             f"policy {self.policy}, cost {self.cost}: max/mean {self.max_over_mean:.3f}, "
-            f"makespan/bound {self.makespan_over_bound:.3f}, "
+            f"makespan/bound {self.makespan_over_bound:.3f}, makespan/ideal {self.makespan_over_ideal:.3f}, "
             f"synchronized makespan/bound {self.synchronized_makespan / self.lower_bound:.3f} "
             f"over {self.num_micro_groups} micro-groups"
             if self.lower_bound > 0
             else f"policy {self.policy}: nothing to plan"
         )
+        if self.split_matrices:
+            teams = ", ".join(f"{count} by {size} ranks" for size, count in self.split_matrices.items())
+            lines.append(f"computed by teams: {teams}")
         return "\n".join(lines)
 
 
@@ -73,10 +91,11 @@ def report(plan: Plan) -> PlanReport:
     counts = [0] * num_ranks
     state = [sum(m.cost.elementwise_state_bytes for m in matrices) // num_ranks] * num_ranks
     for index, matrix in enumerate(matrices):
-        holders = range(num_ranks) if plan.owners is None else (plan.owners[index],)
-        for rank in holders:
+        team = range(num_ranks) if plan.teams is None else plan.teams[index]
+        member_cost = matrix.member_cost(1 if plan.teams is None else len(team))
+        for rank in team:
             counts[rank] += 1
-            state[rank] += matrix.cost.matrix_state_bytes
+            state[rank] += member_cost.matrix_state_bytes
     loads = plan.rank_loads()
     policy = plan.settings.policy + (" (round-robin owners)" if plan.fell_back else "")
     return PlanReport(
@@ -85,8 +104,10 @@ def report(plan: Plan) -> PlanReport:
         rank_loads=loads,
         rank_matrices=counts,
         rank_state_bytes=state,
-        lower_bound=max(max(plan.loads, default=0.0), sum(plan.loads) / num_ranks),
+        lower_bound=max(max((m.load(plan.settings.cost) for m in matrices), default=0.0), plan.ideal),
+        ideal=plan.ideal,
         makespan=max(loads, default=0.0),
         synchronized_makespan=sum(max(plan.group_host_loads(group)) for group in plan.micro_groups),
         num_micro_groups=len(plan.micro_groups),
+        split_matrices=plan.split_matrices(),
     )

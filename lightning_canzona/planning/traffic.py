@@ -114,16 +114,19 @@ def _owner_gather(plan: Plan, group: tuple[int, ...], element_bytes: int) -> Exc
     num_ranks = plan.num_ranks
     sent, received = [0] * num_ranks, [0] * num_ranks
     partners: list[set[int]] = [set() for _ in range(num_ranks)]
-    assert plan.owners is not None
+    assert plan.teams is not None
     for index in group:
-        owner = plan.owners[index]
-        for rank, shard in enumerate(_held(plan, index, owner)):
-            if rank == owner or shard == 0:
-                continue
-            sent[rank] += shard * element_bytes
-            received[owner] += shard * element_bytes
-            partners[rank].add(owner)
-            partners[owner].add(rank)
+        team = plan.teams[index]
+        for rank, shard in enumerate(_held(plan, index, team[0])):
+            # A team's members each take their slice's share of every shard.
+            for member in team:
+                share = shard // len(team) + (member - team[0] < shard % len(team))
+                if rank == member or share == 0:
+                    continue
+                sent[rank] += share * element_bytes
+                received[member] += share * element_bytes
+                partners[rank].add(member)
+                partners[member].add(rank)
     return Exchange(sent, received, [len(p) for p in partners])
 
 

@@ -15,7 +15,7 @@ expensive matrix part once, on one owner, on the whole matrix:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -46,6 +46,35 @@ def store_state_part(state: State, prefix: str, part: State) -> None:
 
 
 @dataclass(frozen=True)
+class TeamSum:
+    """A partial result that the members of a team add up; each receives the sum."""
+
+    tensor: Tensor
+
+
+@dataclass(frozen=True)
+class TeamRows:
+    """This member's rows (dim -2) of a matrix whose rows the members hold in turn (``sizes``
+    rows each, in member order); each receives the whole matrix."""
+
+    tensor: Tensor
+    sizes: tuple[int, ...]
+
+
+TeamRequest = TeamSum | TeamRows
+
+
+def run_alone(steps: Generator[TeamRequest, Tensor, Tensor]) -> Tensor:
+    """Run a team computation with a team of one: the sum and the rows of one member are its own."""
+    try:
+        request = next(steps)
+        while True:
+            request = steps.send(request.tensor)
+    except StopIteration as done:
+        return done.value
+
+
+@dataclass(frozen=True)
 class UpdateCost:
     """What one step of a rule costs for one matrix (or stack) of a given shape.
 
@@ -56,12 +85,17 @@ class UpdateCost:
         matrix_state_bytes: Bytes of state held by the owner of the matrix.
         elementwise_state_bytes: Bytes of state held alongside the parameter's shards, in total
             over all shards.
+        team_messages: Collectives among a team's members per step (0 for a whole matrix; see
+            `MatrixRule.team_cost`).
+        team_numel: Elements each member of a team sends to the others per step.
     """
 
     flops: float
     numel: int
     matrix_state_bytes: int
     elementwise_state_bytes: int
+    team_messages: int = 0
+    team_numel: int = 0
 
 
 def matrix_dims(shape: Sequence[int]) -> tuple[int, int, int]:
@@ -129,6 +163,25 @@ class MatrixRule(ABC):
     @abstractmethod
     def cost(self, shape: Sequence[int]) -> UpdateCost:
         """Cost of one step on a matrix (or stack) of ``shape``."""
+
+    def team_cost(self, shape: Sequence[int], size: int) -> UpdateCost | None:
+        """Cost to the busiest member when a team of ``size`` ranks computes the update of a
+        matrix of ``shape`` together (`team_direction`), or ``None`` where the rule cannot split
+        it exactly (the default)."""
+        return None
+
+    def team_direction(
+        self, matrix: Tensor, shape: Sequence[int], member: int, size: int
+    ) -> Generator[TeamRequest, Tensor, Tensor]:
+        """This member's slice of the update direction, computed with the other members.
+
+        ``matrix`` is the member's slice (`lightning_canzona.planning.teams.member_blocks`) of
+        a matrix of global ``shape`` (or a stack of such slices). The generator yields what the
+        team must combine (`TeamRequest`), receives the combination, and returns the slice of
+        the direction. Only called where `team_cost` is not ``None``; a team's matrices keep no
+        matrix state.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not split updates over teams")
 
 
 def non_finite(tensors: Sequence[Tensor]) -> Tensor:

@@ -18,17 +18,28 @@ Two forms compute the same polynomial of ``X`` (`FORMS`):
   (spurious negative eigenvalues, eigenvectors that wander); restarting — ``X ← QX``,
   ``R ← XXᵀ``, ``Q ← I`` — after the second step, as published, keeps it stable, with bf16
   rounding 2–3 times the standard form's (``canzona bench ns``).
+
+A team of ranks can run the standard form on one matrix together (`team_newton_schulz`): each
+member holds a slice of the wide orientation's columns, ``X = [X₁ … X_k]``. The Gram matrix is the
+sum of the members' ``XⱼXⱼᵀ`` (one all-reduce of ``a²`` elements per step), each member computes its
+rows of the polynomial ``bA + cA²`` (a ``1/k`` share of the ``2a³``) and the members exchange them
+(one all-gather), and each updates its own slice: ``Xⱼ ← aXⱼ + PXⱼ``. Every product is one the
+single-rank iteration computes too, so the result differs from it only in the order in which the
+Gram matrix's partial sums are added, and every member does ``1/k`` of the FLOPs.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from lightning_canzona.planning.teams import split_sizes
+from lightning_canzona.rules.base import TeamRequest, TeamRows, TeamSum
 
 Coefficients = tuple[float, float, float]
 #: The forms of the iteration (see the module docstring).
@@ -218,6 +229,65 @@ def newton_schulz(
     x = iterate(x, schedule.steps(ns_steps))
     x = x.reshape(*batch_shape, *x.shape[-2:])
     return x.mT if transposed else x
+
+
+def team_newton_schulz(
+    matrix: Tensor,
+    transposed: bool,
+    schedule: NewtonSchulzSchedule,
+    ns_steps: int,
+    eps: float,
+    dtype: torch.dtype,
+    member: int,
+    size: int,
+) -> Generator[TeamRequest, Tensor, Tensor]:
+    """Member ``member``'s slice of `newton_schulz`'s standard form, computed by a team of ``size``.
+
+    Args:
+        matrix: This member's slice of the matrix (or of each matrix of a stack): columns of a
+            wide matrix, rows of a tall one (``transposed``).
+        transposed: Whether the whole matrix is tall (the iteration runs on its transpose).
+        schedule: The coefficients per step.
+        ns_steps: Number of iterations.
+        eps: Lower clamp of the normaliser.
+        dtype: Compute dtype of the iteration.
+        member: This member's index in the team.
+        size: Members in the team.
+
+    Yields:
+        The squared norm, then per step the Gram matrix (`TeamSum`) and the polynomial's rows
+        (`TeamRows`); receives their combination over the team.
+
+    Returns:
+        This member's slice of the result, in ``dtype``.
+    """
+    x = matrix.to(dtype)
+    if transposed:
+        x = x.mT
+    squares = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=torch.float32).square()
+    norm = (yield TeamSum(squares)).sqrt().to(dtype)
+    x = x / (norm * schedule.norm_safety).clamp_min(eps)
+    batch_shape = x.shape[:-2]
+    if x.ndim > 3:
+        x = x.reshape(-1, *x.shape[-2:])
+    add_product = torch.addmm if x.ndim == 2 else torch.baddbmm
+    rows = split_sizes(x.size(-2), size)
+    start = sum(rows[:member])
+    mine = slice(start, start + rows[member])
+    for a, b, c in schedule.steps(ns_steps):
+        gram = yield TeamSum(x @ x.mT)
+        part = gram[..., mine, :]
+        polynomial = yield TeamRows(add_product(part, part, gram, beta=b, alpha=c), rows)
+        x = add_product(x, polynomial, x, beta=a)
+    x = x.reshape(*batch_shape, *x.shape[-2:])
+    return x.mT if transposed else x
+
+
+def team_flops(rows: int, cols: int, ns_steps: int, size: int) -> float:
+    """FLOPs of `team_newton_schulz`'s busiest member on one ``rows × cols`` matrix."""
+    a, b = min(rows, cols), max(rows, cols)
+    slice_, polynomial_rows = -(-b // size), -(-a // size)
+    return float(ns_steps * (4 * a * a * slice_ + 2 * polynomial_rows * a * a))
 
 
 def _standard_steps(x: Tensor, steps: list[Coefficients]) -> Tensor:

@@ -6,7 +6,8 @@ Per micro-group:
   within a node, InfiniBand once the mesh spans nodes), plus one message latency per peer;
 - **compute**: the group's busiest host's FLOPs (the rule's ``cost.flops``, whatever cost the plan
   balanced) at the device's effective matmul rate; under ``sync`` every rank computes the whole
-  group;
+  group; a team's member adds the team's collectives (``team_messages`` latencies and
+  ``team_numel`` elements over the link the team spans);
 - **scatter**: like the gather; none under ``sync``.
 
 Matrix-rule work only: the elementwise parts (momentum, the AdamW group) are accounted for by
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 from lightning_canzona.planning.plan import Plan
 from lightning_canzona.planning.traffic import Exchange, Traffic, traffic
+from lightning_canzona.rules.base import UpdateCost
 from lightning_canzona.simulation.device import DeviceModel
 from lightning_canzona.simulation.pipeline import pipelined_time, sequential_time
 
@@ -69,6 +71,18 @@ def collective_time(exchange: Exchange, bandwidth: float, latency: float) -> flo
     return exchange.busiest / bandwidth + latency * exchange.max_peers
 
 
+def _member_seconds(
+    cost: UpdateCost, team: int, device: DeviceModel, flops_per_second: float, element_bytes: int
+) -> float:
+    """A team member's time on one matrix: its FLOPs, then (teams only) the team's collectives,
+    which it waits for (not overlapped, a conservative projection)."""
+    seconds = cost.flops / flops_per_second
+    if team > 1:
+        _, bandwidth, latency = device.link(team)
+        seconds += cost.team_messages * latency + cost.team_numel * element_bytes / bandwidth
+    return seconds
+
+
 def project_step(
     plan: Plan, device: DeviceModel, element_bytes: int, compute_dtype: str, moved: Traffic | None = None
 ) -> StepProjection:
@@ -88,17 +102,25 @@ def project_step(
     link, bandwidth, latency = device.link(plan.num_ranks)
     flops_per_second = device.matmul_flops(compute_dtype)
     moved = moved or traffic(plan, element_bytes)
-    flops = [m.cost.flops for m in plan.matrices]
     computes = []
     for group in plan.micro_groups:
-        if plan.owners is None:
-            host_flops = sum(flops[i] for i in group)
+        if plan.teams is None:
+            host_time = sum(plan.matrices[i].cost.flops for i in group) / flops_per_second
         else:
             per_host: dict[int, float] = {}
             for index in group:
-                per_host[plan.owners[index]] = per_host.get(plan.owners[index], 0.0) + flops[index]
-            host_flops = max(per_host.values(), default=0.0)
-        computes.append(host_flops / flops_per_second)
+                team = plan.teams[index]
+                seconds = _member_seconds(
+                    plan.matrices[index].member_cost(len(team)),
+                    len(team),
+                    device,
+                    flops_per_second,
+                    element_bytes,
+                )
+                for rank in team:
+                    per_host[rank] = per_host.get(rank, 0.0) + seconds
+            host_time = max(per_host.values(), default=0.0)
+        computes.append(host_time)
     return StepProjection(
         policy=plan.settings.policy,
         link=link,
