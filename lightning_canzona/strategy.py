@@ -84,6 +84,9 @@ class CanzonaStrategy(ModelParallelStrategy):
         cost: What the plan balances: ``flops`` of the updates or ``numel`` of the matrices.
         micro_group_capacity: Largest per-rank cost of one micro-group, in the cost's unit;
             ``None`` derives it from the model.
+        max_team: Most ranks that compute one matrix's update together (``canzona``; a power
+            of two, 1 keeps every matrix whole): the plan splits the costliest matrices over
+            teams where the rule allows (Muon's standard form) and its cost model says it pays.
         overlap: Pipeline the micro-groups' gathers and scatters with their compute.
         save_distributed_checkpoint: Save one shard per rank (``True``) or one full file.
         process_group_backend: ``nccl``, ``gloo``…; ``None`` picks the device's default.
@@ -107,6 +110,7 @@ class CanzonaStrategy(ModelParallelStrategy):
         alpha: float = 0.5,
         cost: str = "flops",
         micro_group_capacity: float | None = None,
+        max_team: int = 8,
         overlap: bool = True,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
@@ -122,7 +126,13 @@ class CanzonaStrategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self.plan_settings = PlanSettings(policy, alpha, cost, micro_group_capacity)  # type: ignore[arg-type]
+        self.plan_settings = PlanSettings(
+            policy,
+            alpha,
+            cost,  # type: ignore[arg-type]
+            micro_group_capacity,
+            max_team=max_team,
+        )
         self.overlap = overlap
         self.telemetry = telemetry
         if start_method not in ("popen", "fork", "spawn"):

@@ -10,6 +10,8 @@ Per step, on every rank of the mesh, in the same order:
 4. the micro-groups run through the pipeline: one packed all-to-all gathers the shards to the
    owners, each owner computes the full updates of its matrices (`MatrixRule.direction`), one packed
    all-to-all returns the update blocks, every rank applies its blocks (`MatrixRule.apply`).
+   A matrix that the plan gives to a team goes to its members in slices, and they compute its
+   update together (`MatrixRule.team_direction`, `lightning_canzona.distributed.teams`).
 
 Elementwise state (momentum, Adam moments) is a DTensor sharded like its parameter. Matrix state
 (Shampoo/SOAP factors and bases, step counters) lives on the owner, in full, and nowhere else.
@@ -46,6 +48,7 @@ from lightning_canzona.distributed.layout import (
     stack_member,
 )
 from lightning_canzona.distributed.memory import BufferMeter
+from lightning_canzona.distributed.teams import TeamRun, run_teams
 from lightning_canzona.distributed.updates import (
     apply_matrix,
     member_direction,
@@ -53,7 +56,8 @@ from lightning_canzona.distributed.updates import (
     prepare_matrix,
     step_adamw,
 )
-from lightning_canzona.planning import MatrixSpec, Plan, PlanSettings, block_of, build_plan
+from lightning_canzona.planning import Plan, PlanSettings, block_of, build_plan
+from lightning_canzona.planning.matrices import matrix_spec
 from lightning_canzona.rules.adamw import ALGORITHM as ADAMW
 from lightning_canzona.rules.base import MatrixRule
 from lightning_canzona.rules.kronecker import FAILURES
@@ -76,6 +80,8 @@ class StepStats:
         all_to_alls: All-to-all collectives issued.
         peak_buffer_bytes: Most bytes of the step's own buffers alive at once (prepared shards,
             all-to-all buffers, full matrices, directions; see `memory.BufferMeter`).
+        team_matrices: Matrices whose update this rank computed a slice of, in a team.
+        team_collectives: Collectives among team members that this rank took part in.
     """
 
     step: Intervals = field(default_factory=Intervals)
@@ -86,6 +92,8 @@ class StepStats:
     bytes_sent: int = 0
     all_to_alls: int = 0
     peak_buffer_bytes: int = 0
+    team_matrices: int = 0
+    team_collectives: int = 0
 
     def add(self, other: StepStats) -> None:
         """Count ``other`` (another mesh's step) in these."""
@@ -95,6 +103,8 @@ class StepStats:
         self.decomposition_failures += other.decomposition_failures
         self.bytes_sent += other.bytes_sent
         self.all_to_alls += other.all_to_alls
+        self.team_matrices += other.team_matrices
+        self.team_collectives += other.team_collectives
         # Meshes step one after another: their buffers are never alive together.
         self.peak_buffer_bytes = max(self.peak_buffer_bytes, other.peak_buffer_bytes)
 
@@ -214,6 +224,8 @@ class MeshEngine:
         self.failure: Exception | None = None
         self.clock = Clock(torch.device(mesh.device_type))
         self.meter = BufferMeter()
+        #: The process group of every team that a plan had.
+        self.team_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
     def owner(self, index: int) -> int | None:
         """Owner group-rank of plan item ``index`` (``None`` under ``sync``)."""
@@ -306,11 +318,11 @@ class MeshEngine:
         for index in reversed(range(len(self._items))):
             self._first_item[self._items[index].entry] = index
         specs = [
-            MatrixSpec(
+            matrix_spec(
                 matrices[item.entry].name + ("" if item.member is None else f"[{item.member}]"),
                 item.layout.shape,
+                rules[item.entry],
                 block_of(matrices[item.entry].name),
-                rules[item.entry].cost(item.layout.shape),
                 holders(item.layout),
             )
             for item in self._items
@@ -319,7 +331,7 @@ class MeshEngine:
         self._entries, self._key = matrices, key
         item_layouts = [item.layout for item in self._items]
         self._exchanges = [
-            MicroGroupExchange(members, item_layouts, self.plan.owners, self.rank, self.world)
+            MicroGroupExchange(members, item_layouts, self.plan.teams, self.rank, self.world)
             for members in self.plan.micro_groups
         ]
         # Each group travels in one dtype, wide enough for every member's rule.
@@ -333,7 +345,22 @@ class MeshEngine:
             )
             for members in self.plan.micro_groups
         ]
+        self._create_team_groups()
         self._move_matrix_state(previous_owners, rules, state)
+
+    def _create_team_groups(self) -> None:
+        """A process group for every team of the plan (collective: every rank of the job creates
+        every group, in the same order; kept across plans)."""
+        assert self.plan is not None
+        for team in sorted({team for team in self.plan.teams or () if len(team) > 1}):
+            if team not in self.team_groups:
+                ranks = [dist.get_global_rank(self.group, rank) for rank in team]
+                self.team_groups[team] = dist.new_group(ranks)
+
+    def team(self, index: int) -> tuple[int, ...] | None:
+        """The ranks that compute plan item ``index`` (``None`` under ``sync``)."""
+        assert self.plan is not None
+        return None if self.plan.teams is None else self.plan.teams[index]
 
     def _item_key(self, index: int) -> tuple[int, int | None]:
         item = self._items[index]
@@ -488,6 +515,7 @@ class _GroupStep:
         stats.wait.add(start, computing)
         full = self.exchange.assemble(self.gathered, self.engine.meter)
         del self.gathered, self.gather_work  # the receive buffer, and the send buffer it holds
+        in_teams = {m: full.pop(m) for m in list(full) if len(self.engine.team(m) or ()) > 1}
         for members in self._batches(full):
             matrices = [full.pop(m) for m in members]
             zeros = functools.partial(_zeros_like_each, matrices)
@@ -497,7 +525,37 @@ class _GroupStep:
             else:
                 self.directions.update(zip(members, zeros()))
             del matrices
+        if in_teams:
+            self._team_directions(in_teams)
         stats.compute.add(computing, clock.mark())
+
+    def _team_directions(self, slices: dict[int, Tensor]) -> None:
+        """The slices of the updates that this rank computes in teams: per team, same-shape
+        matrices in one batched computation, all teams in lockstep (`distributed.teams`)."""
+        engine = self.engine
+        batches: dict[Any, list[int]] = {}
+        for m in slices:
+            key = (engine.team(m), self._rule(m), engine._items[m].layout.shape, self.stepped[m])
+            batches.setdefault(key, []).append(m)
+        runs, batched = [], []
+        for (team, rule, shape, stepped), members in batches.items():
+            matrices = [slices.pop(m) for m in members]
+            if not stepped:
+                self.directions.update(zip(members, _zeros_like_each(matrices)))
+                continue
+            member = team.index(engine.rank)
+            start = functools.partial(rule.team_direction, shape=shape, member=member, size=len(team))
+            stacked = matrices[0] if len(members) == 1 else torch.stack(matrices)
+            runs.append(TeamRun(team, start, stacked))
+            batched.append(members)
+        results, collectives = run_teams(
+            runs, engine.team_groups, engine.attempt, lambda: engine.failure is not None
+        )
+        for members, result in zip(batched, results):
+            parts = [result] if len(members) == 1 else list(result.unbind(0))
+            self.directions.update(zip(members, (engine.meter.track(part) for part in parts)))
+            engine.stats.team_matrices += len(members)
+        engine.stats.team_collectives += collectives
 
     def _rule(self, m: int) -> MatrixRule:
         return self.rules[self.engine._items[m].entry]

@@ -16,17 +16,22 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_canzona.distributed.layout import Block, LocalShard, MatrixLayout
+from lightning_canzona.distributed.layout import Block, LocalShard, MatrixLayout, Piece
 from lightning_canzona.distributed.memory import BufferMeter
+from lightning_canzona.planning.teams import member_blocks
 
 
 class MicroGroupExchange:
     """The gather and scatter of one micro-group, seen from one rank.
 
+    Each member matrix goes to the ranks that compute it: its owner (the whole matrix), its
+    team (each member a slice, `lightning_canzona.planning.teams.member_blocks`), or, under
+    ``sync``, every rank (the whole matrix).
+
     Args:
         members: Engine indices of the group's matrices.
         layouts: Layout of every engine matrix (indexed like ``members``' values).
-        owners: Owner group-rank of every engine matrix; ``None`` under ``sync``.
+        teams: The group ranks that compute every engine matrix; ``None`` under ``sync``.
         rank: This rank's group rank.
         world: Group size.
     """
@@ -35,52 +40,54 @@ class MicroGroupExchange:
         self,
         members: Sequence[int],
         layouts: Sequence[MatrixLayout],
-        owners: Sequence[int] | None,
+        teams: Sequence[tuple[int, ...]] | None,
         rank: int,
         world: int,
     ) -> None:
         self.members = tuple(members)
         self.rank, self.world = rank, world
-        self.shapes = {m: layouts[m].shape for m in members}
         self.my_shards = {m: layouts[m].shards[rank] for m in members}
-        self.computed = tuple(m for m in members if owners is None or owners[m] == rank)
+        #: Per member matrix, ``(rank, block)`` of every rank that computes it and what it computes.
+        targets = {m: _targets(layouts[m].shape, None if teams is None else teams[m], world) for m in members}
+        #: The block of each matrix that this rank computes.
+        self.regions = {m: block for m in members for r, block in targets[m] if r == rank}
+        self.computed = tuple(self.regions)
         #: Owners return pieces of their updates; under ``sync`` every rank has them already.
-        self.scatters = owners is not None
+        self.scatters = teams is not None
 
-        def receivers(m: int) -> range | tuple[int]:
-            return range(world) if owners is None else (owners[m],)
-
-        def sends(m: int, source: int, block: Block) -> bool:
-            """Whether ``source`` sends ``block`` of ``m``: an owner that holds the block uses its
-            own copy (a replicated or whole-on-one-rank matrix moves nothing to it); other
-            blocks come from their lowest holder."""
-            if owners is not None and layouts[m].holds(owners[m], block):
-                return source == owners[m]
-            return layouts[m].first_holders[block] == source
+        def sender(m: int, destination: int, block: Block) -> int:
+            """Who sends ``block`` of ``m`` to ``destination``: itself if it holds the block (a
+            replicated or whole-on-one-rank matrix moves nothing to it), else its lowest holder."""
+            if teams is not None and layouts[m].holds(destination, block):
+                return destination
+            return layouts[m].first_holders[block]
 
         # What goes where, in buffer order: by peer rank, then by member, then by piece. Gathers
-        # send local blocks and receive global ones; scatters the other way round.
+        # send local blocks and receive blocks of the computed region; scatters the other way.
         self.gather_send: list[list[tuple[int, Block]]] = [[] for _ in range(world)]
         self.gather_recv: list[list[tuple[int, Block]]] = [[] for _ in range(world)]
-        for m in members:
-            layout = layouts[m]
-            for piece in layout.shards[rank].pieces:
-                if sends(m, rank, piece.block):
-                    for destination in receivers(m):
-                        self.gather_send[destination].append((m, piece.local))
-            if m in self.computed:
-                for source, shard in enumerate(layout.shards):
-                    self.gather_recv[source].extend(
-                        (m, piece.block) for piece in shard.pieces if sends(m, source, piece.block)
-                    )
         self.scatter_send: list[list[tuple[int, Block]]] = [[] for _ in range(world)]
         self.scatter_recv: list[list[tuple[int, Block]]] = [[] for _ in range(world)]
-        if owners is not None:
-            for m in members:
-                if owners[m] == rank:
-                    for peer, shard in enumerate(layouts[m].shards):
-                        self.scatter_send[peer].extend((m, piece.block) for piece in shard.pieces)
-                self.scatter_recv[owners[m]].extend((m, piece.local) for piece in self.my_shards[m].pieces)
+        for m in members:
+            shards = layouts[m].shards
+            for destination, region in targets[m]:
+                for piece in shards[rank].pieces:
+                    part = _intersection(piece.block, region)
+                    if part is not None and sender(m, destination, piece.block) == rank:
+                        self.gather_send[destination].append((m, _local_block(piece, part)))
+                    if part is not None and teams is not None:
+                        self.scatter_recv[destination].append((m, _local_block(piece, part)))
+                if destination != rank:
+                    continue
+                for peer, shard in enumerate(shards):
+                    for piece in shard.pieces:
+                        part = _intersection(piece.block, region)
+                        if part is None:
+                            continue
+                        if sender(m, rank, piece.block) == peer:
+                            self.gather_recv[peer].append((m, _relative(part, region)))
+                        if teams is not None:
+                            self.scatter_send[peer].append((m, _relative(part, region)))
 
         def sizes(lists: list[list[tuple[int, Block]]]) -> list[int]:
             return [sum(block.numel for _, block in pieces) for pieces in lists]
@@ -108,9 +115,10 @@ class MicroGroupExchange:
         return receive, work
 
     def assemble(self, received: Tensor, meter: BufferMeter) -> dict[int, Tensor]:
-        """Full matrices of the members this rank computes, from the gather's buffer."""
+        """The blocks this rank computes (whole matrices, or a team member's slices), from the
+        gather's buffer."""
         full = {
-            m: meter.track(torch.empty(self.shapes[m], dtype=received.dtype, device=received.device))
+            m: meter.track(torch.empty(self.regions[m].shape, dtype=received.dtype, device=received.device))
             for m in self.computed
         }
         for m, block, chunk in _chunks(received, self.gather_recv):
@@ -125,7 +133,8 @@ class MicroGroupExchange:
         group: dist.ProcessGroup,
         meter: BufferMeter,
     ) -> tuple[Tensor, dist.Work | None]:
-        """Start returning every rank's pieces of the computed ``directions``."""
+        """Start returning every rank's pieces of the computed ``directions`` (each of this rank's
+        `regions`)."""
         pieces = [
             directions[m][block.slices].reshape(-1).to(dtype) for ps in self.scatter_send for m, block in ps
         ]
@@ -158,12 +167,40 @@ def _chunks(buffer: Tensor, lists: list[list[tuple[int, Block]]]) -> Iterator[tu
     return ((m, block, chunk) for (m, block), chunk in zip(entries, chunks))
 
 
+def _targets(shape: tuple[int, ...], team: tuple[int, ...] | None, world: int) -> list[tuple[int, Block]]:
+    """``(rank, block)`` for every rank that computes a matrix of ``shape``: each rank the whole
+    matrix (``sync``: ``team is None``), or each team member its slice."""
+    if team is None:
+        return [(rank, Block((0,) * len(shape), shape)) for rank in range(world)]
+    return [(rank, Block(*block)) for rank, block in zip(team, member_blocks(shape, len(team)))]
+
+
+def _intersection(a: Block, b: Block) -> Block | None:
+    """The common block of ``a`` and ``b``, or ``None``."""
+    starts = [max(x, y) for x, y in zip(a.offset, b.offset)]
+    ends = [min(x + m, y + n) for x, m, y, n in zip(a.offset, a.shape, b.offset, b.shape)]
+    if any(end <= start for start, end in zip(starts, ends)):
+        return None
+    return Block(tuple(starts), tuple(end - start for start, end in zip(starts, ends)))
+
+
+def _local_block(piece: Piece, part: Block) -> Block:
+    """Where a rank's local tensor holds ``part`` of its ``piece``."""
+    offset = tuple(at + p - g for at, p, g in zip(piece.local.offset, part.offset, piece.block.offset))
+    return Block(offset, part.shape)
+
+
+def _relative(part: Block, region: Block) -> Block:
+    """``part`` in the coordinates of the ``region`` that contains it."""
+    return Block(tuple(p - r for p, r in zip(part.offset, region.offset)), part.shape)
+
+
 def _local(shard: LocalShard, pieces: Iterable[tuple[Block, Tensor]]) -> Tensor:
-    """A local shard from its pieces: the one piece itself, or the pieces copied into place."""
+    """A local shard from its pieces: the one piece that is all of it, or the pieces copied into
+    place."""
     pieces = list(pieces)
-    if shard.is_one_block:
-        ((_, value),) = pieces
-        return value
+    if len(pieces) == 1 and pieces[0][0].shape == shard.shape:
+        return pieces[0][1]
     local = torch.empty(shard.shape, dtype=pieces[0][1].dtype, device=pieces[0][1].device)
     for block, value in pieces:
         local[block.slices] = value

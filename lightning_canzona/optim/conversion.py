@@ -43,6 +43,7 @@ def convert_torch_muon(
         alpha=settings.alpha,
         cost=settings.cost,
         micro_group_capacity=settings.capacity,
+        max_team=settings.max_team,
         overlap=overlap,
     )
 

@@ -76,6 +76,9 @@ class MatrixOptimizer(Optimizer):
         cost: What the plan balances: ``flops`` of the updates or ``numel`` of the matrices.
         micro_group_capacity: Largest per-rank cost of one micro-group, in the cost's unit;
             ``None`` derives it from the model.
+        max_team: Most ranks that compute one matrix's update together (``canzona``; a power
+            of two, 1 keeps every matrix whole): the plan splits the costliest matrices over
+            teams where the rule allows (Muon's standard form) and its cost model says it pays.
         overlap: Pipeline the micro-groups: gather the next and scatter the previous group while
             the current one computes.
     """
@@ -97,6 +100,7 @@ class MatrixOptimizer(Optimizer):
         alpha: float = 0.5,
         cost: str = "flops",
         micro_group_capacity: float | None = None,
+        max_team: int = 8,
         overlap: bool = True,
     ) -> None:
         self.adamw_defaults = {
@@ -106,7 +110,13 @@ class MatrixOptimizer(Optimizer):
             "weight_decay": defaults["weight_decay"] if adamw_weight_decay is None else adamw_weight_decay,
         }
         self.check_finite = check_finite
-        self.plan_settings = PlanSettings(policy, alpha, cost, micro_group_capacity)  # type: ignore[arg-type]
+        self.plan_settings = PlanSettings(
+            policy,
+            alpha,
+            cost,  # type: ignore[arg-type]
+            micro_group_capacity,
+            max_team=max_team,
+        )
         self.overlap = overlap
         #: Batch same-shape matrix updates (see `MeshEngine`); read when an engine is created.
         self.batch_matrices = True

@@ -60,7 +60,8 @@ class Muon(MatrixOptimizer):
             wide (see `lightning_canzona.rules.newton_schulz`).
         **kwargs: AdamW-group settings (``adamw_lr``, ``adamw_betas``, ``adamw_eps``,
             ``adamw_weight_decay``), ``check_finite``, and the distributed plan (``policy``,
-            ``alpha``, ``cost``, ``micro_group_capacity``, ``overlap``): see `MatrixOptimizer`.
+            ``alpha``, ``cost``, ``micro_group_capacity``, ``max_team``, ``overlap``): see
+            `MatrixOptimizer`.
     """
 
     algorithm = "muon"
@@ -134,7 +135,8 @@ class Shampoo(MatrixOptimizer):
         max_precond_dim: Sides longer than this are not preconditioned.
         **kwargs: AdamW-group settings (``adamw_lr``, ``adamw_betas``, ``adamw_eps``,
             ``adamw_weight_decay``), ``check_finite``, and the distributed plan (``policy``,
-            ``alpha``, ``cost``, ``micro_group_capacity``, ``overlap``): see `MatrixOptimizer`.
+            ``alpha``, ``cost``, ``micro_group_capacity``, ``max_team``, ``overlap``): see
+            `MatrixOptimizer`.
     """
 
     algorithm = "shampoo"
@@ -198,7 +200,8 @@ class SOAP(MatrixOptimizer):
         max_precond_dim: Sides longer than this keep the identity basis.
         **kwargs: AdamW-group settings (``adamw_lr``, ``adamw_betas``, ``adamw_eps``,
             ``adamw_weight_decay``), ``check_finite``, and the distributed plan (``policy``,
-            ``alpha``, ``cost``, ``micro_group_capacity``, ``overlap``): see `MatrixOptimizer`.
+            ``alpha``, ``cost``, ``micro_group_capacity``, ``max_team``, ``overlap``): see
+            `MatrixOptimizer`.
     """
 
     algorithm = "soap"

@@ -177,7 +177,7 @@ def team_sizes(matrices: list[MatrixSpec], num_ranks: int, settings: PlanSetting
 
     Teams trade a larger total (their collectives) for smaller items. Greedy over classes of
     same-cost matrices, costliest member load first: double the class's team while that lowers
-    the bound ``max(total / ranks, largest item)``. A matrix that some ranks hold whole stays
+    the bound ``max(total / ranks, largest item)`` (or keeps it: only free collectives do). A matrix that some ranks hold whole stays
     whole: updated where it lies, it moves nothing.
     """
     sizes = [1] * len(matrices)
@@ -199,7 +199,7 @@ def team_sizes(matrices: list[MatrixSpec], num_ranks: int, settings: PlanSetting
             load = member_load(matrices[index], size, settings)
             grown = total + len(members) * (size * load - sizes[index] * loads[index])
             rest = max((loads[i] for i in range(len(loads)) if i not in members), default=0.0)
-            if max(grown / num_ranks, load, rest) < max(total / num_ranks, largest):
+            if max(grown / num_ranks, load, rest) <= max(total / num_ranks, largest):
                 best = (members, size, load, grown)
                 break
         if best is None:
@@ -264,9 +264,9 @@ def build_plan(matrices: list[MatrixSpec], dp: int, tp: int, settings: PlanSetti
         team_capacity,
         teams=tuple(teams),
     )
-    if plan.split_matrices():  # teams must beat the whole matrices' packing, not only its bound
+    if plan.split_matrices():  # teams must pack as well as whole matrices, not only bound better
         whole = build_plan(matrices, dp, tp, replace(settings, max_team=1))
-        plan = plan if max(plan.rank_loads()) < max(whole.rank_loads()) else whole
+        plan = plan if max(plan.rank_loads()) <= max(whole.rank_loads()) else whole
     naive = _fixed_owner_plan(
         settings, matrices, dp, tp, partition.round_robin(loads, num_ranks), capacity, fell_back=True
     )
