@@ -15,7 +15,9 @@ import torch
 import torch.distributed as dist
 from multiprocess import run_on_ranks
 from test_engine_exactness import MESHES, OPTIMIZERS, _run_combination
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 import lightning_canzona as lc
 from lightning_canzona.planning import PlanSettings, build_plan, describe, report
@@ -23,50 +25,81 @@ from lightning_canzona.planning.plan import team_sizes
 from lightning_canzona.planning.teams import candidate_teams, member_blocks, split_sizes
 from lightning_canzona.rules.base import TeamSum
 from lightning_canzona.rules.muon import MuonRule
-from lightning_canzona.rules.newton_schulz import PRESETS, newton_schulz, team_newton_schulz
+from lightning_canzona.rules.newton_schulz import (
+    PRESETS,
+    newton_schulz,
+    splits_polynomial,
+    team_newton_schulz,
+    team_work,
+)
 
 #: Collectives cost nothing: the planner splits every matrix whose split lowers the bound.
 FREE_TEAMS = {"team_flops_per_element": 0.0, "team_flops_per_message": 0.0}
 
 
-def _in_lockstep(full: torch.Tensor, size: int) -> torch.Tensor:
-    """Every member's `team_newton_schulz` on its slice, requests combined here, slices joined."""
+def _in_lockstep(full: torch.Tensor, size: int, form: str) -> torch.Tensor:
+    """Every member's `team_newton_schulz` on its slice, rounds combined here, slices joined."""
     blocks = member_blocks(full.shape, size)
-    tall = full.size(-2) > full.size(-1)
     runs = [
         team_newton_schulz(
             full[tuple(slice(o, o + n) for o, n in zip(offset, shape))],
-            tall,
+            full.shape,
             PRESETS["quintic"],
             5,
             1e-7,
             torch.float32,
             member,
             size,
+            form,
         )
         for member, (offset, shape) in enumerate(blocks)
     ]
-    requests = [next(run) for run in runs]
+    rounds = [next(run) for run in runs]
     results: list[torch.Tensor] = []
     while not results:
-        if isinstance(requests[0], TeamSum):
-            reply = sum(request.tensor for request in requests)
-        else:
-            reply = torch.cat([request.tensor for request in requests], dim=-2)
+        reply = tuple(
+            sum(r.tensor for r in requests)
+            if isinstance(requests[0], TeamSum)
+            else torch.cat([r.tensor for r in requests], dim=-2)
+            for requests in zip(*rounds)
+        )
         for member, run in enumerate(runs):
             try:
-                requests[member] = run.send(reply)
+                rounds[member] = run.send(reply)
             except StopIteration as done:
                 results.append(done.value)
-    return torch.cat(results, dim=-2 if tall else -1)
+    return torch.cat(results, dim=-2 if full.size(-2) > full.size(-1) else -1)
 
 
+@pytest.mark.parametrize("form", ["standard", "gram"])
 @pytest.mark.parametrize("shape", [(6, 50), (50, 6), (33, 33), (3, 7, 20)])
 @pytest.mark.parametrize("size", [2, 3, 4])
-def test_team_newton_schulz_equals_one_rank(shape, size) -> None:
+def test_team_newton_schulz_equals_one_rank(shape, size, form) -> None:
+    # (33, 33) over 3 or 4 members splits the polynomial's rows; (6, 50) does not.
     matrix = torch.randn(shape, generator=torch.Generator().manual_seed(size))
-    expected = newton_schulz(matrix, PRESETS["quintic"], 5, 1e-7, torch.float32)
-    torch.testing.assert_close(_in_lockstep(matrix, size), expected, rtol=1e-5, atol=1e-5)
+    expected = newton_schulz(matrix, PRESETS["quintic"], 5, 1e-7, torch.float32, form)
+    torch.testing.assert_close(_in_lockstep(matrix, size, form), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_team_work_counts_what_the_team_computation_does() -> None:
+    # Split polynomial (2·33·3 > 33): one gather per step besides the sums; FLOPs per member.
+    work = team_work(33, 33, 5, "standard", 4)
+    assert splits_polynomial(33, 33, 4) and work.collectives == 1 + 5 + 5
+    assert work.flops == 5 * (4 * 33 * 33 * 9 + 2 * 33 * 33 * 9)
+    assert not splits_polynomial(64, 1024, 4) and team_work(64, 1024, 5, "standard", 4).collectives == 6
+    assert team_work(64, 1024, 5, "gram", 4).collectives == 3  # the first sums, one restart
+    rounds = 0
+    run = team_newton_schulz(
+        torch.randn(64, 256), (64, 1024), PRESETS["quintic"], 5, 1e-7, torch.float32, 0, 4, "gram"
+    )
+    try:
+        request = next(run)
+        while True:
+            rounds += 1
+            request = run.send(tuple(r.tensor for r in request))
+    except StopIteration:
+        pass
+    assert rounds == 2
 
 
 def test_split_sizes_member_blocks_and_aligned_teams() -> None:
@@ -89,17 +122,20 @@ def test_planner_splits_the_matrix_that_bounds_the_step_and_nothing_else() -> No
     matrices = _specs(
         ("layers.0.big.weight", (512, 4096)), *((f"layers.{i}.small.weight", (64, 64)) for i in range(6))
     )
-    free = PlanSettings(**FREE_TEAMS)
-    sizes = team_sizes(matrices, 4, free)
+    # Collectives cheap next to the big matrix's FLOPs, dear next to a small one's.
+    cheap = PlanSettings(team_flops_per_element=10.0, team_flops_per_message=1e6)
+    sizes = team_sizes(matrices, 4, cheap)
     assert sizes == [4, 1, 1, 1, 1, 1, 1]
-    plan = build_plan(matrices, 4, 1, free)
+    plan = build_plan(matrices, 4, 1, cheap)
     assert plan.teams[0] == (0, 1, 2, 3) and plan.split_matrices() == {4: 1}
     whole = report(build_plan(matrices, 4, 1, PlanSettings(max_team=1)))
     teamed = report(plan)
     assert teamed.makespan < 0.3 * whole.makespan
     assert "computed by teams: 1 by 4 ranks" in teamed.table()
-    # Each member carries a quarter of the big matrix (the Gram rows and the slices are even).
-    assert plan.loads[0] == pytest.approx(matrices[0].cost.flops / 4)
+    # Each member multiplies a quarter of the big matrix and forms the 512² polynomial whole.
+    a, b = 512, 4096
+    assert plan.matrices[0].member_cost(4).flops == 5 * (4 * a * a * b / 4 + 2 * a**3)
+    assert plan.loads[0] < matrices[0].cost.flops / 3
 
 
 def test_planner_keeps_matrices_whole_when_the_team_collectives_cost_more() -> None:
@@ -122,10 +158,10 @@ class TeamMuon(lc.Muon):
 CREATED: list[TeamMuon] = []
 
 
-def _teams_on_mesh(rank: int, world_size: int, mesh_name: str) -> None:
+def _teams_on_mesh(rank: int, world_size: int, mesh_name: str, form: str) -> None:
     shape, names = MESHES[mesh_name]
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    OPTIMIZERS["team_muon"] = (TeamMuon, OPTIMIZERS["muon"][1])
+    OPTIMIZERS["team_muon"] = (TeamMuon, {**OPTIMIZERS["muon"][1], "ns_form": form})
     for overlap in (True, False):
         _run_combination(rank, mesh, "team_muon", {"policy": "canzona"}, overlap)
         (engine,) = CREATED[-1].engines.values()
@@ -135,6 +171,46 @@ def _teams_on_mesh(rank: int, world_size: int, mesh_name: str) -> None:
         assert stats.min() > 0
 
 
-@pytest.mark.parametrize("mesh_name", sorted(MESHES))
-def test_team_updates_equal_single_process(mesh_name: str) -> None:
-    run_on_ranks(math.prod(MESHES[mesh_name][0]), _teams_on_mesh, mesh_name)
+@pytest.mark.parametrize(
+    ("mesh_name", "form"),
+    [*((name, "standard") for name in sorted(MESHES)), ("dp4", "gram"), ("dp2xtp2", "gram")],
+)
+def test_team_updates_equal_single_process(mesh_name: str, form: str) -> None:
+    run_on_ranks(math.prod(MESHES[mesh_name][0]), _teams_on_mesh, mesh_name, form)
+
+
+def _wide_matrices(rank: int, world_size: int) -> None:
+    """Wide and tall matrices whose teams form the polynomial whole (`splits_polynomial` false),
+    sharded across their long side and across their short side, with a missing gradient."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    shapes = {"wide": (12, 200), "tall": (200, 12), "cut_short": (12, 200)}
+    placements = {"wide": [Shard(1)], "tall": [Shard(0)], "cut_short": [Shard(0)]}
+    torch.manual_seed(0)
+    full = {name: torch.randn(shape) for name, shape in shapes.items()}
+    reference_params = {name: nn.Parameter(value.clone()) for name, value in full.items()}
+    params = {
+        name: nn.Parameter(distribute_tensor(value, mesh, placements[name], src_data_rank=None))
+        for name, value in full.items()
+    }
+    kwargs = {"lr": 0.02, "compute_dtype": "float32"}
+    reference = lc.Muon(list(reference_params.items()), **kwargs)
+    optimizer = TeamMuon(list(params.items()), **kwargs)
+    for step in range(4):
+        generator = torch.Generator().manual_seed(step)
+        for name, shape in shapes.items():
+            grad = None if (step, name) == (1, "tall") else torch.randn(shape, generator=generator)
+            reference_params[name].grad = grad
+            params[name].grad = (
+                None if grad is None else distribute_tensor(grad, mesh, placements[name], src_data_rank=None)
+            )
+        optimizer.step()
+        reference.step()
+    (engine,) = optimizer.engines.values()
+    assert sum(engine.plan.split_matrices().values()) == 3
+    for name, value in reference_params.items():
+        torch.testing.assert_close(params[name].full_tensor(), value.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_teams_that_form_the_polynomial_whole_equal_single_process() -> None:
+    assert not any(splits_polynomial(*shape, 4) for shape in ((12, 200), (200, 12)))
+    run_on_ranks(4, _wide_matrices)

@@ -19,6 +19,12 @@ expert stacks), and adds two variants of ``canzona`` that take back one thing ea
 - ``canzona (call per expert)``: each expert orthogonalised by a call of its own, not one
   batched call per owner and shape.
 
+``canzona (teams)`` lets teams of ranks compute one matrix's update together (`planning.teams`)
+with the team collectives priced as measured on this machine (`distributed.teams.measure_team_costs`;
+the default prices are an H100's, under which a CPU-sized model never pays for a team). The
+``wide`` preset is a model whose largest matrix is most of the update work (`WideModel`), where
+whole-matrix ownership leaves three of four ranks waiting for the owner of that one matrix.
+
 A step's latency is the slowest rank's. Busy time is the time each rank spends in full-matrix
 updates; its max/mean across ranks measures the balance actually achieved. Peak buffers are the
 most bytes of the step's own transient buffers alive at once on the busiest rank
@@ -39,17 +45,43 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, parallelize_module
 
 import lightning_canzona as lc
+from lightning_canzona.distributed.teams import measure_team_costs
 from lightning_canzona.models.qwen3 import Qwen3, tensor_parallel_plan
 from lightning_canzona.planning import report
 
-VARIANTS = ("sync", "torch.optim.Muon", "round_robin", "lpt (no overlap)", "canzona")
+VARIANTS = ("sync", "torch.optim.Muon", "round_robin", "lpt (no overlap)", "canzona", "canzona (teams)")
 MOE_VARIANTS = ("canzona (locality-blind)", "canzona (call per expert)")
+
+
+class WideModel(nn.Module):
+    """One ``4096 × 256`` projection and four ``256 × 256`` ones: the projection is 73 % of Muon's
+    update FLOPs (every matrix column-parallel under TP; the benchmark needs no forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        block = nn.Module()
+        block.wide = nn.Linear(256, 4096, bias=False)
+        block.narrow = nn.ModuleList(nn.Linear(256, 256, bias=False) for _ in range(4))
+        self.layers = nn.ModuleList([block])
+
+    def tensor_parallel_plan(self) -> dict[str, ParallelStyle]:
+        names = ["layers.0.wide", *(f"layers.0.narrow.{i}" for i in range(4))]
+        return dict.fromkeys(names, ColwiseParallel())
+
+
+def _model(preset: str) -> tuple[nn.Module, dict[str, ParallelStyle]]:
+    if preset == "wide":
+        model = WideModel()
+        return model, model.tensor_parallel_plan()
+    model = Qwen3(preset)
+    return model, tensor_parallel_plan(model)
 
 
 @dataclass(frozen=True)
@@ -64,6 +96,7 @@ class VariantResult:
     peak_buffer_bytes: int | None
     matrix_bytes_per_rank: float
     sent_bytes: int | None
+    split_matrices: dict[int, int]
 
 
 class _TorchMuonWithAdamW:
@@ -72,7 +105,9 @@ class _TorchMuonWithAdamW:
     def __init__(self, groups: list[dict]) -> None:
         matrices = [p for g in groups if "algorithm" not in g for _, p in g["params"]]
         others = [p for g in groups if g.get("algorithm") == "adamw" for _, p in g["params"]]
-        self.optimizers = [torch.optim.Muon(matrices, lr=0.02), torch.optim.AdamW(others, lr=3e-3)]
+        self.optimizers = [torch.optim.Muon(matrices, lr=0.02)]
+        if others:
+            self.optimizers.append(torch.optim.AdamW(others, lr=3e-3))
         self.state = {k: v for o in self.optimizers for k, v in o.state.items()}
         self.engines: dict = {}
 
@@ -96,6 +131,7 @@ def _build(variant: str, groups: list[dict]) -> object:
         "round_robin": ("round_robin", True),
         "lpt (no overlap)": ("lpt", False),
         "canzona": ("canzona", True),
+        "canzona (teams)": ("canzona", True),
     }[variant]
     return lc.Muon(groups, lr=0.02, adamw_lr=3e-3, policy=policy, overlap=overlap)
 
@@ -127,8 +163,8 @@ def _worker(rank: int, world: int, port: int, dp: int, tp: int, preset: str, ste
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=10))
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
-    model = Qwen3(preset)
-    parallelize_module(model, mesh["tp"], tensor_parallel_plan(model))
+    model, plan = _model(preset)
+    parallelize_module(model, mesh["tp"], plan)
     for layer in model.layers:
         fully_shard(layer, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
@@ -138,9 +174,13 @@ def _worker(rank: int, world: int, port: int, dp: int, tp: int, preset: str, ste
         param.grad = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
 
     variants = VARIANTS
-    if model.config.num_experts:  # torch.optim.Muon refuses 3-D parameters such as expert stacks
+    if isinstance(model, Qwen3) and model.config.num_experts:  # torch.optim.Muon refuses 3-D stacks
         variants = tuple(v for v in VARIANTS if v != "torch.optim.Muon") + MOE_VARIANTS
     optimizers = {variant: _build(variant, lc.matrix_param_groups(model)) for variant in variants}
+    team_costs = measure_team_costs()
+    optimizers["canzona (teams)"].plan_settings = replace(
+        optimizers["canzona (teams)"].plan_settings, **team_costs
+    )
     times: dict[str, list[float]] = {v: [] for v in variants}
     busy: dict[str, list[float]] = {v: [] for v in variants}
     peaks: dict[str, int] = dict.fromkeys(variants, 0)
@@ -174,6 +214,7 @@ def _worker(rank: int, world: int, port: int, dp: int, tp: int, preset: str, ste
                 peak_buffer_bytes=max(_gather(peaks[variant])) if engines else None,
                 matrix_bytes_per_rank=matrix_bytes / world,
                 sent_bytes=max(_gather(sum(e.stats.bytes_sent for e in engines))) if engines else None,
+                split_matrices=report(engines[0].plan).split_matrices if engines else {},
             )
         )
     if rank == 0:
@@ -220,6 +261,10 @@ def format_table(preset: str, results: list[VariantResult]) -> str:
             f"{result.name:>26} {result.step_ms:9.1f} {result.step_ms / reference:10.2f} {busy:>14} "
             f"{planned:>14} {peak:>17} {relative:>20} {sent:>9} {state:>24}"
         )
+    for result in results:
+        if result.split_matrices:
+            teams = ", ".join(f"{count} by {size} ranks" for size, count in result.split_matrices.items())
+            lines.append(f"{result.name}: matrices computed by teams: {teams}")
     return "\n".join(lines)
 
 

@@ -51,3 +51,31 @@ def write_load_chart(path: str | Path, results: Mapping[str, PolicyResult], titl
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return path
+
+
+def write_scale_chart(
+    path: str | Path, curves: Mapping[str, Mapping[str, list[float]]], ranks: list[int], title: str
+) -> Path:
+    """Projected step time against ranks (log-log), one panel per optimizer, one line per plan
+    (`lightning_canzona.commands.sweep.scale_curves`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(curves), figsize=(4.2 * len(curves), 3.6), squeeze=False)
+    for axis, (optimizer, lines) in zip(axes[0], curves.items()):
+        for label, seconds in lines.items():
+            axis.plot(ranks, [s * 1e3 for s in seconds], marker="o", label=label)
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_title(optimizer, fontsize=9)
+        axis.set_xlabel("ranks")
+        axis.set_ylabel("optimizer step [ms]")
+        axis.legend(fontsize=7)
+    figure.suptitle(title, fontsize=10)
+    figure.tight_layout()
+    path = Path(path)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path

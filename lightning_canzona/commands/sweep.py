@@ -1,22 +1,31 @@
-"""``canzona plan --sweep``: the balance target over Qwen3 presets × meshes, and the simulated
-comparison at 256 GPUs."""
+"""``canzona plan --sweep``: the balance target over Qwen3 presets × meshes up to 2,048 ranks,
+with and without teams, the simulated comparison at 256 GPUs, and step time against ranks."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
 
+import torch
+
 from lightning_canzona.commands.analysis import Scenario, analyse
-from lightning_canzona.commands.model_matrices import preset_matrices
+from lightning_canzona.commands.model_matrices import OPTIMIZERS, compute_dtype, make_rule, preset_matrices
 from lightning_canzona.commands.tables import PAPER_ITERATION_SPEEDUP, PAPER_STEP_SPEEDUP
 from lightning_canzona.planning.plan import PlanSettings, build_plan
 from lightning_canzona.planning.report import report
 from lightning_canzona.rules import MatrixRule
+from lightning_canzona.simulation.device import DeviceModel
+from lightning_canzona.simulation.optimizer_step import project_step
 
 SWEEP_PRESETS: tuple[str, ...] = ("0.6B", "1.7B", "4B", "8B", "14B", "32B")
-SWEEP_MESHES: tuple[tuple[int, int], ...] = ((8, 1), (32, 8), (64, 4), (256, 1))
+SWEEP_MESHES: tuple[tuple[int, int], ...] = ((8, 1), (32, 8), (64, 4), (256, 1), (64, 8), (128, 8), (256, 8))
 SIMULATED_MESHES: tuple[tuple[int, int], ...] = ((32, 8), (256, 1))
-#: ``canzona``'s makespan must stay within this factor of the lower bound.
+#: The preset of the scaling curves.
+SCALE_PRESET = "32B"
+#: Meshes of the scaling curves: nodes of 8 GPUs, 64 to 2,048 ranks.
+SCALE_MESHES: tuple[tuple[int, int], ...] = ((8, 8), (16, 8), (32, 8), (64, 8), (128, 8), (256, 8))
+#: ``canzona``'s makespan must stay within this factor of the lower bound (whole matrices) or of
+#: the ideal (teams).
 TARGET = 1.02
 
 
@@ -26,26 +35,70 @@ def bound_table(
     presets: Sequence[str] = SWEEP_PRESETS,
     meshes: Sequence[tuple[int, int]] = SWEEP_MESHES,
 ) -> tuple[str, bool]:
-    """Makespan / lower bound per preset, mesh and owner-based policy, and whether ``canzona``
-    met `TARGET` everywhere."""
-    policies = ("canzona", "lpt", "round_robin")
-    lines = [f"{'preset':<7} {'dp×tp':>7} " + " ".join(f"{p:>12}" for p in policies) + "  target"]
+    """Per preset and mesh: whole-matrix plans' makespan ÷ lower bound (``canzona`` without
+    teams, ``lpt``, ``round_robin``), and ``canzona``'s with teams ÷ the ideal ``total / ranks``,
+    its teams and its per-rank state max/mean; and whether whole-matrix ``canzona`` met `TARGET`
+    everywhere."""
+    whole = replace(settings, max_team=1)
+    lines = [
+        f"{'preset':<7} {'dp×tp':>7} {'canzona':>8} {'lpt':>8} {'rr':>8}  {'target':<6} "
+        f"{'teams ÷ ideal':>13} {'state max/mean':>14}  teams",
+        f"{'':<7} {'':>7} {'(whole matrices ÷ lower bound)':>26}",
+    ]
     all_met = True
     for preset in presets:
         matrices, _ = preset_matrices(preset, rule)
         for dp, tp in meshes:
             ratios = [
-                report(build_plan(matrices, dp, tp, replace(settings, policy=p))).makespan_over_bound
-                for p in policies
+                report(build_plan(matrices, dp, tp, replace(whole, policy=p))).makespan_over_bound
+                for p in ("canzona", "lpt", "round_robin")
             ]
+            teamed = report(build_plan(matrices, dp, tp, settings))
             met = ratios[0] <= TARGET
             all_met &= met
+            teams = ", ".join(f"{n}×{k}" for k, n in teamed.split_matrices.items()) or "-"
             lines.append(
                 f"{preset:<7} {f'{dp}×{tp}':>7} "
-                + " ".join(f"{r:>12.4f}" for r in ratios)
-                + f"  {'met' if met else 'MISSED'}"
+                + " ".join(f"{r:>8.4f}" for r in ratios)
+                + f"  {'met' if met else 'MISSED':<6} {teamed.makespan_over_ideal:>13.4f} "
+                f"{teamed.state_max_over_mean:>14.3f}  {teams}"
             )
     return "\n".join(lines), all_met
+
+
+def scale_curves(
+    preset: str,
+    device: DeviceModel,
+    settings: PlanSettings,
+    meshes: Sequence[tuple[int, int]] = SCALE_MESHES,
+) -> dict[str, dict[str, list[float]]]:
+    """Projected optimizer-step seconds of ``canzona`` with whole matrices and with teams, per
+    optimizer, on each mesh."""
+    curves: dict[str, dict[str, list[float]]] = {}
+    for optimizer in OPTIMIZERS:
+        rule = make_rule(optimizer)
+        element_bytes = rule.exchange_dtype(torch.bfloat16).itemsize
+        matrices, _ = preset_matrices(preset, rule)
+        for label, variant in (("whole matrices", replace(settings, max_team=1)), ("teams", settings)):
+            curves.setdefault(optimizer, {})[label] = [
+                project_step(
+                    build_plan(matrices, dp, tp, variant), device, element_bytes, compute_dtype(rule)
+                ).pipelined
+                for dp, tp in meshes
+            ]
+    return curves
+
+
+def scale_table(
+    curves: dict[str, dict[str, list[float]]], meshes: Sequence[tuple[int, int]] = SCALE_MESHES
+) -> str:
+    """`scale_curves` as a table: milliseconds per step, and whole ÷ teams."""
+    lines = [f"{'optimizer':<9} {'ranks':>6} {'whole [ms]':>11} {'teams [ms]':>11} {'whole ÷ teams':>14}"]
+    for optimizer, curve in curves.items():
+        for (dp, tp), whole, teams in zip(meshes, curve["whole matrices"], curve["teams"]):
+            milliseconds = f"{whole * 1e3:>11.2f} {teams * 1e3:>11.2f}"
+            lines.append(f"{optimizer:<9} {dp * tp:>6} {milliseconds} {whole / teams:>13.2f}×")
+    return "\n".join(lines)
 
 
 def simulation_comparison(

@@ -2,7 +2,7 @@
 
 A team computes a matrix's update together (`lightning_canzona.planning.teams`): each member runs
 the rule's generator on its slice (`MatrixRule.team_direction`), which yields what the team must
-combine. Per round, every computation of this rank yields one request; the requests of one team
+combine. Per round, every computation of this rank yields its requests; the requests of one team
 travel packed — one all-reduce for its sums, one all-gather for its rows, per dtype — and every
 team's collectives are in flight together, so that teams on other ranks never wait for each
 other. Every member of a team runs the same computations in the same order (the plan and the
@@ -15,16 +15,19 @@ failure is raised on every rank after the step (`lightning_canzona.distributed.f
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_canzona.rules.base import TeamRequest, TeamRows, TeamSum
+from lightning_canzona.distributed.clock import Clock, Intervals
+from lightning_canzona.rules.base import TeamComputation, TeamRequest, TeamRows, TeamSum
 
-Computation = Generator[TeamRequest, Tensor, Tensor]
+Round = tuple[TeamRequest, ...]
+#: torch 2.13 renamed ``all_gather_into_tensor`` (same signature) and warns on the old name.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass
@@ -35,12 +38,15 @@ class TeamRun:
         team: The team's ranks (group ranks of the engine's mesh).
         start: Starts the computation on an input (the member's slices).
         input: The member's slices.
+        computation: The running computation (``None`` before the first round).
+        answered: Rounds answered so far.
+        on_zeros: The computation failed on this rank and runs on zeros since.
     """
 
     team: tuple[int, ...]
-    start: Callable[[Tensor], Computation]
+    start: Callable[[Tensor], TeamComputation]
     input: Tensor
-    computation: Computation | None = field(default=None, repr=False)
+    computation: TeamComputation | None = field(default=None, repr=False)
     answered: int = 0
     on_zeros: bool = False
 
@@ -63,31 +69,29 @@ def run_teams(
     Returns:
         Each run's result, and how many collectives this rank took part in.
     """
-    requests: list[TeamRequest | None] = []
+    rounds: list[Round | None] = [_advance(run, None, attempt, failed) for run in runs]
     results: list[Tensor | None] = [None] * len(runs)
-    for run in runs:
-        requests.append(_advance(run, None, attempt, failed))
     collectives = 0
-    while any(request is not None for request in requests):
-        live = [i for i, request in enumerate(requests) if request is not None]
-        replies, launched = _combine([runs[i].team for i in live], [requests[i] for i in live], groups)
+    while any(round_ is not None for round_ in rounds):
+        live = [i for i, round_ in enumerate(rounds) if round_ is not None]
+        replies, launched = _combine([(runs[i].team, rounds[i]) for i in live], groups)  # type: ignore[misc]
         collectives += launched
         for i, reply in zip(live, replies):
             outcome = _advance(runs[i], reply, attempt, failed)
             if isinstance(outcome, Tensor):
-                results[i], requests[i] = outcome, None
+                results[i], rounds[i] = outcome, None
             else:
-                requests[i] = outcome
+                rounds[i] = outcome
     return results, collectives  # type: ignore[return-value]
 
 
 def _advance(
     run: TeamRun,
-    reply: Tensor | None,
+    reply: tuple[Tensor, ...] | None,
     attempt: Callable[[Callable[[], object]], object],
     failed: Callable[[], bool],
-) -> TeamRequest | Tensor:
-    """Hand ``reply`` to the run (``None``: start it); its next request, or its result."""
+) -> Round | Tensor:
+    """Hand ``reply`` to the run (``None``: start it); its next round, or its result."""
     if not run.on_zeros and not failed():
         outcome = attempt(lambda: _send(run, reply))
         if outcome is not None:
@@ -97,20 +101,20 @@ def _advance(
         # Fast-forward the same computation on zeros to where the run failed: replies of the
         # right shapes are all it needs (their values no longer matter).
         run.on_zeros, run.computation = True, run.start(torch.zeros_like(run.input))
-        request = next(run.computation)
+        round_ = next(run.computation)
         for _ in range(run.answered):
-            request = run.computation.send(_placeholder(request))
+            round_ = run.computation.send(tuple(_placeholder(request) for request in round_))
         if reply is None:
-            return request
+            return round_
     return _send(run, reply)
 
 
-def _send(run: TeamRun, reply: Tensor | None) -> TeamRequest | Tensor:
+def _send(run: TeamRun, reply: tuple[Tensor, ...] | None) -> Round | Tensor:
     try:
         if run.computation is None:
             run.computation = run.start(run.input)
             return next(run.computation)
-        return run.computation.send(reply)
+        return run.computation.send(reply)  # type: ignore[arg-type]
     except StopIteration as done:
         return done.value
 
@@ -125,42 +129,50 @@ def _placeholder(request: TeamRequest) -> Tensor:
 
 
 def _combine(
-    teams: Sequence[tuple[int, ...]],
-    requests: Sequence[TeamRequest],
-    groups: dict[tuple[int, ...], dist.ProcessGroup],
-) -> tuple[list[Tensor], int]:
-    """Every request's combination over its team: launch all packed collectives, then wait."""
-    packs: dict[tuple, list[int]] = {}
-    for i, (team, request) in enumerate(zip(teams, requests)):
-        packs.setdefault((team, type(request), request.tensor.dtype), []).append(i)
+    rounds: Sequence[tuple[tuple[int, ...], Round]], groups: dict[tuple[int, ...], dist.ProcessGroup]
+) -> tuple[list[tuple[Tensor, ...]], int]:
+    """Every round's combinations over its team: all packed collectives launched, then waited for.
+
+    Requests are packed per team, kind and dtype, in the order of ``rounds`` and of each round's
+    requests, which every member of a team shares.
+    """
+    packs: dict[tuple, list[tuple[int, int]]] = {}
+    for i, (team, round_) in enumerate(rounds):
+        for j, request in enumerate(round_):
+            packs.setdefault((team, type(request), request.tensor.dtype), []).append((i, j))
+    replies: list[list[Tensor | None]] = [[None] * len(round_) for _, round_ in rounds]
     pending = []
-    for (team, kind, _), indices in packs.items():
-        group = groups[team]
+    for (team, kind, _), where in packs.items():
+        requests = [rounds[i][1][j] for i, j in where]
         if kind is TeamSum:
-            buffer = torch.cat([requests[i].tensor.reshape(-1) for i in indices])
-            pending.append((kind, indices, buffer, dist.all_reduce(buffer, group=group, async_op=True)))
+            buffer = torch.cat([request.tensor.reshape(-1) for request in requests])
+            work = dist.all_reduce(buffer, group=groups[team], async_op=True)
         else:
-            local = torch.cat([_padded_rows(requests[i]).reshape(-1) for i in indices])
+            local = torch.cat([_padded_rows(request).reshape(-1) for request in requests])
             buffer = local.new_empty(len(team) * local.numel())
-            work = dist.all_gather_into_tensor(buffer, local, group=group, async_op=True)
-            pending.append((kind, indices, buffer.view(len(team), -1), work))
-    replies: list[Tensor | None] = [None] * len(requests)
-    for kind, indices, buffer, work in pending:
+            work = _all_gather(buffer, local, group=groups[team], async_op=True)
+        pending.append((kind, len(team), where, requests, buffer, work))
+    for kind, size, where, requests, buffer, work in pending:
         work.wait()
         if kind is TeamSum:
-            sizes = [requests[i].tensor.numel() for i in indices]
-            for i, chunk in zip(indices, buffer.split(sizes)):
-                replies[i] = chunk.view_as(requests[i].tensor)
+            chunks = buffer.split([request.tensor.numel() for request in requests])
+            combined = [chunk.view_as(request.tensor) for chunk, request in zip(chunks, requests)]
         else:
-            padded = [_padded_rows(requests[i]) for i in indices]  # shapes only
-            offsets = [0]
-            for tensor in padded:
-                offsets.append(offsets[-1] + tensor.numel())
-            for i, tensor, begin, end in zip(indices, padded, offsets, offsets[1:]):
-                blocks = buffer[:, begin:end].reshape(len(teams[i]), *tensor.shape)
-                sizes = requests[i].sizes  # type: ignore[union-attr]
-                replies[i] = torch.cat([blocks[j][..., : sizes[j], :] for j in range(len(sizes))], dim=-2)
-    return replies, len(pending)  # type: ignore[return-value]
+            padded = [_padded_rows(request) for request in requests]
+            members = buffer.view(size, -1).split([tensor.numel() for tensor in padded], dim=1)
+            combined = [
+                torch.cat(
+                    [
+                        block[..., :rows, :]
+                        for block, rows in zip(part.reshape(size, *tensor.shape), request.sizes)
+                    ],
+                    dim=-2,
+                )
+                for part, tensor, request in zip(members, padded, requests)
+            ]
+        for (i, j), value in zip(where, combined):
+            replies[i][j] = value
+    return [tuple(reply) for reply in replies], len(pending)  # type: ignore[arg-type]
 
 
 def _padded_rows(request: TeamRows) -> Tensor:
@@ -171,3 +183,46 @@ def _padded_rows(request: TeamRows) -> Tensor:
         return tensor
     pad = tensor.new_zeros(*tensor.shape[:-2], missing, tensor.size(-1))
     return torch.cat([tensor, pad], dim=-2)
+
+
+def measure_team_costs(
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    size: int = 1024,
+) -> dict[str, float]:
+    """The planner's prices of team collectives (`PlanSettings` ``team_flops_per_element`` and
+    ``team_flops_per_message``), measured on this machine instead of the H100 defaults.
+
+    Times a ``size × size`` matmul in ``dtype`` (the compute rate), all-reduces of one element
+    (latency) and of ``2²⁰`` elements (bandwidth) over ``group`` (the whole job by default: a
+    team's links are no faster), and turns the collectives into FLOPs of the same time.
+    Collective: the ranks agree on the slowest figures, so that all plan alike.
+    """
+    device = torch.device(device)
+    clock = Clock(device)
+
+    def seconds(work: Callable[[], object], repeats: int) -> float:
+        work()  # warm-up
+        interval = Intervals()
+        start = clock.mark()
+        for _ in range(repeats):
+            work()
+        interval.add(start, clock.mark())
+        return interval.seconds / repeats
+
+    matrix = torch.randn(size, size, device=device).to(dtype)
+    flops_per_second = 2 * size**3 / seconds(lambda: matrix @ matrix, 5)
+    one, many = torch.zeros(1, dtype=dtype, device=device), torch.zeros(2**20, dtype=dtype, device=device)
+    latency = seconds(lambda: dist.all_reduce(one, group=group), 20)
+    # A ring all-reduce sends 2·(w − 1)/w elements per element reduced (what `team_numel` counts).
+    world = dist.get_world_size(group)
+    sent = 2 * (world - 1) / world * many.numel() if world > 1 else many.numel()
+    per_element = max(seconds(lambda: dist.all_reduce(many, group=group), 3) - latency, 0.0) / sent
+    figures = torch.tensor([latency, per_element, 1.0 / flops_per_second], dtype=torch.float64, device=device)
+    dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=group)
+    latency, per_element, seconds_per_flop = figures.tolist()
+    return {
+        "team_flops_per_element": per_element / seconds_per_flop,
+        "team_flops_per_message": latency / seconds_per_flop,
+    }

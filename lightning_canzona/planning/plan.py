@@ -23,6 +23,7 @@ settings: every rank builds the same plan alone.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from lightning_canzona.planning import partition
@@ -175,38 +176,60 @@ def member_load(matrix: MatrixSpec, team: int, settings: PlanSettings) -> float:
 def team_sizes(matrices: list[MatrixSpec], num_ranks: int, settings: PlanSettings) -> list[int]:
     """How many ranks compute each matrix (see the module docstring).
 
-    Teams trade a larger total (their collectives) for smaller items. Greedy over classes of
-    same-cost matrices, costliest member load first: double the class's team while that lowers
-    the bound ``max(total / ranks, largest item)`` (or keeps it: only free collectives do). A matrix that some ranks hold whole stays
-    whole: updated where it lies, it moves nothing.
+    Teams trade a larger total (their collectives) for smaller items. Matrices of the same cost
+    form a class, split alike. Greedily, the class and team size that lower `_packing_bound` the
+    most are taken, while one lowers it (or keeps it at no cost: free collectives). A matrix that
+    some ranks hold whole stays whole: updated where it lies, it moves nothing.
     """
-    sizes = [1] * len(matrices)
-    limit = min(settings.max_team, num_ranks)
     classes: dict[tuple, list[int]] = {}
     for index, matrix in enumerate(matrices):
-        if not matrix.holders and matrix.team_sizes():
-            classes.setdefault((matrix.cost, matrix.team_costs), []).append(index)
-    loads = [member_load(m, 1, settings) for m in matrices]
-    total = sum(loads)
+        key = (matrix.cost, matrix.team_costs, bool(matrix.holders))
+        classes.setdefault(key, []).append(index)
+    members = list(classes.values())
+    options = [
+        [1]
+        if matrices[group[0]].holders
+        else [1, *(s for s in matrices[group[0]].team_sizes() if s <= min(settings.max_team, num_ranks))]
+        for group in members
+    ]
+    loads = [
+        {size: member_load(matrices[group[0]], size, settings) for size in sizes}
+        for group, sizes in zip(members, options)
+    ]
+    chosen = [1] * len(members)
+
+    def bound(sizes: list[int]) -> tuple[float, float]:
+        classes_ = [(len(group), size, load[size]) for group, size, load in zip(members, sizes, loads)]
+        return _packing_bound(classes_, num_ranks), sum(n * k * load for n, k, load in classes_)
+
+    current, total = bound(chosen)
     while True:
-        largest = max(loads, default=0.0)
-        best = None
-        for members in classes.values():
-            index = members[0]
-            size = 2 * sizes[index]
-            if loads[index] < largest or size > limit or size not in matrices[index].team_sizes():
-                continue
-            load = member_load(matrices[index], size, settings)
-            grown = total + len(members) * (size * load - sizes[index] * loads[index])
-            rest = max((loads[i] for i in range(len(loads)) if i not in members), default=0.0)
-            if max(grown / num_ranks, load, rest) <= max(total / num_ranks, largest):
-                best = (members, size, load, grown)
-                break
-        if best is None:
-            return sizes
-        members, size, load, total = best
-        for index in members:
-            sizes[index], loads[index] = size, load
+        trials = [
+            (bound([*chosen[:c], size, *chosen[c + 1 :]]), c, size)
+            for c in range(len(members))
+            for size in options[c]
+            if size > chosen[c]
+        ]
+        best = min(trials, default=None)
+        if best is None or not (best[0][0] < current or (best[0][0] == current and best[0][1] <= total)):
+            break
+        (current, total), c, size = best
+        chosen[c] = size
+    sizes = [1] * len(matrices)
+    for group, size in zip(members, chosen):
+        for index in group:
+            sizes[index] = size
+    return sizes
+
+
+def _packing_bound(classes: list[tuple[int, int, float]], num_ranks: int) -> float:
+    """A lower bound on the makespan of classes of ``(count, team size, member load)``: the mean
+    load, the largest item, and per class its items on the aligned blocks (``count · size``
+    member slots over ``num_ranks`` ranks: some rank takes ``⌈count · size / ranks⌉``)."""
+    total = sum(n * k * load for n, k, load in classes)
+    largest = max((load for _, _, load in classes), default=0.0)
+    packed = max((math.ceil(n * k / num_ranks) * load for n, k, load in classes), default=0.0)
+    return max(total / num_ranks, largest, packed)
 
 
 def _fixed_owner_plan(settings, matrices, dp, tp, owners, capacity, fell_back=False) -> Plan:

@@ -62,16 +62,9 @@ class TeamRows:
 
 
 TeamRequest = TeamSum | TeamRows
-
-
-def run_alone(steps: Generator[TeamRequest, Tensor, Tensor]) -> Tensor:
-    """Run a team computation with a team of one: the sum and the rows of one member are its own."""
-    try:
-        request = next(steps)
-        while True:
-            request = steps.send(request.tensor)
-    except StopIteration as done:
-        return done.value
+#: A team computation (`MatrixRule.team_direction`) yields the requests of one round at a time,
+#: receives their combinations (in the same order) and returns the member's result.
+TeamComputation = Generator[tuple[TeamRequest, ...], tuple[Tensor, ...], Tensor]
 
 
 @dataclass(frozen=True)
@@ -170,16 +163,14 @@ class MatrixRule(ABC):
         it exactly (the default)."""
         return None
 
-    def team_direction(
-        self, matrix: Tensor, shape: Sequence[int], member: int, size: int
-    ) -> Generator[TeamRequest, Tensor, Tensor]:
+    def team_direction(self, matrix: Tensor, shape: Sequence[int], member: int, size: int) -> TeamComputation:
         """This member's slice of the update direction, computed with the other members.
 
         ``matrix`` is the member's slice (`lightning_canzona.planning.teams.member_blocks`) of
-        a matrix of global ``shape`` (or a stack of such slices). The generator yields what the
-        team must combine (`TeamRequest`), receives the combination, and returns the slice of
-        the direction. Only called where `team_cost` is not ``None``; a team's matrices keep no
-        matrix state.
+        a matrix of global ``shape`` (or a stack of such slices). The generator yields, round by
+        round, what the team must combine (`TeamRequest`), receives the combinations, and
+        returns the slice of the direction. Only called where `team_cost` is not ``None``; a
+        team's matrices keep no matrix state.
         """
         raise NotImplementedError(f"{type(self).__name__} does not split updates over teams")
 

@@ -10,9 +10,10 @@ For gradient ``G`` of an ``m × n`` weight, momentum ``μ`` and learning rate ``
 with ``s = √max(1, m/n)`` (``"original"``) or ``0.2·√max(m, n)`` (``"match_rms_adamw"``, which makes
 the update's RMS match AdamW's). This is ``torch.optim.Muon``'s algorithm, keyword for keyword.
 
-A team of ``t`` ranks can compute one matrix's update together (standard form only;
-`newton_schulz.team_newton_schulz`): ``k·(4a²⌈b/t⌉ + 2a²⌈a/t⌉)`` FLOPs per member and, per step,
-an all-reduce of the ``a × a`` Gram matrix and an all-gather of the polynomial's rows.
+A team of ``t`` ranks can compute one matrix's update together
+(`newton_schulz.team_newton_schulz`): each member multiplies its ``1/t`` of ``X``, the members
+sum ``a × a`` Gram matrices (once per step in the standard form, once per restart in the Gram
+form); `newton_schulz.team_work` counts the FLOPs and collectives.
 
 Cost per step: ``k·(4a²b + 2a³)`` FLOPs with ``a = min(m, n)``, ``b = max(m, n)``, ``k`` = ns_steps
 (the standard form; ``ns_form="gram"`` costs `newton_schulz.flops`);
@@ -22,18 +23,18 @@ Cost per step: ``k·(4a²b + 2a³)`` FLOPs with ``a = min(m, n)``, ``b = max(m, 
 from __future__ import annotations
 
 import math
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from lightning_canzona.rules.base import MatrixRule, State, TeamRequest, UpdateCost, matrix_dims
+from lightning_canzona.rules.base import MatrixRule, State, TeamComputation, UpdateCost, matrix_dims
 from lightning_canzona.rules.newton_schulz import (
     NewtonSchulzSchedule,
     newton_schulz,
-    team_flops,
     team_newton_schulz,
+    team_work,
 )
 from lightning_canzona.rules.newton_schulz import flops as newton_schulz_flops
 
@@ -93,25 +94,27 @@ class MuonRule(MatrixRule):
 
     def team_cost(self, shape: Sequence[int], size: int) -> UpdateCost | None:
         batch, rows, cols = matrix_dims(shape)
-        short, long = min(rows, cols), max(rows, cols)
-        if self.ns_form != "standard" or size > short:
+        if size > min(rows, cols):
             return None
-        share = (size - 1) / size
+        work = team_work(rows, cols, self.ns_steps, self.ns_form, size)
         return UpdateCost(
-            flops=batch * team_flops(rows, cols, self.ns_steps, size),
-            numel=batch * short * -(-long // size),
+            flops=batch * work.flops,
+            numel=batch * min(rows, cols) * -(-max(rows, cols) // size),
             matrix_state_bytes=0,
             elementwise_state_bytes=4 * batch * rows * cols,
-            team_messages=1 + 2 * self.ns_steps,
-            # Ring all-reduce of the norm and the Gram matrix (2·share each), all-gather of the
-            # polynomial's rows (share).
-            team_numel=round(batch * share * (2 + 3 * self.ns_steps * short * short)),
+            team_messages=work.collectives,
+            team_numel=batch * work.numel,
         )
 
-    def team_direction(
-        self, matrix: Tensor, shape: Sequence[int], member: int, size: int
-    ) -> Generator[TeamRequest, Tensor, Tensor]:
-        transposed = shape[-2] > shape[-1]
+    def team_direction(self, matrix: Tensor, shape: Sequence[int], member: int, size: int) -> TeamComputation:
         return team_newton_schulz(
-            matrix, transposed, self.schedule, self.ns_steps, self.eps, self.compute_dtype, member, size
+            matrix,
+            shape,
+            self.schedule,
+            self.ns_steps,
+            self.eps,
+            self.compute_dtype,
+            member,
+            size,
+            self.ns_form,
         )

@@ -19,27 +19,29 @@ Two forms compute the same polynomial of ``X`` (`FORMS`):
   ``R ← XXᵀ``, ``Q ← I`` — after the second step, as published, keeps it stable, with bf16
   rounding 2–3 times the standard form's (``canzona bench ns``).
 
-A team of ranks can run the standard form on one matrix together (`team_newton_schulz`): each
-member holds a slice of the wide orientation's columns, ``X = [X₁ … X_k]``. The Gram matrix is the
-sum of the members' ``XⱼXⱼᵀ`` (one all-reduce of ``a²`` elements per step), each member computes its
-rows of the polynomial ``bA + cA²`` (a ``1/k`` share of the ``2a³``) and the members exchange them
-(one all-gather), and each updates its own slice: ``Xⱼ ← aXⱼ + PXⱼ``. Every product is one the
-single-rank iteration computes too, so the result differs from it only in the order in which the
-Gram matrix's partial sums are added, and every member does ``1/k`` of the FLOPs.
+A team of ranks can run either form on one matrix together (`team_newton_schulz`): each member
+holds a slice of the wide orientation's columns, ``X = [X₁ … X_k]``, and the Gram matrix is the
+sum of the members' ``XⱼXⱼᵀ`` (an all-reduce of ``a²`` elements). In the standard form each step
+sums it, every member forms the polynomial ``P = bA + cA²`` (or its ``1/k`` of the rows, gathered
+after, where the ``2a³`` would weigh: `splits_polynomial`), and updates its slice,
+``Xⱼ ← aXⱼ + PXⱼ``. The Gram form sums it once per (re)start and otherwise works on ``a × a``
+matrices on every member: two collectives in all. The result differs from the single-rank
+iteration's only in the order in which partial sums are added; `team_work` counts each member's
+FLOPs and collectives.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from lightning_canzona.planning.teams import split_sizes
-from lightning_canzona.rules.base import TeamRequest, TeamRows, TeamSum
+from lightning_canzona.rules.base import TeamComputation, TeamRows, TeamSum
 
 Coefficients = tuple[float, float, float]
 #: The forms of the iteration (see the module docstring).
@@ -231,63 +233,123 @@ def newton_schulz(
     return x.mT if transposed else x
 
 
+@dataclass(frozen=True)
+class TeamWork:
+    """What `team_newton_schulz` costs each member of a team, for one matrix.
+
+    Attributes:
+        flops: The busiest member's FLOPs.
+        collectives: Collectives among the members.
+        numel: Elements each member sends to the others (ring all-reduce and all-gather).
+    """
+
+    flops: float
+    collectives: int
+    numel: int
+
+
+def splits_polynomial(rows: int, cols: int, size: int) -> bool:
+    """Whether a team computes the standard form's polynomial by rows (one more collective per
+    step) rather than each member all of it: when the whole ``2a³`` would add more than a quarter
+    to a member's ``4a²b/k`` of products with ``X``, i.e. when ``2a(k − 1) > b``."""
+    a, b = min(rows, cols), max(rows, cols)
+    return 2 * a * (size - 1) > b
+
+
+def team_work(rows: int, cols: int, ns_steps: int, form: str, size: int) -> TeamWork:
+    """Cost of `team_newton_schulz` to each member of a team of ``size`` on one ``rows × cols`` matrix."""
+    a, b = min(rows, cols), max(rows, cols)
+    slice_, share = -(-b // size), (size - 1) / size
+    if form == "gram":
+        starts = 1 + sum(1 for step in GRAM_RESTARTS if 0 < step < ns_steps)
+        flops = 4 * a * a * slice_ * starts + a**3 * (2 * ns_steps + 6 * (ns_steps - starts))
+        return TeamWork(float(flops), 1 + starts, round(2 * share * (1 + starts * a * a)))
+    if form != "standard":
+        raise ValueError(f"Newton–Schulz form must be one of {FORMS}, got {form!r}")
+    split = splits_polynomial(rows, cols, size)
+    polynomial = 2 * a * a * -(-a // size) if split else 2 * a**3
+    gathered = share * ns_steps * a * a if split else 0
+    return TeamWork(
+        float(ns_steps * (4 * a * a * slice_ + polynomial)),
+        1 + ns_steps + (ns_steps if split else 0),
+        round(2 * share * (1 + ns_steps * a * a) + gathered),
+    )
+
+
 def team_newton_schulz(
     matrix: Tensor,
-    transposed: bool,
+    shape: Sequence[int],
     schedule: NewtonSchulzSchedule,
     ns_steps: int,
     eps: float,
     dtype: torch.dtype,
     member: int,
     size: int,
-) -> Generator[TeamRequest, Tensor, Tensor]:
-    """Member ``member``'s slice of `newton_schulz`'s standard form, computed by a team of ``size``.
+    form: str = "standard",
+) -> TeamComputation:
+    """Member ``member``'s slice of `newton_schulz`'s result, computed by a team of ``size``.
+
+    The first round sums the squared norm and the Gram matrix of the unnormalised slices
+    (``XXᵀ/‖X‖²`` is the normalised one's). The standard form then sums each later step's Gram
+    matrix, and gathers the polynomial's rows where `splits_polynomial`; the Gram form sums the
+    Gram matrix again only when it restarts, and iterates on it alone in between, on every member.
 
     Args:
         matrix: This member's slice of the matrix (or of each matrix of a stack): columns of a
-            wide matrix, rows of a tall one (``transposed``).
-        transposed: Whether the whole matrix is tall (the iteration runs on its transpose).
+            wide matrix, rows of a tall one (`lightning_canzona.planning.teams.member_blocks`).
+        shape: The whole matrix's shape.
         schedule: The coefficients per step.
         ns_steps: Number of iterations.
         eps: Lower clamp of the normaliser.
         dtype: Compute dtype of the iteration.
         member: This member's index in the team.
         size: Members in the team.
-
-    Yields:
-        The squared norm, then per step the Gram matrix (`TeamSum`) and the polynomial's rows
-        (`TeamRows`); receives their combination over the team.
+        form: ``"standard"`` or ``"gram"`` (see the module docstring).
 
     Returns:
         This member's slice of the result, in ``dtype``.
     """
+    transposed = shape[-2] > shape[-1]  # iterate on the wide orientation, as `newton_schulz`
     x = matrix.to(dtype)
     if transposed:
         x = x.mT
-    squares = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=torch.float32).square()
-    norm = (yield TeamSum(squares)).sqrt().to(dtype)
-    x = x / (norm * schedule.norm_safety).clamp_min(eps)
     batch_shape = x.shape[:-2]
     if x.ndim > 3:
         x = x.reshape(-1, *x.shape[-2:])
     add_product = torch.addmm if x.ndim == 2 else torch.baddbmm
-    rows = split_sizes(x.size(-2), size)
-    start = sum(rows[:member])
-    mine = slice(start, start + rows[member])
-    for a, b, c in schedule.steps(ns_steps):
-        gram = yield TeamSum(x @ x.mT)
-        part = gram[..., mine, :]
-        polynomial = yield TeamRows(add_product(part, part, gram, beta=b, alpha=c), rows)
-        x = add_product(x, polynomial, x, beta=a)
+    squares = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=torch.float32).square()
+    squares, gram = yield (TeamSum(squares), TeamSum(x @ x.mT))
+    scale = (squares.sqrt().to(dtype) * schedule.norm_safety).clamp_min(eps)
+    x, gram = x / scale, gram / (scale * scale)
+    steps = schedule.steps(ns_steps)
+    if form == "gram":
+        identity = torch.eye(x.size(-2), dtype=x.dtype, device=x.device)
+        accumulated = None
+        for step, (a, b, c) in enumerate(steps):
+            if step in GRAM_RESTARTS and accumulated is not None:
+                x = accumulated @ x
+                (gram,), accumulated = (yield (TeamSum(x @ x.mT),)), None
+            polynomial = add_product(gram, gram, gram, beta=b, alpha=c) + a * identity
+            accumulated = polynomial if accumulated is None else polynomial @ accumulated
+            if step + 1 < len(steps) and step + 1 not in GRAM_RESTARTS:
+                gram = polynomial @ gram @ polynomial
+        x = x if accumulated is None else accumulated @ x
+    else:
+        rows = split_sizes(x.size(-2), size)
+        split = splits_polynomial(shape[-2], shape[-1], size)  # the same on every member
+        start = sum(rows[:member])
+        mine = slice(start, start + rows[member])
+        for step, (a, b, c) in enumerate(steps):
+            if step:
+                (gram,) = yield (TeamSum(x @ x.mT),)
+            if split:
+                part = gram[..., mine, :]
+                (polynomial,) = yield (TeamRows(add_product(part, part, gram, beta=b, alpha=c), rows),)
+            else:
+                polynomial = add_product(gram, gram, gram, beta=b, alpha=c)
+            x = add_product(x, polynomial, x, beta=a)
     x = x.reshape(*batch_shape, *x.shape[-2:])
     return x.mT if transposed else x
-
-
-def team_flops(rows: int, cols: int, ns_steps: int, size: int) -> float:
-    """FLOPs of `team_newton_schulz`'s busiest member on one ``rows × cols`` matrix."""
-    a, b = min(rows, cols), max(rows, cols)
-    slice_, polynomial_rows = -(-b // size), -(-a // size)
-    return float(ns_steps * (4 * a * a * slice_ + 2 * polynomial_rows * a * a))
 
 
 def _standard_steps(x: Tensor, steps: list[Coefficients]) -> Tensor:
