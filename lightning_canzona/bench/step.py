@@ -19,11 +19,12 @@ expert stacks), and adds two variants of ``canzona`` that take back one thing ea
 - ``canzona (call per expert)``: each expert orthogonalised by a call of its own, not one
   batched call per owner and shape.
 
-``canzona (teams)`` lets teams of ranks compute one matrix's update together (`planning.teams`)
-with the team collectives priced as measured on this machine (`distributed.teams.measure_team_costs`;
-the default prices are an H100's, under which a CPU-sized model never pays for a team). The
-``wide`` preset is a model whose largest matrix is most of the update work (`WideModel`), where
-whole-matrix ownership leaves three of four ranks waiting for the owner of that one matrix.
+``canzona`` lets teams of ranks compute one matrix's update together (`planning.teams`) where its
+cost model, with an H100's prices of collectives, says that they pay; ``canzona (whole
+matrices)`` never does; ``canzona (teams, measured)`` prices the collectives as measured on this
+machine (`distributed.teams.measure_team_costs`). The ``wide`` preset is a model whose largest
+matrix is most of the update work (`WideModel`), where whole-matrix ownership leaves three of
+four ranks waiting for the owner of that one matrix.
 
 A step's latency is the slowest rank's. Busy time is the time each rank spends in full-matrix
 updates; its max/mean across ranks measures the balance actually achieved. Peak buffers are the
@@ -54,20 +55,28 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, pa
 import lightning_canzona as lc
 from lightning_canzona.distributed.teams import measure_team_costs
 from lightning_canzona.models.qwen3 import Qwen3, tensor_parallel_plan
-from lightning_canzona.planning import report
+from lightning_canzona.planning import PlanSettings, report
 
-VARIANTS = ("sync", "torch.optim.Muon", "round_robin", "lpt (no overlap)", "canzona", "canzona (teams)")
+VARIANTS = (
+    "sync",
+    "torch.optim.Muon",
+    "round_robin",
+    "lpt (no overlap)",
+    "canzona (whole matrices)",
+    "canzona",
+    "canzona (teams, measured)",
+)
 MOE_VARIANTS = ("canzona (locality-blind)", "canzona (call per expert)")
 
 
 class WideModel(nn.Module):
-    """One ``4096 × 256`` projection and four ``256 × 256`` ones: the projection is 73 % of Muon's
-    update FLOPs (every matrix column-parallel under TP; the benchmark needs no forward)."""
+    """One ``16384 × 256`` projection and four ``256 × 256`` ones: the projection is 94 % of
+    Muon's update FLOPs (every matrix column-parallel under TP; the benchmark needs no forward)."""
 
     def __init__(self) -> None:
         super().__init__()
         block = nn.Module()
-        block.wide = nn.Linear(256, 4096, bias=False)
+        block.wide = nn.Linear(256, 16384, bias=False)
         block.narrow = nn.ModuleList(nn.Linear(256, 256, bias=False) for _ in range(4))
         self.layers = nn.ModuleList([block])
 
@@ -131,9 +140,11 @@ def _build(variant: str, groups: list[dict]) -> object:
         "round_robin": ("round_robin", True),
         "lpt (no overlap)": ("lpt", False),
         "canzona": ("canzona", True),
-        "canzona (teams)": ("canzona", True),
+        "canzona (whole matrices)": ("canzona", True),
+        "canzona (teams, measured)": ("canzona", True),
     }[variant]
-    return lc.Muon(groups, lr=0.02, adamw_lr=3e-3, policy=policy, overlap=overlap)
+    max_team = 1 if variant == "canzona (whole matrices)" else PlanSettings.max_team
+    return lc.Muon(groups, lr=0.02, adamw_lr=3e-3, policy=policy, overlap=overlap, max_team=max_team)
 
 
 def _state_bytes(optimizer: object) -> int:
@@ -177,10 +188,8 @@ def _worker(rank: int, world: int, port: int, dp: int, tp: int, preset: str, ste
     if isinstance(model, Qwen3) and model.config.num_experts:  # torch.optim.Muon refuses 3-D stacks
         variants = tuple(v for v in VARIANTS if v != "torch.optim.Muon") + MOE_VARIANTS
     optimizers = {variant: _build(variant, lc.matrix_param_groups(model)) for variant in variants}
-    team_costs = measure_team_costs()
-    optimizers["canzona (teams)"].plan_settings = replace(
-        optimizers["canzona (teams)"].plan_settings, **team_costs
-    )
+    measured = optimizers["canzona (teams, measured)"]
+    measured.plan_settings = replace(measured.plan_settings, **measure_team_costs())
     times: dict[str, list[float]] = {v: [] for v in variants}
     busy: dict[str, list[float]] = {v: [] for v in variants}
     peaks: dict[str, int] = dict.fromkeys(variants, 0)

@@ -516,18 +516,23 @@ class _GroupStep:
         full = self.exchange.assemble(self.gathered, self.engine.meter)
         del self.gathered, self.gather_work  # the receive buffer, and the send buffer it holds
         in_teams = {m: full.pop(m) for m in list(full) if len(self.engine.team(m) or ()) > 1}
-        for members in self._batches(full):
-            matrices = [full.pop(m) for m in members]
-            zeros = functools.partial(_zeros_like_each, matrices)
-            if self.stepped[members[0]]:
-                work = functools.partial(self._direction, members, matrices)
-                self.directions.update(zip(members, self.engine.attempt(work, zeros)))
-            else:
-                self.directions.update(zip(members, zeros()))
-            del matrices
+        # Teams first: their members start together (the gather synchronised them), and none
+        # waits in a team's collective for another's own matrices.
         if in_teams:
             self._team_directions(in_teams)
+        for members in self._batches(full):
+            self._own_batch(members, full)
         stats.compute.add(computing, clock.mark())
+
+    def _own_batch(self, members: list[int], full: dict[int, Tensor]) -> None:
+        """The directions of one batch of matrices that this rank computes alone."""
+        matrices = [full.pop(m) for m in members]
+        zeros = functools.partial(_zeros_like_each, matrices)
+        if self.stepped[members[0]]:
+            work = functools.partial(self._direction, members, matrices)
+            self.directions.update(zip(members, self.engine.attempt(work, zeros)))
+        else:
+            self.directions.update(zip(members, zeros()))
 
     def _team_directions(self, slices: dict[int, Tensor]) -> None:
         """The slices of the updates that this rank computes in teams: per team, same-shape

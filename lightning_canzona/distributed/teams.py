@@ -28,6 +28,7 @@ from lightning_canzona.rules.base import TeamComputation, TeamRequest, TeamRows,
 Round = tuple[TeamRequest, ...]
 #: torch 2.13 renamed ``all_gather_into_tensor`` (same signature) and warns on the old name.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_WIDENED = (torch.bfloat16, torch.float16)
 
 
 @dataclass
@@ -74,8 +75,9 @@ def run_teams(
     collectives = 0
     while any(round_ is not None for round_ in rounds):
         live = [i for i, round_ in enumerate(rounds) if round_ is not None]
-        replies, launched = _combine([(runs[i].team, rounds[i]) for i in live], groups)  # type: ignore[misc]
-        collectives += launched
+        pending = _launch([(runs[i].team, rounds[i]) for i in live], groups)  # type: ignore[misc]
+        collectives += len(pending)
+        replies = _finish(pending, [rounds[i] for i in live])  # type: ignore[misc]
         for i, reply in zip(live, replies):
             outcome = _advance(runs[i], reply, attempt, failed)
             if isinstance(outcome, Tensor):
@@ -128,10 +130,10 @@ def _placeholder(request: TeamRequest) -> Tensor:
     return request.tensor.new_zeros(shape)
 
 
-def _combine(
+def _launch(
     rounds: Sequence[tuple[tuple[int, ...], Round]], groups: dict[tuple[int, ...], dist.ProcessGroup]
-) -> tuple[list[tuple[Tensor, ...]], int]:
-    """Every round's combinations over its team: all packed collectives launched, then waited for.
+) -> list[tuple]:
+    """Launch the packed collectives that combine every round over its team.
 
     Requests are packed per team, kind and dtype, in the order of ``rounds`` and of each round's
     requests, which every member of a team shares.
@@ -140,23 +142,30 @@ def _combine(
     for i, (team, round_) in enumerate(rounds):
         for j, request in enumerate(round_):
             packs.setdefault((team, type(request), request.tensor.dtype), []).append((i, j))
-    replies: list[list[Tensor | None]] = [[None] * len(round_) for _, round_ in rounds]
     pending = []
     for (team, kind, _), where in packs.items():
         requests = [rounds[i][1][j] for i, j in where]
         if kind is TeamSum:
             buffer = torch.cat([request.tensor.reshape(-1) for request in requests])
+            if buffer.dtype in _WIDENED and dist.get_backend(groups[team]) == "gloo":
+                buffer = buffer.float()  # gloo adds half precision in software, slower than float32
             work = dist.all_reduce(buffer, group=groups[team], async_op=True)
         else:
             local = torch.cat([_padded_rows(request).reshape(-1) for request in requests])
             buffer = local.new_empty(len(team) * local.numel())
             work = _all_gather(buffer, local, group=groups[team], async_op=True)
         pending.append((kind, len(team), where, requests, buffer, work))
+    return pending
+
+
+def _finish(pending: list[tuple], rounds: Sequence[Round]) -> list[tuple[Tensor, ...]]:
+    """Wait for `_launch`'s collectives; each round's combinations."""
+    replies: list[list[Tensor | None]] = [[None] * len(round_) for round_ in rounds]
     for kind, size, where, requests, buffer, work in pending:
         work.wait()
         if kind is TeamSum:
             chunks = buffer.split([request.tensor.numel() for request in requests])
-            combined = [chunk.view_as(request.tensor) for chunk, request in zip(chunks, requests)]
+            combined = [chunk.view_as(r.tensor).to(r.tensor.dtype) for chunk, r in zip(chunks, requests)]
         else:
             padded = [_padded_rows(request) for request in requests]
             members = buffer.view(size, -1).split([tensor.numel() for tensor in padded], dim=1)
@@ -172,7 +181,7 @@ def _combine(
             ]
         for (i, j), value in zip(where, combined):
             replies[i][j] = value
-    return [tuple(reply) for reply in replies], len(pending)  # type: ignore[arg-type]
+    return [tuple(reply) for reply in replies]  # type: ignore[arg-type]
 
 
 def _padded_rows(request: TeamRows) -> Tensor:
