@@ -57,6 +57,7 @@ from lightning_canzona.checkpoint import (
 )
 from lightning_canzona.composition import compose, has_tensor_parallel_plan
 from lightning_canzona.distributed.replicas import average_gradients, check_gradients_agree
+from lightning_canzona.distributed.teams import TeamPrices, check_team_prices
 from lightning_canzona.launcher import InProcessLauncher
 from lightning_canzona.metrics import prepare_metrics
 from lightning_canzona.optim import MatrixOptimizer
@@ -86,7 +87,10 @@ class CanzonaStrategy(ModelParallelStrategy):
             ``None`` derives it from the model.
         max_team: Most ranks that compute one matrix's update together (``canzona``; a power
             of two, 1 keeps every matrix whole): the plan splits the costliest matrices over
-            teams where the rule allows (Muon's standard form) and its cost model says it pays.
+            teams where the rule allows (Muon) and its cost model says it pays.
+        team_prices: What the cost model charges for a team's collectives: ``"h100"``,
+            ``"measure"`` (on the job's own devices and links) or ``(FLOPs per element sent,
+            FLOPs per collective)``; see `lightning_canzona.MatrixOptimizer`.
         overlap: Pipeline the micro-groups' gathers and scatters with their compute.
         save_distributed_checkpoint: Save one shard per rank (``True``) or one full file.
         process_group_backend: ``nccl``, ``gloo``…; ``None`` picks the device's default.
@@ -111,6 +115,7 @@ class CanzonaStrategy(ModelParallelStrategy):
         cost: str = "flops",
         micro_group_capacity: float | None = None,
         max_team: int = 8,
+        team_prices: TeamPrices = "h100",
         overlap: bool = True,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
@@ -133,6 +138,7 @@ class CanzonaStrategy(ModelParallelStrategy):
             micro_group_capacity,
             max_team=max_team,
         )
+        self.team_prices = check_team_prices(team_prices)
         self.overlap = overlap
         self.telemetry = telemetry
         if start_method not in ("popen", "fork", "spawn"):
@@ -373,9 +379,11 @@ class CanzonaStrategy(ModelParallelStrategy):
         """Hand the plan settings to a lightning_canzona optimizer; convert a torch.optim.Muon."""
         if isinstance(optimizer, MatrixOptimizer):
             optimizer.plan_settings, optimizer.overlap = self.plan_settings, self.overlap
+            optimizer.team_prices = self.team_prices
             return optimizer
         if is_torch_muon(optimizer):
             converted = convert_torch_muon(optimizer, self.lightning_module, self.plan_settings, self.overlap)
+            converted.team_prices = self.team_prices
             for config in self.lr_scheduler_configs:
                 if config.scheduler.optimizer is optimizer:
                     repoint_scheduler(config.scheduler, converted)

@@ -30,11 +30,20 @@ class RecordLosses(Callback):
 
 
 def _fit(
-    tmp_path, name, ckpt_path=None, distributed=True, mesh=(2, 2), extra=(), preset="tiny", checkpoints=True
+    tmp_path,
+    name,
+    ckpt_path=None,
+    distributed=True,
+    mesh=(2, 2),
+    extra=(),
+    preset="tiny",
+    checkpoints=True,
+    optimizer=None,
+    **strategy_kwargs,
 ) -> list[float]:
     torch.manual_seed(0)
     # SOAP keeps its factors and eigenbases on each matrix's owner only: the hard case.
-    soap = functools.partial(lc.SOAP, lr=3e-3, precondition_frequency=2)
+    optimizer = optimizer or functools.partial(lc.SOAP, lr=3e-3, precondition_frequency=2)
     callbacks = [RecordLosses(tmp_path / f"{name}.pt"), *extra]
     if checkpoints and ckpt_path is None:
         callbacks.append(
@@ -48,6 +57,7 @@ def _fit(
             tensor_parallel_size=mesh[1],
             save_distributed_checkpoint=distributed,
             start_method="fork",
+            **strategy_kwargs,
         ),
         max_steps=6,
         limit_train_batches=3,  # the checkpoint at step 3 ends an epoch: both runs see the same data
@@ -59,7 +69,7 @@ def _fit(
         enable_model_summary=False,
         callbacks=callbacks,
     )
-    module = CausalLanguageModel(preset=preset, optimizer=soap, warmup_steps=1)
+    module = CausalLanguageModel(preset=preset, optimizer=optimizer, warmup_steps=1)
     trainer.fit(module, datamodule=ByteTextDataModule(seq_len=32, batch_size=4), ckpt_path=ckpt_path)
     return torch.load(tmp_path / f"{name}.pt")
 
@@ -75,6 +85,29 @@ def test_checkpoint_resumes_exactly_at_the_same_mesh(tmp_path, distributed) -> N
     # The next three losses: the first checks the weights, the next two the optimizer state
     # (owner-held SOAP factors and bases, sharded moments) and the learning-rate schedule.
     for got, expected in zip(resumed, uninterrupted[3:]):
+        assert abs(got - expected) <= 1e-6, (resumed, uninterrupted[3:])
+
+
+class CountTeams(Callback):
+    """Asserts, on every rank, that the plan has matrices computed by teams."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        plans = trainer.optimizers[0].plans().values()
+        assert any(plan.split_matrices() for plan in plans), [plan.split_matrices() for plan in plans]
+
+
+def test_checkpoint_of_matrices_computed_by_teams_resumes_exactly(tmp_path) -> None:
+    # Collectives priced at zero: the plan splits what it can (Muon's state is momentum,
+    # sharded like the weights, whoever computes the update).
+    teams = {
+        "optimizer": functools.partial(lc.Muon, lr=0.02, compute_dtype="float32"),
+        "team_prices": (0.0, 0.0),
+        "extra": [CountTeams()],
+    }
+    uninterrupted = _fit(tmp_path, "uninterrupted", **teams)
+    checkpoint = tmp_path / "checkpoints" / "epoch=0-step=3.ckpt"
+    resumed = _fit(tmp_path, "resumed", ckpt_path=str(checkpoint), **teams)
+    for got, expected in zip(resumed, uninterrupted[3:], strict=True):
         assert abs(got - expected) <= 1e-6, (resumed, uninterrupted[3:])
 
 

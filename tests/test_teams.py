@@ -214,3 +214,48 @@ def _wide_matrices(rank: int, world_size: int) -> None:
 def test_teams_that_form_the_polynomial_whole_equal_single_process() -> None:
     assert not any(splits_polynomial(*shape, 4) for shape in ((12, 200), (200, 12)))
     run_on_ranks(4, _wide_matrices)
+
+
+def _a_member_fails(rank: int, world_size: int) -> None:
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    weight = nn.Parameter(distribute_tensor(torch.randn(12, 200), mesh, [Shard(1)], src_data_rank=None))
+    optimizer = TeamMuon([("weight", weight)], lr=0.02, compute_dtype="float32")
+    weight.grad = distribute_tensor(torch.ones(12, 200), mesh, [Shard(1)], src_data_rank=None)
+    optimizer.step()
+    (engine,) = optimizer.engines.values()
+    assert engine.plan.teams == ((0, 1, 2, 3),)
+    original = MuonRule.team_direction
+    failures = []
+
+    def fails_in_the_second_round(self, matrix, shape, member, size):
+        steps = original(self, matrix, shape, member, size)
+        reply = yield next(steps)
+        if not failures:  # once: the rank then rejoins its team's rounds on zeros
+            failures.append(member)
+            raise torch.OutOfMemoryError("injected in a team")
+        return (yield from _forward(steps, reply))
+
+    MuonRule.team_direction = fails_in_the_second_round if rank == world_size - 1 else original
+    try:
+        with pytest.raises(RuntimeError, match=r"failed on rank 3: OutOfMemoryError\('injected in a team'\)"):
+            optimizer.step()
+    finally:
+        MuonRule.team_direction = original
+    dist.barrier()  # every rank got here: nobody is left in a team's collective
+    assert failures == ([3] if rank == 3 else [])
+    optimizer.step()  # the next step runs normally
+    assert engine.stats.team_collectives > 0
+
+
+def _forward(steps, reply):
+    """Hand ``reply`` on to ``steps`` and relay the rest of its rounds; its result."""
+    try:
+        while True:
+            reply = yield steps.send(reply)
+    except StopIteration as done:
+        return done.value
+
+
+def test_a_failure_in_a_team_is_the_same_error_on_every_rank_in_seconds() -> None:
+    run_on_ranks(4, _a_member_fails, timeout=30.0)

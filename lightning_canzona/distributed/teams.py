@@ -16,13 +16,15 @@ failure is raised on every rank after the step (`lightning_canzona.distributed.f
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from lightning_canzona.distributed.clock import Clock, Intervals
+from lightning_canzona.planning import PlanSettings
 from lightning_canzona.rules.base import TeamComputation, TeamRequest, TeamRows, TeamSum
 
 Round = tuple[TeamRequest, ...]
@@ -235,3 +237,30 @@ def measure_team_costs(
         "team_flops_per_element": per_element / seconds_per_flop,
         "team_flops_per_message": latency / seconds_per_flop,
     }
+
+
+#: What the planner charges for team collectives (see `MatrixOptimizer`'s ``team_prices``).
+TeamPrices = Literal["h100", "measure"] | tuple[float, float]
+
+
+def check_team_prices(prices: TeamPrices) -> TeamPrices:
+    """``prices`` if valid, else a `ValueError` naming the setting."""
+    if prices in ("h100", "measure"):
+        return prices
+    if isinstance(prices, (tuple, list)) and len(prices) == 2 and all(float(p) >= 0 for p in prices):
+        return (float(prices[0]), float(prices[1]))
+    raise ValueError(
+        f"team_prices must be 'h100', 'measure' or (FLOPs per element sent, FLOPs per collective) "
+        f">= 0, got {prices!r}"
+    )
+
+
+def priced(settings: PlanSettings, prices: TeamPrices, group: dist.ProcessGroup, device: str) -> PlanSettings:
+    """``settings`` with the team prices ``prices`` (``"measure"``: collective over ``group``,
+    on ``device``)."""
+    if prices == "h100":
+        return settings
+    if prices == "measure":
+        return replace(settings, **measure_team_costs(group, device))
+    per_element, per_message = prices  # type: ignore[misc]
+    return replace(settings, team_flops_per_element=per_element, team_flops_per_message=per_message)

@@ -20,10 +20,11 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_canzona.distributed.engine import Entry, MeshEngine, entry_rules
+from lightning_canzona.distributed.engine import Entry, MeshEngine, entry_rules, mesh_process_group
 from lightning_canzona.distributed.failures import raise_on_every_rank
 from lightning_canzona.distributed.gradients import agree_on_gradients
 from lightning_canzona.distributed.layout import local_tensor, planning_mesh
+from lightning_canzona.distributed.teams import TeamPrices, check_team_prices, priced
 from lightning_canzona.distributed.updates import apply_matrix, full_direction, prepare_matrix, step_adamw
 from lightning_canzona.planning import Plan, PlanSettings
 from lightning_canzona.rules.adamw import ALGORITHM as ADAMW
@@ -78,7 +79,11 @@ class MatrixOptimizer(Optimizer):
             ``None`` derives it from the model.
         max_team: Most ranks that compute one matrix's update together (``canzona``; a power
             of two, 1 keeps every matrix whole): the plan splits the costliest matrices over
-            teams where the rule allows (Muon's standard form) and its cost model says it pays.
+            teams where the rule allows (Muon) and its cost model says it pays.
+        team_prices: What the cost model charges for a team's collectives: ``"h100"`` (H100s
+            on NVLink, see `PlanSettings`), ``"measure"`` (measured on the job's own devices
+            and links when the first plan is built: `distributed.teams.measure_team_costs`), or
+            ``(FLOPs per element sent, FLOPs per collective)``.
         overlap: Pipeline the micro-groups: gather the next and scatter the previous group while
             the current one computes.
     """
@@ -101,6 +106,7 @@ class MatrixOptimizer(Optimizer):
         cost: str = "flops",
         micro_group_capacity: float | None = None,
         max_team: int = 8,
+        team_prices: TeamPrices = "h100",
         overlap: bool = True,
     ) -> None:
         self.adamw_defaults = {
@@ -117,6 +123,7 @@ class MatrixOptimizer(Optimizer):
             micro_group_capacity,
             max_team=max_team,
         )
+        self.team_prices = check_team_prices(team_prices)
         self.overlap = overlap
         #: Batch same-shape matrix updates (see `MeshEngine`); read when an engine is created.
         self.batch_matrices = True
@@ -292,7 +299,9 @@ class MatrixOptimizer(Optimizer):
 
     def _engine(self, mesh: Any) -> MeshEngine:
         if mesh not in self.engines:
-            self.engines[mesh] = MeshEngine(mesh, self.plan_settings, self.overlap, self.batch_matrices)
+            group = mesh_process_group(mesh)
+            settings = priced(self.plan_settings, self.team_prices, group, mesh.device_type)
+            self.engines[mesh] = MeshEngine(mesh, settings, self.overlap, self.batch_matrices)
         return self.engines[mesh]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
