@@ -112,7 +112,9 @@ def test_checkpoint_of_matrices_computed_by_teams_resumes_exactly(tmp_path) -> N
     # Resharded onto dp 2 × tp 1, where other teams compute: the same data per data-parallel
     # rank, the same training up to the order in which one TP rank instead of two sums partial
     # products.
-    resharded = _fit(tmp_path, "resharded", ckpt_path=str(checkpoint), mesh=(2, 1), checkpoints=False, **teams)
+    resharded = _fit(
+        tmp_path, "resharded", ckpt_path=str(checkpoint), mesh=(2, 1), checkpoints=False, **teams
+    )
     for got, expected in zip(resharded, uninterrupted[3:], strict=True):
         assert abs(got - expected) <= 1e-4, (resharded, uninterrupted[3:])
 

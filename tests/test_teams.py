@@ -34,7 +34,7 @@ from lightning_canzona.rules.newton_schulz import (
 )
 
 #: Collectives cost nothing: the planner splits every matrix whose split lowers the bound.
-FREE_TEAMS = {"team_flops_per_element": 0.0, "team_flops_per_message": 0.0}
+FREE_TEAMS = {"flops_per_element": 0.0, "flops_per_message": 0.0}
 
 
 def _in_lockstep(full: torch.Tensor, size: int, form: str) -> torch.Tensor:
@@ -123,7 +123,7 @@ def test_planner_splits_the_matrix_that_bounds_the_step_and_nothing_else() -> No
         ("layers.0.big.weight", (512, 4096)), *((f"layers.{i}.small.weight", (64, 64)) for i in range(6))
     )
     # Collectives cheap next to the big matrix's FLOPs, dear next to a small one's.
-    cheap = PlanSettings(team_flops_per_element=10.0, team_flops_per_message=1e6)
+    cheap = PlanSettings(flops_per_element=10.0, flops_per_message=1e6)
     sizes = team_sizes(matrices, 4, cheap)
     assert sizes == [4, 1, 1, 1, 1, 1, 1]
     plan = build_plan(matrices, 4, 1, cheap)
@@ -140,7 +140,7 @@ def test_planner_splits_the_matrix_that_bounds_the_step_and_nothing_else() -> No
 
 def test_planner_keeps_matrices_whole_when_the_team_collectives_cost_more() -> None:
     matrices = _specs(("layers.0.big.weight", (512, 4096)), ("layers.1.small.weight", (64, 64)))
-    dear = PlanSettings(team_flops_per_element=1e9)
+    dear = PlanSettings(flops_per_element=1e9)
     assert team_sizes(matrices, 4, dear) == [1, 1]
     assert build_plan(matrices, 4, 1, dear).split_matrices() == {}
     assert team_sizes(matrices, 4, PlanSettings(max_team=1, **FREE_TEAMS)) == [1, 1]

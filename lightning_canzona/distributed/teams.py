@@ -202,8 +202,8 @@ def measure_team_costs(
     dtype: torch.dtype = torch.bfloat16,
     size: int = 1024,
 ) -> dict[str, float]:
-    """The planner's prices of team collectives (`PlanSettings` ``team_flops_per_element`` and
-    ``team_flops_per_message``), measured on this machine instead of the H100 defaults.
+    """The planner's prices of team collectives (`PlanSettings` ``flops_per_element`` and
+    ``flops_per_message``), measured on this machine instead of the H100 defaults.
 
     Times a ``size × size`` matmul in ``dtype`` (the compute rate), all-reduces of one element
     (latency) and of ``2²⁰`` elements (bandwidth) over ``group`` (the whole job by default: a
@@ -234,8 +234,8 @@ def measure_team_costs(
     dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=group)
     latency, per_element, seconds_per_flop = figures.tolist()
     return {
-        "team_flops_per_element": per_element / seconds_per_flop,
-        "team_flops_per_message": latency / seconds_per_flop,
+        "flops_per_element": per_element / seconds_per_flop,
+        "flops_per_message": latency / seconds_per_flop,
     }
 
 
@@ -263,4 +263,4 @@ def priced(settings: PlanSettings, prices: TeamPrices, group: dist.ProcessGroup,
     if prices == "measure":
         return replace(settings, **measure_team_costs(group, device))
     per_element, per_message = prices  # type: ignore[misc]
-    return replace(settings, team_flops_per_element=per_element, team_flops_per_message=per_message)
+    return replace(settings, flops_per_element=per_element, flops_per_message=per_message)

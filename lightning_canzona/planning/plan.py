@@ -47,16 +47,19 @@ class PlanSettings:
         alpha: ``canzona``'s balance between per-bucket uniformity (0) and global balance (1).
         cost: What to balance: ``flops`` of the updates or ``numel`` of the matrices.
         capacity: Largest host load of a micro-group, in the cost's unit; ``None`` derives it from
-            the model: 1.25 × half the mean per-rank load, at least the largest matrix.
+            the model: 1.25 × half the mean per-rank load (the whole of it where a group's compute
+            could not hide its two collectives' latency, ``flops_per_message``), at least the
+            largest matrix.
         locality: ``canzona`` gives a matrix that some ranks hold whole to one of them (see
             `micro_groups.balanced_groups`); ``False`` plans as if every matrix were fragmented.
         max_team: Most ranks that ``canzona`` lets compute one matrix's update together (a power
             of two; 1 keeps every matrix whole). The default keeps a team within a node of 8.
-        team_flops_per_element: What a team member's sending one element to its team costs, in
-            FLOPs of the same time (``flops`` cost only). Default: an H100's effective bf16
-            matmul rate (594 TFLOP/s) over NVLink's 450 GB/s, at 2 bytes per element.
-        team_flops_per_message: What one collective among a team costs in latency, in FLOPs
-            (default: 3 µs at 594 TFLOP/s).
+        flops_per_element: What sending one element to another rank costs, in FLOPs of the same
+            time (``flops`` cost only; it prices teams' collectives). Default: an H100's
+            effective bf16 matmul rate (594 TFLOP/s) over NVLink's 450 GB/s, at 2 bytes per
+            element.
+        flops_per_message: What one collective costs in latency, in FLOPs (default: 3 µs at
+            594 TFLOP/s; it prices teams' collectives and sets how many micro-groups pay).
     """
 
     policy: str = "canzona"
@@ -65,8 +68,8 @@ class PlanSettings:
     capacity: float | None = None
     locality: bool = True
     max_team: int = 8
-    team_flops_per_element: float = 2640.0
-    team_flops_per_message: float = 1.8e9
+    flops_per_element: float = 2640.0
+    flops_per_message: float = 1.8e9
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -157,9 +160,14 @@ def _capacity(settings: PlanSettings, loads: list[float], per_rank: float) -> fl
     largest = max(loads, default=0.0)
     if settings.capacity is not None:
         return settings.capacity
-    # A quarter of slack lets first-fit packing fit each rank's share into GROUPS_PER_RANK groups
+    # More groups overlap more, but each costs a gather and a scatter: a rank's share is cut into
+    # GROUPS_PER_RANK only where each group's compute outlasts its two collectives' latency.
+    groups = GROUPS_PER_RANK
+    if settings.cost == "flops" and per_rank < GROUPS_PER_RANK * 2 * settings.flops_per_message:
+        groups = 1
+    # A quarter of slack lets first-fit packing fit each rank's share into that many groups
     # instead of spilling a sliver into one more group (and two more collectives).
-    return max(largest, 1.25 * per_rank / GROUPS_PER_RANK, 1e-30)
+    return max(largest, 1.25 * per_rank / groups, 1e-30)
 
 
 def member_load(matrix: MatrixSpec, team: int, settings: PlanSettings) -> float:
@@ -168,8 +176,8 @@ def member_load(matrix: MatrixSpec, team: int, settings: PlanSettings) -> float:
     load = matrix.load(settings.cost, team)
     if team > 1 and settings.cost == "flops":
         cost = matrix.member_cost(team)
-        load += cost.team_numel * settings.team_flops_per_element
-        load += cost.team_messages * settings.team_flops_per_message
+        load += cost.team_numel * settings.flops_per_element
+        load += cost.team_messages * settings.flops_per_message
     return load
 
 
