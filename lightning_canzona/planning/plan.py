@@ -33,6 +33,11 @@ from lightning_canzona.planning.teams import TEAM_SIZES
 
 POLICIES: tuple[str, ...] = ("canzona", "lpt", "round_robin", "sync")
 
+#: Teams cost more than their loads say (members wait for each other; smaller items make more
+#: micro-groups, each with a gather and a scatter): a plan with teams is kept only if its makespan
+#: is at most this fraction of the whole matrices' plan's (unless collectives are priced at zero).
+TEAM_GAIN = 0.95
+
 #: The default capacity leaves about this many micro-groups per rank, so that gathers and
 #: scatters of neighbouring groups can hide behind compute.
 GROUPS_PER_RANK = 2
@@ -295,9 +300,11 @@ def build_plan(matrices: list[MatrixSpec], dp: int, tp: int, settings: PlanSetti
         team_capacity,
         teams=tuple(teams),
     )
-    if plan.split_matrices():  # teams must pack as well as whole matrices, not only bound better
+    if plan.split_matrices():  # teams must pack better than whole matrices, not only bound better
         whole = build_plan(matrices, dp, tp, replace(settings, max_team=1))
-        plan = plan if max(plan.rank_loads()) <= max(whole.rank_loads()) else whole
+        free = settings.flops_per_element == settings.flops_per_message == 0
+        gain = 1.0 if free else TEAM_GAIN
+        plan = plan if max(plan.rank_loads()) <= gain * max(whole.rank_loads()) else whole
     naive = _fixed_owner_plan(
         settings, matrices, dp, tp, partition.round_robin(loads, num_ranks), capacity, fell_back=True
     )
