@@ -1,9 +1,11 @@
-"""The PNG chart of ``canzona plan``: per-rank loads of every policy."""
+"""The PNG charts of ``canzona plan``: per-rank loads of every policy, and (``--sweep``) step time
+against ranks."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from lightning_canzona.commands.analysis import PolicyResult
 from lightning_canzona.planning.report import COST_UNITS
@@ -15,14 +17,8 @@ def write_load_chart(path: str | Path, results: Mapping[str, PolicyResult], titl
     Owner-based policies share a y-axis so that their panels compare at a glance; ``sync``, whose
     every rank carries the whole model, gets its own.
     """
-    # Imported here: matplotlib is slow to import and only this command draws.
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     policies = list(results)
-    figure, axes = plt.subplots(1, len(policies), figsize=(4.2 * len(policies), 3.6), squeeze=False)
+    figure, axes = _panels(len(policies))
     shared = None
     for axis, policy in zip(axes[0], policies):
         rep = results[policy].report
@@ -45,12 +41,7 @@ def write_load_chart(path: str | Path, results: Mapping[str, PolicyResult], titl
         axis.set_xlabel("rank")
         axis.set_ylabel(f"load [{unit}]")
         axis.legend(fontsize=7, loc="lower right")
-    figure.suptitle(title, fontsize=10)
-    figure.tight_layout()
-    path = Path(path)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return _save(figure, title, path)
 
 
 def write_scale_chart(
@@ -58,12 +49,7 @@ def write_scale_chart(
 ) -> Path:
     """Projected step time against ranks (log-log), one panel per optimizer, one line per plan
     (`lightning_canzona.commands.sweep.scale_curves`)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(1, len(curves), figsize=(4.2 * len(curves), 3.6), squeeze=False)
+    figure, axes = _panels(len(curves))
     for axis, (optimizer, lines) in zip(axes[0], curves.items()):
         for label, seconds in lines.items():
             axis.plot(ranks, [s * 1e3 for s in seconds], marker="o", label=label)
@@ -73,6 +59,23 @@ def write_scale_chart(
         axis.set_xlabel("ranks")
         axis.set_ylabel("optimizer step [ms]")
         axis.legend(fontsize=7)
+    return _save(figure, title, path)
+
+
+def _panels(count: int) -> tuple[Any, Any]:
+    """A figure of ``count`` panels side by side, and its axes (a 1 × count array)."""
+    # Imported here: matplotlib is slow to import and only this command draws.
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(1, count, figsize=(4.2 * count, 3.6), squeeze=False)
+
+
+def _save(figure: Any, title: str, path: str | Path) -> Path:
+    import matplotlib.pyplot as plt
+
     figure.suptitle(title, fontsize=10)
     figure.tight_layout()
     path = Path(path)
