@@ -39,6 +39,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--alpha", type=float, default=PlanSettings.alpha, help="canzona's α in [0, 1]")
     parser.add_argument("--cost", default="flops", choices=COST_KINDS, help="what the planner balances")
     parser.add_argument(
+        "--max-team",
+        type=int,
+        default=PlanSettings.max_team,
+        help="most ranks that compute one matrix together (1: whole matrices only)",
+    )
+    parser.add_argument(
         "--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="parameter dtype"
     )
     parser.add_argument("--out", default="plan.png", help="PNG chart of per-rank loads")
@@ -68,7 +74,7 @@ def main(argv: list[str]) -> None:
     args = _parser().parse_args(argv)
     rule = make_rule(args.optimizer)
     exchange = rule.exchange_dtype(getattr(torch, args.dtype))
-    settings = PlanSettings(alpha=args.alpha, cost=args.cost)
+    settings = PlanSettings(alpha=args.alpha, cost=args.cost, max_team=args.max_team)
     matrices, num_params = preset_matrices(args.preset, rule, args.dp, args.tp)
     scenario = Scenario(
         matrices=matrices,
@@ -101,9 +107,13 @@ def main(argv: list[str]) -> None:
     if any(matrix.holders for matrix in matrices):
         print(tables.locality_line(scenario, results["canzona"]))
     if args.preset in sweep.SWEEP_PRESETS:
-        canzona = results["canzona"].report.makespan_over_bound
-        verdict = "met" if canzona <= sweep.TARGET else "MISSED"
-        print(f"target: canzona makespan/bound {canzona:.4f} <= {sweep.TARGET}: {verdict}")
+        canzona = results["canzona"].report
+        if canzona.split_matrices:  # teams go below the whole matrices' bound: the ideal is theirs
+            measure, value = "makespan/ideal", canzona.makespan_over_ideal
+        else:
+            measure, value = "makespan/bound", canzona.makespan_over_bound
+        verdict = "met" if value <= sweep.TARGET else "MISSED"
+        print(f"target: canzona {measure} {value:.4f} <= {sweep.TARGET}: {verdict}")
     if args.simulate:
         print(f"\n== simulated on {num_ranks} × {scenario.device.name} ==")
         print(tables.simulation_table(results))

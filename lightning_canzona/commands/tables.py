@@ -63,18 +63,19 @@ def rank_table(result: PolicyResult, limit: int = 16) -> str:
 
 
 def summary_table(results: Mapping[str, PolicyResult]) -> str:
-    """One row per policy: balance, bounds, micro-groups, largest state and traffic."""
+    """One row per policy: balance, bounds, micro-groups, largest state and traffic, teams."""
     lines = [
-        f"{'policy':<12} {'max/mean':>9} {'makespan/bound':>15} {'grouped/bound':>14} "
-        f"{'groups':>7} {'max state [MiB]':>16} {'max comm [MiB]':>15}"
+        f"{'policy':<12} {'max/mean':>9} {'makespan/bound':>15} {'makespan/ideal':>15} {'grouped/bound':>14} "
+        f"{'groups':>7} {'max state [MiB]':>16} {'max comm [MiB]':>15}  teams"
     ]
     for policy, result in results.items():
         rep = result.report
         synced = rep.synchronized_makespan / rep.lower_bound if rep.lower_bound > 0 else 1.0
+        teams = ", ".join(f"{n} by {k}" for k, n in rep.split_matrices.items()) or "-"
         lines.append(
-            f"{policy:<12} {rep.max_over_mean:>9.3f} {rep.makespan_over_bound:>15.3f} {synced:>14.3f} "
-            f"{rep.num_micro_groups:>7} {max(rep.rank_state_bytes) / MIB:>16.2f} "
-            f"{max(result.traffic.rank_bytes) / MIB:>15.2f}"
+            f"{policy:<12} {rep.max_over_mean:>9.3f} {rep.makespan_over_bound:>15.3f} "
+            f"{rep.makespan_over_ideal:>15.3f} {synced:>14.3f} {rep.num_micro_groups:>7} "
+            f"{max(rep.rank_state_bytes) / MIB:>16.2f} {max(result.traffic.rank_bytes) / MIB:>15.2f}  {teams}"
         )
     return "\n".join(lines)
 

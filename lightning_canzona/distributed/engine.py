@@ -540,10 +540,11 @@ class _GroupStep:
         engine = self.engine
         batches: dict[Any, list[int]] = {}
         for m in slices:
-            key = (engine.team(m), self._rule(m), engine._items[m].layout.shape, self.stepped[m])
+            alone = None if engine.batch_matrices else m  # the baseline: one computation per matrix
+            key = (engine.team(m), self._rule(m), engine._items[m].layout.shape, self.stepped[m], alone)
             batches.setdefault(key, []).append(m)
         runs, batched = [], []
-        for (team, rule, shape, stepped), members in batches.items():
+        for (team, rule, shape, stepped, _), members in batches.items():
             matrices = [slices.pop(m) for m in members]
             if not stepped:
                 self.directions.update(zip(members, _zeros_like_each(matrices)))

@@ -30,7 +30,6 @@ from lightning_canzona.rules.base import TeamComputation, TeamRequest, TeamRows,
 Round = tuple[TeamRequest, ...]
 #: torch 2.13 renamed ``all_gather_into_tensor`` (same signature) and warns on the old name.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_WIDENED = (torch.bfloat16, torch.float16)
 
 
 @dataclass
@@ -149,8 +148,7 @@ def _launch(
         requests = [rounds[i][1][j] for i, j in where]
         if kind is TeamSum:
             buffer = torch.cat([request.tensor.reshape(-1) for request in requests])
-            if buffer.dtype in _WIDENED and dist.get_backend(groups[team]) == "gloo":
-                buffer = buffer.float()  # gloo adds half precision in software, slower than float32
+            buffer = buffer.to(_summed_dtype(buffer.dtype, groups[team]))
             work = dist.all_reduce(buffer, group=groups[team], async_op=True)
         else:
             local = torch.cat([_padded_rows(request).reshape(-1) for request in requests])
@@ -186,6 +184,14 @@ def _finish(pending: list[tuple], rounds: Sequence[Round]) -> list[tuple[Tensor,
     return [tuple(reply) for reply in replies]  # type: ignore[arg-type]
 
 
+def _summed_dtype(dtype: torch.dtype, group: dist.ProcessGroup | None) -> torch.dtype:
+    """The dtype in which ``group`` sums ``dtype``: gloo adds half precision in software, slower
+    than float32, so there it is widened."""
+    if dtype in (torch.bfloat16, torch.float16) and dist.get_backend(group) == "gloo":
+        return torch.float32
+    return dtype
+
+
 def _padded_rows(request: TeamRows) -> Tensor:
     """The member's rows, padded to the largest member's, so that every member sends as much."""
     tensor = request.tensor
@@ -202,13 +208,14 @@ def measure_team_costs(
     dtype: torch.dtype = torch.bfloat16,
     size: int = 1024,
 ) -> dict[str, float]:
-    """The planner's prices of team collectives (`PlanSettings` ``flops_per_element`` and
+    """The planner's prices of collectives (`PlanSettings` ``flops_per_element`` and
     ``flops_per_message``), measured on this machine instead of the H100 defaults.
 
     Times a ``size × size`` matmul in ``dtype`` (the compute rate), all-reduces of one element
     (latency) and of ``2²⁰`` elements (bandwidth) over ``group`` (the whole job by default: a
-    team's links are no faster), and turns the collectives into FLOPs of the same time.
-    Collective: the ranks agree on the slowest figures, so that all plan alike.
+    team's links are no faster), summed as teams sum ``dtype``, and turns the collectives into
+    FLOPs of the same time. Collective: the ranks agree on the slowest figures, so that all plan
+    alike.
     """
     device = torch.device(device)
     clock = Clock(device)
@@ -224,7 +231,8 @@ def measure_team_costs(
 
     matrix = torch.randn(size, size, device=device).to(dtype)
     flops_per_second = 2 * size**3 / seconds(lambda: matrix @ matrix, 5)
-    one, many = torch.zeros(1, dtype=dtype, device=device), torch.zeros(2**20, dtype=dtype, device=device)
+    summed = _summed_dtype(dtype, group)
+    one, many = torch.zeros(1, dtype=summed, device=device), torch.zeros(2**20, dtype=summed, device=device)
     latency = seconds(lambda: dist.all_reduce(one, group=group), 20)
     # A ring all-reduce sends 2·(w − 1)/w elements per element reduced (what `team_numel` counts).
     world = dist.get_world_size(group)
@@ -239,7 +247,7 @@ def measure_team_costs(
     }
 
 
-#: What the planner charges for team collectives (see `MatrixOptimizer`'s ``team_prices``).
+#: What the planner charges for collectives (see `MatrixOptimizer`'s ``team_prices``).
 TeamPrices = Literal["h100", "measure"] | tuple[float, float]
 
 

@@ -24,6 +24,7 @@ settings: every rank builds the same plan alone.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from lightning_canzona.planning import partition
@@ -151,7 +152,7 @@ class Plan:
         """Cost each rank computes within one micro-group."""
         return self._host_loads(group)
 
-    def _host_loads(self, indices) -> list[float]:
+    def _host_loads(self, indices: Iterable[int]) -> list[float]:
         if self.teams is None:
             return [sum(self.loads[i] for i in indices)] * self.num_ranks
         totals = [0.0] * self.num_ranks
@@ -212,8 +213,9 @@ def team_sizes(matrices: list[MatrixSpec], num_ranks: int, settings: PlanSetting
     chosen = [1] * len(members)
 
     def bound(sizes: list[int]) -> tuple[float, float]:
-        classes_ = [(len(group), size, load[size]) for group, size, load in zip(members, sizes, loads)]
-        return _packing_bound(classes_, num_ranks), sum(n * k * load for n, k, load in classes_)
+        """The packing bound and the total load with each class split in ``sizes``."""
+        split = [(len(group), size, load[size]) for group, size, load in zip(members, sizes, loads)]
+        return _packing_bound(split, num_ranks), sum(n * k * load for n, k, load in split)
 
     current, total = bound(chosen)
     while True:
