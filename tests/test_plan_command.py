@@ -37,12 +37,13 @@ def test_plan_prints_every_policy_consistent_with_the_report_and_writes_a_png(ca
         assert f"== {policy}" in out
         rep = report(build_plan(matrices, 2, 2, PlanSettings(policy)))
         row = _summary_row(out, policy)
-        assert row[1:4] == [
+        assert row[1:5] == [
             f"{rep.max_over_mean:.3f}",
             f"{rep.makespan_over_bound:.3f}",
+            f"{rep.makespan_over_ideal:.3f}",
             f"{rep.synchronized_makespan / rep.lower_bound:.3f}",
         ]
-        assert int(row[4]) == rep.num_micro_groups
+        assert int(row[5]) == rep.num_micro_groups
     canzona = report(build_plan(matrices, 2, 2, PlanSettings("canzona")))
     table = out.split("== canzona ==")[1].split("==")[0]
     loads = [float(line.split()[1]) for line in table.splitlines() if re.match(r"\s+\d+\s", line)]
@@ -54,7 +55,8 @@ def test_large_meshes_print_a_labelled_selection_of_ranks(capsys, tmp_path) -> N
     out, png = _plan_output(capsys, tmp_path, "--preset", "0.6B", "--dp", "32", "--tp", "8", "--no-simulate")
     assert png.startswith(PNG_MAGIC)
     assert "of 256 ranks shown" in out and "max load" in out and "simulated" not in out
-    assert "target: canzona makespan/bound" in out and "met" in out
+    # Teams compute 0.6B's MLP matrices at 256 ranks: the target is then the ideal, not met.
+    assert "target: canzona makespan/ideal 1.5555 <= 1.02: MISSED" in out
     matrices, _ = preset_matrices("0.6B", make_rule("muon"))
     rep = report(build_plan(matrices, 32, 8, PlanSettings("round_robin")))
     table = out.split("== round_robin ==")[1].split("==")[0]
