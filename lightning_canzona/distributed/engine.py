@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -210,6 +210,10 @@ class MeshEngine:
         self.group = mesh_process_group(mesh)
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
+        if self.world < dist.get_world_size():
+            # Every rank of the job creates every team's process group (dist.new_group): a mesh
+            # on a slice of the job cannot ask the other ranks to, so its matrices stay whole.
+            self.settings = replace(settings, max_team=1)
         self.plan: Plan | None = None
         self._key: tuple | None = None
         self._entries: list[Entry] = []
