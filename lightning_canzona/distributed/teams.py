@@ -150,34 +150,33 @@ def _launch(
             buffer = torch.cat([request.tensor.reshape(-1) for request in requests])
             buffer = buffer.to(_summed_dtype(buffer.dtype, groups[team]))
             work = dist.all_reduce(buffer, group=groups[team], async_op=True)
+            shapes = None
         else:
-            local = torch.cat([_padded_rows(request).reshape(-1) for request in requests])
+            padded = [_padded_rows(request) for request in requests]
+            local = torch.cat([tensor.reshape(-1) for tensor in padded])
             buffer = local.new_empty(len(team) * local.numel())
             work = _all_gather(buffer, local, group=groups[team], async_op=True)
-        pending.append((kind, len(team), where, requests, buffer, work))
+            shapes = [tensor.shape for tensor in padded]  # each member's block, to unpack
+        pending.append((kind, len(team), where, requests, shapes, buffer, work))
     return pending
 
 
 def _finish(pending: list[tuple], rounds: Sequence[Round]) -> list[tuple[Tensor, ...]]:
     """Wait for `_launch`'s collectives; each round's combinations."""
     replies: list[list[Tensor | None]] = [[None] * len(round_) for round_ in rounds]
-    for kind, size, where, requests, buffer, work in pending:
+    for kind, size, where, requests, shapes, buffer, work in pending:
         work.wait()
         if kind is TeamSum:
             chunks = buffer.split([request.tensor.numel() for request in requests])
             combined = [chunk.view_as(r.tensor).to(r.tensor.dtype) for chunk, r in zip(chunks, requests)]
         else:
-            padded = [_padded_rows(request) for request in requests]
-            members = buffer.view(size, -1).split([tensor.numel() for tensor in padded], dim=1)
+            members = buffer.view(size, -1).split([shape.numel() for shape in shapes], dim=1)
             combined = [
                 torch.cat(
-                    [
-                        block[..., :rows, :]
-                        for block, rows in zip(part.reshape(size, *tensor.shape), request.sizes)
-                    ],
+                    [block[..., :rows, :] for block, rows in zip(part.reshape(size, *shape), request.sizes)],
                     dim=-2,
                 )
-                for part, tensor, request in zip(members, padded, requests)
+                for part, shape, request in zip(members, shapes, requests)
             ]
         for (i, j), value in zip(where, combined):
             replies[i][j] = value

@@ -51,17 +51,8 @@ GRAM_RESTARTS = (2,)
 
 
 def flops(rows: int, cols: int, ns_steps: int, form: str = "standard") -> float:
-    """FLOPs of ``ns_steps`` steps of ``form`` on one ``rows × cols`` matrix."""
-    a, b = min(rows, cols), max(rows, cols)
-    if form == "standard":
-        return float(ns_steps * (4 * a * a * b + 2 * a**3))
-    if form != "gram":
-        raise ValueError(f"Newton–Schulz form must be one of {FORMS}, got {form!r}")
-    restarts = sum(1 for step in GRAM_RESTARTS if 0 < step < ns_steps)
-    # Per step R² and P·Q (none on a first step after a (re)start) and R ← P·R·P (none on the
-    # last); per (re)start R = XXᵀ and, at its end, X ← QX.
-    starts = 1 + restarts
-    return float(4 * a * a * b * starts + a**3 * (2 * ns_steps + 6 * (ns_steps - starts)))
+    """FLOPs of ``ns_steps`` steps of ``form`` on one ``rows × cols`` matrix: a team of one's."""
+    return team_work(rows, cols, ns_steps, form, 1).flops
 
 
 @dataclass(frozen=True)
@@ -261,6 +252,8 @@ def team_work(rows: int, cols: int, ns_steps: int, form: str, size: int) -> Team
     a, b = min(rows, cols), max(rows, cols)
     slice_, share = -(-b // size), (size - 1) / size
     if form == "gram":
+        # Per step R² and P·Q (none on a first step after a (re)start) and R ← P·R·P (none on
+        # the last), on every member; per (re)start R = XXᵀ and, at its end, X ← QX, by slices.
         starts = 1 + sum(1 for step in GRAM_RESTARTS if 0 < step < ns_steps)
         flops = 4 * a * a * slice_ * starts + a**3 * (2 * ns_steps + 6 * (ns_steps - starts))
         return TeamWork(float(flops), 1 + starts, round(2 * share * (1 + starts * a * a)))
