@@ -28,17 +28,19 @@ def full_optimizer_state(module: nn.Module, optimizer: MatrixOptimizer) -> dict[
     """The whole optimizer state on rank 0, keyed by parameter name (collective).
 
     Sharded state is gathered by ``get_optimizer_state_dict(full_state_dict=True)``; the matrix
-    state that lives only on each matrix's owner is gathered from the owners.
+    state that lives only on each matrix's owner (or in slices on a team's members) is gathered
+    from the owners.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state_dict = get_optimizer_state_dict(module, optimizer, options=options)
     names = {id(param): name for name, param in module.named_parameters()}
-    held = {
-        names[id(param)]: {key: value.cpu() for key, value in matrix_state.items()}
-        for param, matrix_state in optimizer.owner_held_state()
-    }
+    with optimizer.whole_team_state():
+        state_dict = get_optimizer_state_dict(module, optimizer, options=options)
+        held = {
+            names[id(param)]: {key: value.cpu() for key, value in matrix_state.items()}
+            for param, matrix_state in optimizer.owner_held_state()
+        }
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     everyone: list[Any] = [None] * world if rank == 0 else []
     torch.distributed.gather_object(held, everyone if rank == 0 else None, dst=0)

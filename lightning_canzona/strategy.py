@@ -307,8 +307,13 @@ class CanzonaStrategy(ModelParallelStrategy):
         gathered here explicitly.
         """
         inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        if self._save_distributed_checkpoint or not isinstance(inner, MatrixOptimizer):
+        if not isinstance(inner, MatrixOptimizer):
             return super().optimizer_state(optimizer)
+        if self._save_distributed_checkpoint:
+            # A team's state, whole, saved by the team's first member (as an owner saves its
+            # matrices'): loadable at any mesh and plan.
+            with inner.whole_team_state():
+                return super().optimizer_state(optimizer)
         from torch.distributed.fsdp import FullyShardedDataParallel, OptimStateKeyType
 
         assert self.model is not None
@@ -361,6 +366,16 @@ class CanzonaStrategy(ModelParallelStrategy):
         check_compatible(
             path, expected, strict=self.lightning_module.strict_loading, weights_only=weights_only
         )
+        if path.is_dir():
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+            for optimizer in self.optimizers:
+                if isinstance(optimizer, MatrixOptimizer):
+                    # DCP loads into tensors of the saved shapes: a team's state must be whole on
+                    # its first member (`load_state_dict` hands out the slices). Getting the
+                    # state dict first creates the state of an optimizer that never stepped.
+                    get_optimizer_state_dict(self.model, optimizer)
+                    optimizer.gather_team_state()
         return super().load_checkpoint(path, weights_only)
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:

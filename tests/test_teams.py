@@ -18,7 +18,7 @@ from multiprocess import run_on_ranks
 from test_engine_exactness import MESHES, OPTIMIZERS, _run_combination
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import lightning_canzona as lc
 from lightning_canzona.planning import PlanSettings, build_plan, describe, report
@@ -147,16 +147,22 @@ def test_planner_keeps_matrices_whole_when_the_team_collectives_cost_more() -> N
     assert team_sizes(matrices, 4, PlanSettings(max_team=1, **FREE_TEAMS)) == [1, 1]
 
 
-class TeamMuon(lc.Muon):
-    """Muon whose plan uses teams wherever they lower the bound (collectives priced at zero)."""
+def _with_free_teams(optimizer_class):
+    """``optimizer_class`` whose plan uses teams wherever they lower the bound (collectives
+    priced at zero); each instance is kept in `CREATED`."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.plan_settings = dataclasses.replace(self.plan_settings, **FREE_TEAMS)
-        CREATED.append(self)
+    class WithFreeTeams(optimizer_class):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.plan_settings = dataclasses.replace(self.plan_settings, **FREE_TEAMS)
+            CREATED.append(self)
+
+    WithFreeTeams.__name__ = f"Team{optimizer_class.__name__}"
+    return WithFreeTeams
 
 
-CREATED: list[TeamMuon] = []
+TeamMuon = _with_free_teams(lc.Muon)
+CREATED: list[lc.MatrixOptimizer] = []
 
 
 #: Each mesh runs the standard form; the 4-rank meshes the Gram form too.
@@ -185,6 +191,85 @@ def _teams_on_mesh(rank: int, world_size: int, mesh_name: str) -> None:
 def test_team_updates_equal_single_process(mesh_name: str) -> None:
     assert set(FORMS_ON_MESH) == set(MESHES)
     run_on_ranks(math.prod(MESHES[mesh_name][0]), _teams_on_mesh, mesh_name)
+
+
+#: Matrices that teams split along their long side: ``tall`` preconditioned on its columns,
+#: ``wide`` on its rows (its columns turned into rows), ``bare`` on neither (both sides longer
+#: than ``max_precond_dim``); ``small`` stays whole. Sharded across and along the long side.
+KRONECKER_SHAPES = {"tall": (130, 40), "wide": (40, 130), "bare": (100, 70), "small": (9, 7)}
+KRONECKER_PLACEMENTS = {
+    1: {"tall": [Shard(0)], "wide": [Shard(0)], "bare": [Shard(1)], "small": [Shard(0)]},
+    2: {
+        "tall": [Shard(0), Shard(1)],
+        "wide": [Shard(0), Shard(0)],
+        "bare": [Shard(1), Shard(0)],
+        "small": [Shard(0), Shard(1)],
+    },
+}
+KRONECKER_OPTIMIZERS = {
+    "shampoo": (lc.Shampoo, {"precondition_frequency": 2, "start_preconditioning_step": 2}),
+    "soap": (lc.SOAP, {"precondition_frequency": 2}),
+}
+
+
+def _kronecker_teams(rank: int, world_size: int, mesh_name: str) -> None:
+    shape, names = MESHES[mesh_name]
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    placements = KRONECKER_PLACEMENTS[mesh.ndim]
+    for name, (optimizer_class, kwargs) in KRONECKER_OPTIMIZERS.items():
+        torch.manual_seed(0)
+        full = {key: torch.randn(size) for key, size in KRONECKER_SHAPES.items()}
+        reference_params = {key: nn.Parameter(value.clone()) for key, value in full.items()}
+        params = {
+            key: nn.Parameter(distribute_tensor(value, mesh, placements[key], src_data_rank=None))
+            for key, value in full.items()
+        }
+        settings = {"lr": 0.01, "max_precond_dim": 64, **kwargs}
+        reference = optimizer_class(list(reference_params.items()), **settings)
+        # One optimizer per matrix (``small`` beside ``bare``): alone, each is split over every rank.
+        alone = [["tall"], ["wide"], ["bare", "small"]]
+        teamed = _with_free_teams(optimizer_class)
+        optimizers = [teamed([(key, params[key]) for key in keys], **settings) for keys in alone]
+        for step in range(5):
+            generator = torch.Generator().manual_seed(step)
+            for key, size in KRONECKER_SHAPES.items():
+                # Small integers: the factor's sum over slices is exact in any order. SOAP's
+                # eigenbasis would turn the ulps of another order into up to 6e-4 of an update
+                # (measured on one process, the factor summed over slices instead of whole: the
+                # team's result equals that bit for bit).
+                grad = torch.randint(-3, 4, size, generator=generator).float()
+                grad = None if (step, key) == (1, "wide") else grad
+                sharded = None
+                if grad is not None:
+                    sharded = distribute_tensor(grad, mesh, placements[key], src_data_rank=None)
+                if (step, key) == (3, "tall"):
+                    # Rank 0 lost its block of the gradient: its team sees zeros there.
+                    mask = torch.full_like(sharded.to_local(), float(rank != 0))
+                    mask = DTensor.from_local(mask, mesh, placements[key], shape=size, stride=grad.stride())
+                    grad = grad * mask.full_tensor()
+                    sharded = None if rank == 0 else sharded
+                reference_params[key].grad, params[key].grad = grad, sharded
+            for optimizer in optimizers:
+                optimizer.step()
+            reference.step()
+        for optimizer in optimizers:
+            (engine,) = optimizer.engines.values()
+            assert engine.plan.split_matrices() == {world_size: 1}, (name, mesh_name, engine.plan.teams)
+            assert engine.stats.team_matrices == 1
+        for key, value in reference_params.items():
+            label = f"{name} {key} on {mesh_name}"
+            torch.testing.assert_close(
+                params[key].full_tensor(),
+                value.detach(),
+                rtol=1e-5,
+                atol=1e-6,
+                msg=lambda m, label=label: f"{label}: {m}",
+            )
+
+
+@pytest.mark.parametrize("mesh_name", sorted(MESHES))
+def test_shampoo_and_soap_team_updates_equal_single_process(mesh_name: str) -> None:
+    run_on_ranks(math.prod(MESHES[mesh_name][0]), _kronecker_teams, mesh_name)
 
 
 def _wide_matrices(rank: int, world_size: int) -> None:
@@ -236,8 +321,8 @@ def _a_member_fails(rank: int, world_size: int) -> None:
     original = MuonRule.team_direction
     failures = []
 
-    def fails_in_the_second_round(self, matrix, shape, member, size):
-        steps = original(self, matrix, shape, member, size)
+    def fails_in_the_second_round(self, matrix, shape, member, size, state):
+        steps = original(self, matrix, shape, member, size, state)
         reply = yield next(steps)
         if not failures:  # once: the rank then rejoins its team's rounds on zeros
             failures.append(member)

@@ -48,7 +48,7 @@ from lightning_canzona.distributed.layout import (
     stack_member,
 )
 from lightning_canzona.distributed.memory import BufferMeter
-from lightning_canzona.distributed.teams import TeamRun, run_teams
+from lightning_canzona.distributed.teams import TeamRun, joined_state, member_state, run_teams
 from lightning_canzona.distributed.updates import (
     apply_matrix,
     member_direction,
@@ -59,7 +59,7 @@ from lightning_canzona.distributed.updates import (
 from lightning_canzona.planning import Plan, PlanSettings, block_of, build_plan
 from lightning_canzona.planning.matrices import matrix_spec
 from lightning_canzona.rules.adamw import ALGORITHM as ADAMW
-from lightning_canzona.rules.base import MatrixRule
+from lightning_canzona.rules.base import MatrixRule, state_part, store_state_part
 from lightning_canzona.rules.kronecker import FAILURES
 
 State = dict[str, Tensor]
@@ -236,9 +236,11 @@ class MeshEngine:
         assert self.plan is not None
         return None if self.plan.owners is None else self.plan.owners[index]
 
-    def computes(self, index: int) -> bool:
-        owner = self.owner(index)
-        return owner is None or owner == self.rank
+    def holds_whole(self, index: int) -> bool:
+        """Whether this rank computes plan item ``index`` alone, and so holds its matrix state
+        whole (everyone under ``sync``)."""
+        team = self.team(index)
+        return team is None or team == (self.rank,)
 
     def step(
         self,
@@ -311,8 +313,8 @@ class MeshEngine:
             # them): hyperparameters such as a scheduled lr must be read from the current ones.
             self._entries = matrices
             return
-        previous_owners = (
-            {self._item_key(i): self.owner(i) for i in range(len(self._items))} if self.plan else {}
+        previous_teams = (
+            {self._item_key(i): self.team(i) for i in range(len(self._items))} if self.plan else {}
         )
         layouts = exchange_layouts(
             [e.name for e in matrices], [e.param for e in matrices], self.mesh, self.group
@@ -350,7 +352,7 @@ class MeshEngine:
             for members in self.plan.micro_groups
         ]
         self._create_team_groups()
-        self._move_matrix_state(previous_owners, rules, state)
+        self._move_matrix_state(previous_teams, rules, state)
 
     def _create_team_groups(self) -> None:
         """A process group for every team of the plan (collective: every rank of the job creates
@@ -383,41 +385,106 @@ class MeshEngine:
 
     def _move_matrix_state(
         self,
-        previous_owners: dict[tuple[int, int | None], int | None],
+        previous_teams: dict[tuple[int, int | None], tuple[int, ...] | None],
         rules: list[MatrixRule],
         state: dict[Tensor, State],
     ) -> None:
-        """Hand matrix state to a matrix's new owner when a rebuilt plan moved it."""
-        for index, item in enumerate(self._items):
-            old = previous_owners.get(self._item_key(index), self.owner(index))
-            new = self.owner(index)
-            if old == new:
-                continue
-            param = self._entries[item.entry].param
-            held = state.get(param, {})
-            moving = {key: held.pop(key) for key in self._item_state_keys(index, rules, state)}
-            payload = [moving if old in (None, self.rank) else None]
-            source = 0 if old is None else old
-            dist.broadcast_object_list(
-                payload, src=dist.get_global_rank(self.group, source), group=self.group
-            )
-            if new is None or new == self.rank:
-                state.setdefault(param, {}).update(
-                    {k: v.to(param.device) for k, v in (payload[0] or {}).items()}
-                )
+        """Hand matrix state over where a rebuilt plan gave a matrix to other ranks (collective)."""
+        for index in range(len(self._items)):
+            old = previous_teams.get(self._item_key(index), self.team(index))
+            if old != self.team(index):
+                self._hand_over(index, old, self.team(index), rules, state)
         self.drop_foreign_matrix_state(state, rules)
 
+    def _hand_over(
+        self,
+        index: int,
+        old: tuple[int, ...] | None,
+        new: tuple[int, ...] | None,
+        rules: Sequence[MatrixRule],
+        state: dict[Tensor, State],
+    ) -> None:
+        """Move item ``index``'s matrix state from the ranks ``old`` to the ranks ``new`` (an
+        owner holds it whole, a team's members in slices; ``None``: every rank whole, as under
+        ``sync``). Collective over the mesh: every source broadcasts what it holds."""
+        item = self._items[index]
+        param = self._entries[item.entry].param
+        held = state.get(param, {})
+        mine = {key: held.pop(key) for key in self._item_state_keys(index, rules, state)}
+        parts = []
+        for source in (0,) if old is None else old:
+            payload = [mine if source == self.rank else None]
+            source_rank = dist.get_global_rank(self.group, source)
+            dist.broadcast_object_list(payload, src=source_rank, group=self.group)
+            parts.append(payload[0] or {})
+        if new is not None and self.rank not in new or not parts[0]:
+            return
+        sliced = self._sliced_keys(index, rules)
+        whole = parts[0] if len(parts) == 1 else joined_state(parts, sliced, item.layout.shape)
+        if new is not None and len(new) > 1:
+            whole = member_state(whole, sliced, item.layout.shape, new.index(self.rank), len(new))
+        state.setdefault(param, {}).update({key: value.to(param.device) for key, value in whole.items()})
+
+    def _sliced_keys(self, index: int, rules: Sequence[MatrixRule]) -> set[str]:
+        """The keys of item ``index``'s state that a team member holds a slice of."""
+        item = self._items[index]
+        prefix = "" if item.member is None else member_prefix(item.member)
+        return {prefix + key for key in rules[item.entry].team_sliced_state}
+
+    def _team_items(self) -> list[int]:
+        return [index for index in range(len(self._items)) if len(self.team(index) or ()) > 1]
+
     def drop_foreign_matrix_state(self, state: dict[Tensor, State], rules: Sequence[MatrixRule]) -> None:
-        """Remove matrix state from ranks that do not own the matrix (a full, single-file
-        checkpoint loads every owner's state on every rank)."""
+        """Keep only the matrix state that this rank holds under the plan (a full, single-file
+        checkpoint loads every owner's state on every rank): a team member its slice of it."""
         for index, item in enumerate(self._items):
-            if self.owner(index) not in (None, self.rank):
-                held = state.get(self._entries[item.entry].param, {})
-                for key in self._item_state_keys(index, rules, state):
+            if self.owner(index) is None:
+                continue
+            held = state.get(self._entries[item.entry].param, {})
+            keys = [key for key in self._item_state_keys(index, rules, state)]
+            team = self.team(index) or ()
+            if self.rank not in team:
+                for key in keys:
                     del held[key]
+            elif len(team) > 1 and self._is_whole(index, rules, held):
+                member = member_state(
+                    {key: held[key] for key in keys},
+                    self._sliced_keys(index, rules),
+                    item.layout.shape,
+                    team.index(self.rank),
+                    len(team),
+                )
+                held.update(member)
+
+    def _is_whole(self, index: int, rules: Sequence[MatrixRule], held: State) -> bool:
+        """Whether ``held`` has item ``index``'s sliced state at the matrix's whole shape."""
+        shape = tuple(self._items[index].layout.shape)
+        sliced = [held[key] for key in self._sliced_keys(index, rules) if key in held]
+        return bool(sliced) and all(tuple(value.shape) == shape for value in sliced)
+
+    def gather_team_state(self, state: dict[Tensor, State], rules: Sequence[MatrixRule]) -> None:
+        """Put the matrix state of every matrix computed by a team whole on the team's first
+        member (its owner of record), as a checkpoint holds it (collective)."""
+        for index in self._team_items():
+            team = self.team(index)
+            self._hand_over(index, team, team[:1], rules, state)  # type: ignore[index]
+
+    def scatter_team_state(self, state: dict[Tensor, State], rules: Sequence[MatrixRule]) -> None:
+        """Give every team's members their slices of the state that its first member holds whole
+        (`gather_team_state`, or a loaded checkpoint); state already in slices stays (collective)."""
+        for index in self._team_items():
+            team = self.team(index)
+            item = self._items[index]
+            held = state.get(self._entries[item.entry].param, {})
+            whole = self.rank == team[0] and self._is_whole(index, rules, held)  # type: ignore[index]
+            flag = [whole]
+            dist.broadcast_object_list(flag, src=dist.get_global_rank(self.group, team[0]), group=self.group)  # type: ignore[index]
+            if flag[0]:
+                self._hand_over(index, team[:1], team, rules, state)  # type: ignore[index]
 
     def owned_matrix_state(self, state: dict[Tensor, State], rules: Sequence[MatrixRule]) -> dict[int, State]:
-        """This rank's matrix state, by index of the parameter among the engine's entries."""
+        """This rank's matrix state of the matrices it owns (a team's first member: its part, or
+        the whole after `gather_team_state`), by index of the parameter among the engine's entries."""
         if self.plan is None or self.plan.owners is None:
             return {}
         owned: dict[int, State] = {}
@@ -465,7 +532,7 @@ class _PreparedEntries:
         zeros = functools.partial(torch.zeros_like, local_tensor(param))
         if not self.stepped[entry]:  # joins the collectives with zeros; nobody computes or applies it
             return engine.meter.track(zeros())
-        holds_matrix = engine.computes(engine._first_item[entry])  # a stack's items: see prepare_matrix
+        holds_matrix = engine.holds_whole(engine._first_item[entry])  # a stack's items: see prepare_matrix
         work = functools.partial(prepare_matrix, param, self.rules[entry], self.state, holds_matrix)
         prepared = engine.attempt(work, zeros)
         # A rule may hand back its input or its state (Shampoo the gradient, Muon its momentum):
@@ -474,6 +541,11 @@ class _PreparedEntries:
         if all(local_tensor(t).data_ptr() != prepared.data_ptr() for t in held if t is not None):
             engine.meter.track(prepared)
         return prepared
+
+
+def _team_start(rule: MatrixRule, shape: tuple[int, ...], member: int, size: int) -> Callable[..., Any]:
+    """Starts ``rule``'s team computation of a matrix of ``shape`` on a member's slices and state."""
+    return lambda matrix, state: rule.team_direction(matrix, shape, member, size, state)
 
 
 def _zeros_like_each(tensors: Sequence[Tensor]) -> list[Tensor]:
@@ -540,32 +612,58 @@ class _GroupStep:
 
     def _team_directions(self, slices: dict[int, Tensor]) -> None:
         """The slices of the updates that this rank computes in teams: per team, same-shape
-        matrices in one batched computation, all teams in lockstep (`distributed.teams`)."""
+        matrices of a rule without matrix state in one batched computation, all teams in
+        lockstep (`distributed.teams`)."""
         engine = self.engine
         batches: dict[Any, list[int]] = {}
         for m in slices:
-            alone = None if engine.batch_matrices else m  # the baseline: one computation per matrix
-            key = (engine.team(m), self._rule(m), engine._items[m].layout.shape, self.stepped[m], alone)
+            rule = self._rule(m)
+            alone = None if engine.batch_matrices and rule.batches_matrices else m
+            key = (engine.team(m), rule, engine._items[m].layout.shape, self.stepped[m], alone)
             batches.setdefault(key, []).append(m)
-        runs, batched = [], []
+        runs, batched, states = [], [], []
         for (team, rule, shape, stepped, _), members in batches.items():
             matrices = [slices.pop(m) for m in members]
             if not stepped:
                 self.directions.update(zip(members, _zeros_like_each(matrices)))
                 continue
             member = team.index(engine.rank)
-            start = functools.partial(rule.team_direction, shape=shape, member=member, size=len(team))
+            start = _team_start(rule, shape, member, len(team))
             stacked = matrices[0] if len(members) == 1 else torch.stack(matrices)
-            runs.append(TeamRun(team, start, stacked))
+            state = self._member_state(members[0], rule, member, len(team), stacked.device)
+            runs.append(TeamRun(team, start, stacked, state))
             batched.append(members)
+            states.append(state)
+        failures = [int(state.get(FAILURES, 0)) for state in states]
         results, collectives = run_teams(
             runs, engine.team_groups, engine.attempt, lambda: engine.failure is not None
         )
-        for members, result in zip(batched, results):
+        for members, result, state, before in zip(batched, results, states, failures):
             parts = [result] if len(members) == 1 else list(result.unbind(0))
             self.directions.update(zip(members, (engine.meter.track(part) for part in parts)))
             engine.stats.team_matrices += len(members)
+            engine.stats.decomposition_failures += int(state.get(FAILURES, 0)) - before
+            if state:
+                self._store_member_state(members[0], state)
         engine.stats.team_collectives += collectives
+
+    def _member_state(self, m: int, rule: MatrixRule, member: int, size: int, device: torch.device) -> State:
+        """This member's matrix state of team item ``m`` (created on first use), or ``{}`` for a
+        batch of a rule without matrix state."""
+        if rule.batches_matrices:
+            return {}
+        item = self.engine._items[m]
+        param_state = self.state.setdefault(self.engine._entries[item.entry].param, {})
+        prefix = "" if item.member is None else member_prefix(item.member)
+        part = state_part(param_state, prefix) if prefix else rule.matrix_state(param_state)
+        if all(key == FAILURES for key in part):
+            part.update(rule.init_team_state(item.layout.shape, member, size, device))
+        return part
+
+    def _store_member_state(self, m: int, part: State) -> None:
+        item = self.engine._items[m]
+        param_state = self.state[self.engine._entries[item.entry].param]
+        store_state_part(param_state, "" if item.member is None else member_prefix(item.member), part)
 
     def _rule(self, m: int) -> MatrixRule:
         return self.rules[self.engine._items[m].entry]

@@ -8,14 +8,18 @@ team's collectives are in flight together, so that teams on other ranks never wa
 other. Every member of a team runs the same computations in the same order (the plan and the
 micro-group fix them), so their packed buffers match.
 
-A computation that fails on this rank (out of memory) is started again on zeros and fast-forwarded
-to the same round: the rank keeps joining its teams' collectives, as every rank must, and the
-failure is raised on every rank after the step (`lightning_canzona.distributed.failures`).
+A computation that fails on this rank (out of memory) is started again on zeros and a scratch copy
+of its state, and fast-forwarded to the same round: the rank keeps joining its teams' collectives,
+as every rank must, and the failure is raised on every rank after the step
+(`lightning_canzona.distributed.failures`).
+
+A member holds its slice of the matrix state that is elementwise in the matrix
+(`MatrixRule.team_sliced_state`) and the whole of the rest (`member_state`, `joined_state`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -25,7 +29,8 @@ from torch import Tensor
 
 from lightning_canzona.distributed.clock import Clock, Intervals
 from lightning_canzona.planning import PlanSettings
-from lightning_canzona.rules.base import TeamComputation, TeamRequest, TeamRows, TeamSum
+from lightning_canzona.planning.teams import long_dim, member_blocks
+from lightning_canzona.rules.base import State, TeamComputation, TeamRequest, TeamRows, TeamSum
 
 Round = tuple[TeamRequest, ...]
 #: torch 2.13 renamed ``all_gather_into_tensor`` (same signature) and warns on the old name.
@@ -38,16 +43,18 @@ class TeamRun:
 
     Attributes:
         team: The team's ranks (group ranks of the engine's mesh).
-        start: Starts the computation on an input (the member's slices).
+        start: Starts the computation on an input (the member's slices) and the member's state.
         input: The member's slices.
+        state: The member's matrix state of the matrix (empty for a rule without).
         computation: The running computation (``None`` before the first round).
         answered: Rounds answered so far.
         on_zeros: The computation failed on this rank and runs on zeros since.
     """
 
     team: tuple[int, ...]
-    start: Callable[[Tensor], TeamComputation]
+    start: Callable[[Tensor, State], TeamComputation]
     input: Tensor
+    state: State = field(default_factory=dict)
     computation: TeamComputation | None = field(default=None, repr=False)
     answered: int = 0
     on_zeros: bool = False
@@ -71,8 +78,18 @@ def run_teams(
     Returns:
         Each run's result, and how many collectives this rank took part in.
     """
-    rounds: list[Round | None] = [_advance(run, None, attempt, failed) for run in runs]
+    rounds: list[Round | None] = [None] * len(runs)
     results: list[Tensor | None] = [None] * len(runs)
+
+    def advance(i: int, reply: tuple[Tensor, ...] | None) -> None:
+        outcome = _advance(runs[i], reply, attempt, failed)
+        if isinstance(outcome, Tensor):  # a computation may need no round at all
+            results[i], rounds[i] = outcome, None
+        else:
+            rounds[i] = outcome
+
+    for i in range(len(runs)):
+        advance(i, None)
     collectives = 0
     while any(round_ is not None for round_ in rounds):
         live = [i for i, round_ in enumerate(rounds) if round_ is not None]
@@ -80,11 +97,7 @@ def run_teams(
         collectives += len(pending)
         replies = _finish(pending, [rounds[i] for i in live])  # type: ignore[misc]
         for i, reply in zip(live, replies):
-            outcome = _advance(runs[i], reply, attempt, failed)
-            if isinstance(outcome, Tensor):
-                results[i], rounds[i] = outcome, None
-            else:
-                rounds[i] = outcome
+            advance(i, reply)
     return results, collectives  # type: ignore[return-value]
 
 
@@ -103,7 +116,8 @@ def _advance(
     if not run.on_zeros:
         # Fast-forward the same computation on zeros to where the run failed: replies of the
         # right shapes are all it needs (their values no longer matter).
-        run.on_zeros, run.computation = True, run.start(torch.zeros_like(run.input))
+        scratch = {key: value.clone() for key, value in run.state.items()}
+        run.on_zeros, run.computation = True, run.start(torch.zeros_like(run.input), scratch)
         round_ = next(run.computation)
         for _ in range(run.answered):
             round_ = run.computation.send(tuple(_placeholder(request) for request in round_))
@@ -115,7 +129,7 @@ def _advance(
 def _send(run: TeamRun, reply: tuple[Tensor, ...] | None) -> Round | Tensor:
     try:
         if run.computation is None:
-            run.computation = run.start(run.input)
+            run.computation = run.start(run.input, run.state)
             return next(run.computation)
         return run.computation.send(reply)  # type: ignore[arg-type]
     except StopIteration as done:
@@ -199,6 +213,29 @@ def _padded_rows(request: TeamRows) -> Tensor:
         return tensor
     pad = tensor.new_zeros(*tensor.shape[:-2], missing, tensor.size(-1))
     return torch.cat([tensor, pad], dim=-2)
+
+
+def member_state(
+    whole: State, sliced: Collection[str], shape: Sequence[int], member: int, size: int
+) -> State:
+    """Member ``member``'s matrix state in a team of ``size``: its slice (a copy) of the
+    ``sliced`` tensors of a matrix of ``shape``, the others whole."""
+    offset, block = member_blocks(shape, size)[member]
+    dim = long_dim(shape)
+    return {
+        key: value.narrow(dim, offset[dim], block[dim]).clone() if key in sliced else value
+        for key, value in whole.items()
+    }
+
+
+def joined_state(parts: Sequence[State], sliced: Collection[str], shape: Sequence[int]) -> State:
+    """The whole matrix state from every member's (`member_state`), in member order; the
+    tensors that are not sliced (factors, step counters, failure counts) are member 0's."""
+    dim = long_dim(shape)
+    return {
+        key: torch.cat([part[key].to(value.device) for part in parts], dim=dim) if key in sliced else value
+        for key, value in parts[0].items()
+    }
 
 
 def measure_team_costs(

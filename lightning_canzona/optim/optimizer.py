@@ -10,9 +10,10 @@ splits a module more carefully (embeddings and output heads go to AdamW).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from abc import abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -286,6 +287,33 @@ class MatrixOptimizer(Optimizer):
                 held.append((engine._entries[index].param, matrix_state))
         return held
 
+    @contextlib.contextmanager
+    def whole_team_state(self) -> Iterator[None]:
+        """Within the block, the matrix state of every matrix that a team computes is held whole
+        by the team's first member, as checkpoints hold it; after it, in slices again.
+
+        Collective: every rank must enter and leave it together (saving and loading a
+        checkpoint do).
+        """
+        self.gather_team_state()
+        try:
+            yield
+        finally:
+            self.scatter_team_state()
+
+    def gather_team_state(self) -> None:
+        """Put every team's matrix state whole on its first member (collective; see
+        `whole_team_state`); the next step or load hands it out again (`scatter_team_state`)."""
+        for engine in self.engines.values():
+            if engine.plan is not None:
+                engine.gather_team_state(self.state, entry_rules(engine._entries, self.rule_of))
+
+    def scatter_team_state(self) -> None:
+        """Give every team's members their slices of the state its first member holds whole."""
+        for engine in self.engines.values():
+            if engine.plan is not None:
+                engine.scatter_team_state(self.state, entry_rules(engine._entries, self.rule_of))
+
     def _distributed_entries(self) -> dict[Any, list[Entry]]:
         """The DTensor parameters by the mesh they are planned on (`planning_mesh`), in
         param-group order (the same on every rank)."""
@@ -315,7 +343,9 @@ class MatrixOptimizer(Optimizer):
             if mesh in self.engines and self.engines[mesh].plan is not None:
                 engine = self.engines[mesh]
                 engine.prepare(entries, self.state, self.rule_of)  # re-read the new param groups
-                engine.drop_foreign_matrix_state(self.state, entry_rules(engine._entries, self.rule_of))
+                rules = entry_rules(engine._entries, self.rule_of)
+                engine.scatter_team_state(self.state, rules)
+                engine.drop_foreign_matrix_state(self.state, rules)
         params = (param for group in self.param_groups for param in group["params"])
         for index, param in enumerate(params):
             for key, saved in state_dict["state"].get(index, {}).items():

@@ -112,6 +112,9 @@ class MatrixRule(ABC):
     #: may stack same-shape matrices into one call. (Every rule has each matrix of a stack planned
     #: alone; a rule with matrix state keeps each one's under `updates.member_prefix`.)
     batches_matrices: ClassVar[bool] = False
+    #: Matrix-state keys whose tensors have the matrix's shape and are elementwise in it: a team
+    #: member holds its slice of them (`init_team_state`), and the whole of every other.
+    team_sliced_state: ClassVar[tuple[str, ...]] = ()
 
     def matrix_state(self, state: State) -> State:
         """The matrix-state part of a parameter's state."""
@@ -163,14 +166,23 @@ class MatrixRule(ABC):
         it exactly (the default)."""
         return None
 
-    def team_direction(self, matrix: Tensor, shape: Sequence[int], member: int, size: int) -> TeamComputation:
+    def init_team_state(self, shape: Sequence[int], member: int, size: int, device: torch.device) -> State:
+        """The matrix state that member ``member`` of a team of ``size`` holds for a matrix of
+        ``shape``: its slice of each `team_sliced_state` tensor, the whole of the others (the
+        default: none)."""
+        return {}
+
+    def team_direction(
+        self, matrix: Tensor, shape: Sequence[int], member: int, size: int, state: State
+    ) -> TeamComputation:
         """This member's slice of the update direction, computed with the other members.
 
         ``matrix`` is the member's slice (`lightning_canzona.planning.teams.member_blocks`) of
-        a matrix of global ``shape`` (or a stack of such slices). The generator yields, round by
-        round, what the team must combine (`TeamRequest`), receives the combinations, and
-        returns the slice of the direction. Only called where `team_cost` is not ``None``; a
-        team's matrices keep no matrix state.
+        a matrix of global ``shape`` (or, for a rule that `batches_matrices`, a stack of such
+        slices). ``state`` is the member's matrix state (`init_team_state`). The generator
+        yields, round by round, what the team must combine (`TeamRequest`), receives the
+        combinations, and returns the slice of the direction. Only called where `team_cost` is
+        not ``None``.
         """
         raise NotImplementedError(f"{type(self).__name__} does not split updates over teams")
 

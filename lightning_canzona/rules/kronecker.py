@@ -3,19 +3,28 @@
 For gradients ``G`` of shape ``(…, m, n)`` the left factor ``L`` (``m × m``) and right factor ``R``
 (``n × n``) are exponential moving averages of ``GGᵀ`` and ``GᵀG``. A side longer than
 ``max_precond_dim`` gets no factor: the rule leaves that side unpreconditioned (identity).
+
+Teams (`lightning_canzona.planning.teams`) slice a matrix along its long side. Where that side has
+no factor, the update splits exactly: the other side's factor is a sum over the slices (``GᵀG =
+Σ GᵢᵀGᵢ``), its decomposition is computed by one member and shared, and the moments and the
+one-sided products are the slices' own. A matrix with factors on both sides stays whole: a slice's
+rows of ``GGᵀ`` and of ``L^(-1/4)·X`` need the whole matrix on every member each step.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 
 import torch
 from torch import Tensor
 
-from lightning_canzona.rules.base import FAILURES, State, UpdateCost, matrix_dims
+from lightning_canzona.planning.teams import long_dim, member_blocks
+from lightning_canzona.rules.base import FAILURES, State, TeamRequest, TeamSum, UpdateCost, matrix_dims
 
 SIDES = ("left", "right")
+#: The state that is elementwise in the matrix: what a team member holds its slice of.
+MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def preconditioned_sides(rows: int, cols: int, max_precond_dim: int) -> dict[str, int]:
@@ -23,20 +32,28 @@ def preconditioned_sides(rows: int, cols: int, max_precond_dim: int) -> dict[str
     return {side: dim for side, dim in zip(SIDES, (rows, cols)) if dim <= max_precond_dim}
 
 
-def init_state(shape: torch.Size, device: torch.device, max_precond_dim: int, companion: str) -> State:
+def init_state(
+    shape: Sequence[int],
+    device: torch.device,
+    max_precond_dim: int,
+    companion: str,
+    moments_shape: Sequence[int] | None = None,
+) -> State:
     """Owner-held state of a Kronecker-factored rule, all float32 and batched like ``shape``.
 
-    A step counter and a count of failed decompositions (on the host), the two moments, and for
-    each preconditioned side its factor (``"left"``, ``"right"``) and the factor's companion
-    (``"left_<companion>"``: an inverse root for Shampoo, an eigenbasis for SOAP), starting as the
-    identity, which is also what a first decomposition that fails leaves in place.
+    A step counter and a count of failed decompositions (on the host), the two moments (of
+    ``moments_shape``, a team member's slice, if given), and for each preconditioned side its
+    factor (``"left"``, ``"right"``) and the factor's companion (``"left_<companion>"``: an
+    inverse root for Shampoo, an eigenbasis for SOAP), starting as the identity, which is also
+    what a first decomposition that fails leaves in place.
     """
     full = dict(device=device, dtype=torch.float32)
+    moments_shape = tuple(shape if moments_shape is None else moments_shape)
     state = {
         "step": torch.zeros((), dtype=torch.int64),
         FAILURES: torch.zeros((), dtype=torch.int64),
-        "exp_avg": torch.zeros(shape, **full),
-        "exp_avg_sq": torch.zeros(shape, **full),
+        "exp_avg": torch.zeros(moments_shape, **full),
+        "exp_avg_sq": torch.zeros(moments_shape, **full),
     }
     batch = tuple(shape[:-2])
     for side, dim in preconditioned_sides(shape[-2], shape[-1], max_precond_dim).items():
@@ -100,3 +117,95 @@ def cost(shape: Sequence[int], max_precond_dim: int, frequency: int, products: i
         matrix_state_bytes=4 * (2 * numel + batch * sum(2 * dim * dim for dim in sides)),
         elementwise_state_bytes=0,
     )
+
+
+def team_cost(
+    shape: Sequence[int], size: int, max_precond_dim: int, frequency: int, products: int, rounds: int
+) -> UpdateCost | None:
+    """Cost to the busiest member (the one that decomposes the factor) when a team of ``size``
+    computes the update of a matrix of ``shape`` together, or ``None`` where it cannot exactly:
+    a stack, a long side with a factor, or more members than the long side has slices.
+
+    ``rounds``: the team's collectives per step (besides the factor's sharing, every
+    ``frequency`` steps, counted in elements).
+    """
+    if len(shape) != 2:
+        return None
+    long = shape[long_dim(shape)]
+    short = shape[0] + shape[1] - long
+    if long <= max_precond_dim or size > long:
+        return None
+    rows = -(-long // size)
+    sides = [short] if short <= max_precond_dim else []
+    numel = rows * short
+    return UpdateCost(
+        flops=float(sum(products * 2 * dim * numel + 10 * dim**3 / frequency for dim in sides) + 10 * numel),
+        numel=numel,
+        matrix_state_bytes=4 * (2 * numel + sum(2 * dim * dim for dim in sides)),
+        elementwise_state_bytes=0,
+        team_messages=rounds,
+        # The factor's sum, its decomposition's share amortised, and the grafting norms.
+        team_numel=sum(dim * dim + -(-dim * dim // frequency) for dim in sides) + 2,
+    )
+
+
+def init_team_state(
+    shape: Sequence[int], member: int, size: int, device: torch.device, max_precond_dim: int, companion: str
+) -> State:
+    """A team member's state: its slice of the moments, the whole factor and companion."""
+    _, block = member_blocks(shape, size)[member]
+    return init_state(shape, device, max_precond_dim, companion, moments_shape=block)
+
+
+def oriented(matrix: Tensor, state: State, shape: Sequence[int]) -> tuple[Tensor, State]:
+    """A team member's slice and state, turned so that the sliced side is the rows.
+
+    Where a team slices the columns (`planning.teams.long_dim`), the transposed slice is worked
+    on: the left factor of ``Gᵀ`` is the right factor of ``G``, so the sides' keys swap, and the
+    moments are transposed views (updates write through to the state).
+    """
+    if long_dim(shape) == len(shape) - 2:
+        return matrix, state
+    swapped = {"left": "right", "right": "left"}
+    view = {}
+    for key, value in state.items():
+        side = key.split("_")[0]
+        if side in swapped:
+            view[swapped[side] + key[len(side) :]] = value
+        else:
+            view[key] = value.mT if key in MOMENTS else value
+    return matrix.mT, view
+
+
+def unoriented(direction: Tensor, shape: Sequence[int]) -> Tensor:
+    """A direction computed by `oriented` turned back to the slice's own orientation."""
+    return direction if long_dim(shape) == len(shape) - 2 else direction.mT
+
+
+def squared_norm(tensor: Tensor) -> Tensor:
+    """``‖X‖²_F`` as a one-element tensor: a member's part of the team's norm."""
+    return torch.linalg.vector_norm(tensor).square().reshape(1)
+
+
+def factor_requests(grad: Tensor, state: State) -> tuple[TeamRequest, ...]:
+    """A member's part of the right factor's update ``GᵀG = Σ GᵢᵀGᵢ`` (rows sliced), if any."""
+    return (TeamSum(grad.mT @ grad),) if "right" in state else ()
+
+
+def update_summed_factor(state: State, summed: Sequence[Tensor], beta: float) -> None:
+    """``R ← β·R + (1 − β)·GᵀG`` from the team's sum (`factor_requests`' reply, first)."""
+    if "right" in state:
+        state["right"].lerp_(summed[0], 1.0 - beta)
+
+
+def shared_decomposition(
+    state: State, key: str, member: int, decompose_factor: Callable[[], None]
+) -> Generator[tuple[TeamRequest, ...], tuple[Tensor, ...], None]:
+    """One round: member 0 decomposes (``decompose_factor`` updates ``state[key]``), and every
+    member receives its result, as the sum of it and the others' zeros (exact), so that the
+    members' factors stay equal bit for bit."""
+    if member == 0:
+        decompose_factor()
+    value = state[key]
+    (shared,) = yield (TeamSum(value if member == 0 else torch.zeros_like(value)),)
+    value.copy_(shared)

@@ -106,7 +106,9 @@ class MuonRule(MatrixRule):
             team_numel=batch * work.numel,
         )
 
-    def team_direction(self, matrix: Tensor, shape: Sequence[int], member: int, size: int) -> TeamComputation:
+    def team_direction(
+        self, matrix: Tensor, shape: Sequence[int], member: int, size: int, state: State
+    ) -> TeamComputation:
         return team_newton_schulz(
             matrix,
             shape,

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from lightning_canzona.rules import kronecker
-from lightning_canzona.rules.base import MatrixRule, State, UpdateCost
+from lightning_canzona.rules.base import MatrixRule, State, TeamComputation, TeamSum, UpdateCost
 
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -60,30 +60,24 @@ class ShampooRule(MatrixRule):
     start_preconditioning_step: int = 10
     max_precond_dim: int = 8192
     name = "shampoo"
+    team_sliced_state = kronecker.MOMENTS
 
     def init_matrix_state(self, shape: torch.Size, device: torch.device) -> State:
         return kronecker.init_state(shape, device, self.max_precond_dim, companion="root")
 
+    def init_team_state(self, shape: Sequence[int], member: int, size: int, device: torch.device) -> State:
+        return kronecker.init_team_state(shape, member, size, device, self.max_precond_dim, companion="root")
+
     def direction(self, matrix: Tensor, state: State) -> Tensor:
-        beta1, beta2 = self.betas
-        state["step"] += 1
-        step = int(state["step"])
         grad = matrix.float()
-        kronecker.update_factors(state, grad, beta2)
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        exp_avg.lerp_(grad, 1.0 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-        momentum = exp_avg / (1.0 - beta1**step)
-        adam = momentum / (exp_avg_sq / (1.0 - beta2**step)).sqrt_().add_(self.eps)
-        since_start = step - self.start_preconditioning_step
-        if since_start < 0:
+        kronecker.update_factors(state, grad, self.betas[1])
+        step, momentum, adam = self._moments(grad, state)
+        if step < self.start_preconditioning_step:
             return adam
-        if since_start % self.precondition_frequency == 0:
-            for side in ("left", "right"):
+        if self._decomposes(step):
+            for side in kronecker.SIDES:
                 if side in state:
-                    factor = state[side]
-                    root = functools.partial(inverse_fourth_root, factor, self.epsilon)
-                    kronecker.decompose(state, f"{side}_root", root)
+                    self._decompose(state, side)
         preconditioned = momentum
         if "left" in state:
             preconditioned = state["left_root"] @ preconditioned
@@ -91,5 +85,55 @@ class ShampooRule(MatrixRule):
             preconditioned = preconditioned @ state["right_root"]
         return preconditioned * (_frobenius(adam) / _frobenius(preconditioned).clamp_min(_TINY))
 
+    def team_direction(
+        self, matrix: Tensor, shape: Sequence[int], member: int, size: int, state: State
+    ) -> TeamComputation:
+        """Rounds: the right factor's sum with the Adam direction's squared norm, the root's
+        sharing on a decomposition step, the preconditioned direction's squared norm."""
+        grad, state = kronecker.oriented(matrix.float(), state, shape)
+        step, momentum, adam = self._moments(grad, state)
+        preconditioning = step >= self.start_preconditioning_step
+        requests = kronecker.factor_requests(grad, state)
+        if preconditioning:
+            requests += (TeamSum(kronecker.squared_norm(adam)),)
+        summed = (yield requests) if requests else ()
+        kronecker.update_summed_factor(state, summed, self.betas[1])
+        if not preconditioning:
+            return kronecker.unoriented(adam, shape)
+        preconditioned = momentum
+        if "right" in state:
+            if self._decomposes(step):
+                decompose = functools.partial(self._decompose, state, "right")
+                yield from kronecker.shared_decomposition(state, "right_root", member, decompose)
+            preconditioned = preconditioned @ state["right_root"]
+        (preconditioned_norm,) = yield (TeamSum(kronecker.squared_norm(preconditioned)),)
+        scale = summed[-1].sqrt() / preconditioned_norm.sqrt().clamp_min(_TINY)
+        return kronecker.unoriented(preconditioned * scale, shape)
+
+    def _moments(self, grad: Tensor, state: State) -> tuple[int, Tensor, Tensor]:
+        """Count the step and update both moments: the step, ``M̂`` and the Adam direction."""
+        beta1, beta2 = self.betas
+        state["step"] += 1
+        step = int(state["step"])
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        exp_avg.lerp_(grad, 1.0 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+        momentum = exp_avg / (1.0 - beta1**step)
+        adam = momentum / (exp_avg_sq / (1.0 - beta2**step)).sqrt_().add_(self.eps)
+        return step, momentum, adam
+
+    def _decomposes(self, step: int) -> bool:
+        since_start = step - self.start_preconditioning_step
+        return since_start >= 0 and since_start % self.precondition_frequency == 0
+
+    def _decompose(self, state: State, side: str) -> None:
+        root = functools.partial(inverse_fourth_root, state[side], self.epsilon)
+        kronecker.decompose(state, f"{side}_root", root)
+
     def cost(self, shape: Sequence[int]) -> UpdateCost:
         return kronecker.cost(shape, self.max_precond_dim, self.precondition_frequency, products=2)
+
+    def team_cost(self, shape: Sequence[int], size: int) -> UpdateCost | None:
+        return kronecker.team_cost(
+            shape, size, self.max_precond_dim, self.precondition_frequency, products=2, rounds=2
+        )

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from lightning_canzona.rules import kronecker
-from lightning_canzona.rules.base import MatrixRule, State, UpdateCost
+from lightning_canzona.rules.base import MatrixRule, State, TeamComputation, UpdateCost
 
 
 def _project(matrix: Tensor, state: State, *, back: bool = False) -> Tensor:
@@ -56,21 +56,26 @@ def _power_iteration(factor: Tensor, basis: Tensor) -> Tensor:
     return torch.linalg.qr(factor @ basis).Q
 
 
-def _refresh(state: State) -> None:
-    """One QR power iteration per side, re-ordering ``exp_avg_sq`` with the basis columns."""
-    exp_avg_sq = state["exp_avg_sq"]
-    for axis, side in zip((-2, -1), kronecker.SIDES):
-        if side not in state:
-            continue
-        factor, basis = state[side], state[f"{side}_basis"]
-        estimated = torch.diagonal(basis.mT @ factor @ basis, dim1=-2, dim2=-1)
-        order = estimated.argsort(dim=-1, descending=True)
-        basis = basis.take_along_dim(order.unsqueeze(-2), dim=-1)
-        order_shape = order.unsqueeze(-1) if axis == -2 else order.unsqueeze(-2)
-        exp_avg_sq = exp_avg_sq.take_along_dim(order_shape, dim=axis)
-        power_iteration = functools.partial(_power_iteration, factor, basis)
-        kronecker.decompose(state, f"{side}_basis", power_iteration, fallback=basis)
-    state["exp_avg_sq"].copy_(exp_avg_sq)
+def _reordered_basis(state: State, side: str) -> Tensor:
+    """``side``'s basis with its columns ordered by the estimated eigenvalues ``diag(QᵀFQ)``,
+    largest first; ``exp_avg_sq``'s matching axis is reordered with them (in ``state``)."""
+    axis = -2 if side == "left" else -1
+    factor, basis = state[side], state[f"{side}_basis"]
+    estimated = torch.diagonal(basis.mT @ factor @ basis, dim1=-2, dim2=-1)
+    order = estimated.argsort(dim=-1, descending=True)
+    order_shape = order.unsqueeze(-1) if axis == -2 else order.unsqueeze(-2)
+    state["exp_avg_sq"].copy_(state["exp_avg_sq"].take_along_dim(order_shape, dim=axis))
+    return basis.take_along_dim(order.unsqueeze(-2), dim=-1)
+
+
+def _first_basis(state: State, side: str) -> None:
+    kronecker.decompose(state, f"{side}_basis", functools.partial(_eigenbasis, state[side]))
+
+
+def _refreshed_basis(state: State, side: str, basis: Tensor) -> None:
+    """One QR power iteration from the reordered ``basis`` (kept if it fails)."""
+    power_iteration = functools.partial(_power_iteration, state[side], basis)
+    kronecker.decompose(state, f"{side}_basis", power_iteration, fallback=basis)
 
 
 @dataclass(frozen=True)
@@ -83,23 +88,54 @@ class SOAPRule(MatrixRule):
     precondition_frequency: int = 10
     max_precond_dim: int = 10_000
     name = "soap"
+    team_sliced_state = kronecker.MOMENTS
 
     def init_matrix_state(self, shape: torch.Size, device: torch.device) -> State:
         return kronecker.init_state(shape, device, self.max_precond_dim, companion="basis")
 
+    def init_team_state(self, shape: Sequence[int], member: int, size: int, device: torch.device) -> State:
+        return kronecker.init_team_state(shape, member, size, device, self.max_precond_dim, companion="basis")
+
     def direction(self, matrix: Tensor, state: State) -> Tensor:
-        beta1, beta2 = self.betas
         state["step"] += 1
         step = int(state["step"])
         grad = matrix.float()
-        kronecker.update_factors(state, grad, beta2 if self.shampoo_beta is None else self.shampoo_beta)
-        if step == 1:
-            for side in kronecker.SIDES:
-                if side in state:
-                    eigenbasis = functools.partial(_eigenbasis, state[side])
-                    kronecker.decompose(state, f"{side}_basis", eigenbasis)
-        elif step % self.precondition_frequency == 0:
-            _refresh(state)
+        kronecker.update_factors(state, grad, self._factor_beta)
+        for side in kronecker.SIDES:
+            if side in state and step == 1:
+                _first_basis(state, side)
+            elif side in state and step % self.precondition_frequency == 0:
+                _refreshed_basis(state, side, _reordered_basis(state, side))
+        return self._adam_in_eigenbasis(grad, state, step)
+
+    def team_direction(
+        self, matrix: Tensor, shape: Sequence[int], member: int, size: int, state: State
+    ) -> TeamComputation:
+        """Rounds: the right factor's sum, and its basis's sharing on a basis step."""
+        grad, state = kronecker.oriented(matrix.float(), state, shape)
+        state["step"] += 1
+        step = int(state["step"])
+        requests = kronecker.factor_requests(grad, state)
+        if requests:
+            summed = yield requests
+            kronecker.update_summed_factor(state, summed, self._factor_beta)
+            decompose = None
+            if step == 1:
+                decompose = functools.partial(_first_basis, state, "right")
+            elif step % self.precondition_frequency == 0:
+                # Every member reorders its slice of exp_avg_sq; the order is the same on all.
+                reordered = _reordered_basis(state, "right")
+                decompose = functools.partial(_refreshed_basis, state, "right", reordered)
+            if decompose is not None:
+                yield from kronecker.shared_decomposition(state, "right_basis", member, decompose)
+        return kronecker.unoriented(self._adam_in_eigenbasis(grad, state, step), shape)
+
+    @property
+    def _factor_beta(self) -> float:
+        return self.betas[1] if self.shampoo_beta is None else self.shampoo_beta
+
+    def _adam_in_eigenbasis(self, grad: Tensor, state: State, step: int) -> Tensor:
+        beta1, beta2 = self.betas
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
         rotated_grad = _project(grad, state)
         exp_avg.lerp_(grad, 1.0 - beta1)
@@ -110,3 +146,9 @@ class SOAPRule(MatrixRule):
 
     def cost(self, shape: Sequence[int]) -> UpdateCost:
         return kronecker.cost(shape, self.max_precond_dim, self.precondition_frequency, products=4)
+
+    def team_cost(self, shape: Sequence[int], size: int) -> UpdateCost | None:
+        sides = len(kronecker.preconditioned_sides(*shape[-2:], self.max_precond_dim))
+        return kronecker.team_cost(
+            shape, size, self.max_precond_dim, self.precondition_frequency, products=4, rounds=sides
+        )
