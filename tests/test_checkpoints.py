@@ -96,13 +96,27 @@ class CountTeams(Callback):
         assert any(plan.split_matrices() for plan in plans), [plan.split_matrices() for plan in plans]
 
 
-def test_checkpoint_of_matrices_computed_by_teams_resumes_exactly(tmp_path) -> None:
-    # Collectives priced at zero: the plan splits what it can (Muon's state is momentum,
-    # sharded like the weights, whoever computes the update).
+#: Optimizers whose plans split matrices over teams (collectives priced at zero): Muon's state is
+#: momentum, sharded like the weights whoever computes the update; SOAP's moments are in slices on
+#: a team's members (at max_precond_dim 100, the 128-long sides of the attention and the MLP have no
+#: factor, the key and value projections' 64-long side has), and a checkpoint holds them whole.
+TEAM_OPTIMIZERS = {
+    "muon": functools.partial(lc.Muon, lr=0.02, compute_dtype="float32"),
+    "soap": functools.partial(lc.SOAP, lr=3e-3, precondition_frequency=2, max_precond_dim=100),
+}
+
+
+@pytest.mark.parametrize(
+    "optimizer, distributed",
+    [("muon", True), ("soap", True), ("soap", False)],
+    ids=["muon-distributed", "soap-distributed", "soap-single-file"],
+)
+def test_checkpoint_of_matrices_computed_by_teams_resumes_exactly(tmp_path, optimizer, distributed) -> None:
     teams = {
-        "optimizer": functools.partial(lc.Muon, lr=0.02, compute_dtype="float32"),
+        "optimizer": TEAM_OPTIMIZERS[optimizer],
         "team_prices": (0.0, 0.0),
         "extra": [CountTeams()],
+        "distributed": distributed,
     }
     uninterrupted = _fit(tmp_path, "uninterrupted", **teams)
     checkpoint = tmp_path / "checkpoints" / "epoch=0-step=3.ckpt"
@@ -111,12 +125,13 @@ def test_checkpoint_of_matrices_computed_by_teams_resumes_exactly(tmp_path) -> N
         assert abs(got - expected) <= 1e-6, (resumed, uninterrupted[3:])
     # Resharded onto dp 2 × tp 1, where other teams compute: the same data per data-parallel
     # rank, the same training up to the order in which one TP rank instead of two sums partial
-    # products.
+    # products (SOAP's eigenbasis grows those ulps: see the resharding test below).
     resharded = _fit(
         tmp_path, "resharded", ckpt_path=str(checkpoint), mesh=(2, 1), checkpoints=False, **teams
     )
+    tolerance = 1e-4 if optimizer == "muon" else 5e-3
     for got, expected in zip(resharded, uninterrupted[3:], strict=True):
-        assert abs(got - expected) <= 1e-4, (resharded, uninterrupted[3:])
+        assert abs(got - expected) <= tolerance, (resharded, uninterrupted[3:])
 
 
 class DumpFullState(Callback):
