@@ -21,10 +21,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import lightning_canzona as lc
+from lightning_canzona.distributed.teams import joined_state, member_state
 from lightning_canzona.planning import PlanSettings, build_plan, describe, report
+from lightning_canzona.planning.matrices import MatrixSpec
 from lightning_canzona.planning.plan import team_sizes
-from lightning_canzona.planning.teams import candidate_teams, member_blocks, split_sizes
-from lightning_canzona.rules.base import TeamSum
+from lightning_canzona.planning.teams import TEAM_SIZES, candidate_teams, long_dim, member_blocks, split_sizes
+from lightning_canzona.rules.base import TeamSum, UpdateCost
 from lightning_canzona.rules.muon import MuonRule
 from lightning_canzona.rules.newton_schulz import (
     PRESETS,
@@ -33,43 +35,52 @@ from lightning_canzona.rules.newton_schulz import (
     team_newton_schulz,
     team_work,
 )
+from lightning_canzona.rules.shampoo import ShampooRule
+from lightning_canzona.rules.soap import SOAPRule
 
 #: Collectives cost nothing: the planner splits every matrix whose split lowers the bound.
 FREE_TEAMS = {"flops_per_element": 0.0, "flops_per_message": 0.0}
 
 
-def _in_lockstep(full: torch.Tensor, size: int, form: str) -> torch.Tensor:
-    """Every member's `team_newton_schulz` on its slice, rounds combined here, slices joined."""
-    blocks = member_blocks(full.shape, size)
-    runs = [
-        team_newton_schulz(
-            full[tuple(slice(o, o + n) for o, n in zip(offset, shape))],
-            full.shape,
-            PRESETS["quintic"],
-            5,
-            1e-7,
-            torch.float32,
-            member,
-            size,
-            form,
-        )
-        for member, (offset, shape) in enumerate(blocks)
+def _slices(full: torch.Tensor, size: int) -> list[torch.Tensor]:
+    return [
+        full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+        for offset, shape in member_blocks(full.shape, size)
     ]
-    rounds = [next(run) for run in runs]
-    results: list[torch.Tensor] = []
-    while not results:
+
+
+def _in_lockstep(runs: list, shape) -> torch.Tensor:
+    """Every member's team computation, rounds combined here, the members' results joined."""
+    rounds: list = [None] * len(runs)
+    results: list = [None] * len(runs)
+
+    def advance(member: int, reply) -> None:
+        try:
+            rounds[member] = runs[member].send(reply)
+        except StopIteration as done:
+            results[member] = done.value
+
+    for member in range(len(runs)):
+        advance(member, None)
+    while any(result is None for result in results):
         reply = tuple(
             sum(r.tensor for r in requests)
             if isinstance(requests[0], TeamSum)
             else torch.cat([r.tensor for r in requests], dim=-2)
             for requests in zip(*rounds)
         )
-        for member, run in enumerate(runs):
-            try:
-                rounds[member] = run.send(reply)
-            except StopIteration as done:
-                results.append(done.value)
-    return torch.cat(results, dim=-2 if full.size(-2) > full.size(-1) else -1)
+        for member in range(len(runs)):
+            advance(member, reply)
+    return torch.cat(results, dim=long_dim(shape))
+
+
+def _newton_schulz_in_lockstep(full: torch.Tensor, size: int, form: str) -> torch.Tensor:
+    args = (PRESETS["quintic"], 5, 1e-7, torch.float32)
+    runs = [
+        team_newton_schulz(part, full.shape, *args, member, size, form)
+        for member, part in enumerate(_slices(full, size))
+    ]
+    return _in_lockstep(runs, full.shape)
 
 
 @pytest.mark.parametrize("form", ["standard", "gram"])
@@ -79,7 +90,61 @@ def test_team_newton_schulz_equals_one_rank(shape, size, form) -> None:
     # (33, 33) over 3 or 4 members splits the polynomial's rows; (6, 50) does not.
     matrix = torch.randn(shape, generator=torch.Generator().manual_seed(size))
     expected = newton_schulz(matrix, PRESETS["quintic"], 5, 1e-7, torch.float32, form)
-    torch.testing.assert_close(_in_lockstep(matrix, size, form), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(_newton_schulz_in_lockstep(matrix, size, form), expected, rtol=1e-5, atol=1e-5)
+
+
+KRONECKER_RULES = {
+    "shampoo": ShampooRule(precondition_frequency=2, start_preconditioning_step=2, max_precond_dim=8),
+    "soap": SOAPRule(precondition_frequency=2, max_precond_dim=8),
+}
+
+
+@pytest.mark.parametrize("rule_name", sorted(KRONECKER_RULES))
+@pytest.mark.parametrize("shape", [(6, 50), (50, 6), (13, 10)])
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_kronecker_team_updates_equal_one_rank(rule_name, shape, size) -> None:
+    # (13, 10) has no factor at max_precond_dim 8: the members' computations are their own
+    # (SOAP: no round at all; Shampoo: its grafting norms). Five steps: decompositions at 1
+    # (SOAP), 2 and 4, refreshes at 2 and 4 (SOAP).
+    rule = KRONECKER_RULES[rule_name]
+    assert rule.team_cost(shape, size) is not None
+    whole = rule.init_matrix_state(torch.Size(shape), torch.device("cpu"))
+    members = [rule.init_team_state(shape, m, size, torch.device("cpu")) for m in range(size)]
+    generator = torch.Generator().manual_seed(size)
+    for _ in range(5):
+        # Small integers: the factor's sum over slices is exact in any order.
+        grad = torch.randint(-3, 4, shape, generator=generator).float()
+        expected = rule.direction(grad, whole)
+        runs = [
+            rule.team_direction(part, shape, m, size, members[m])
+            for m, part in enumerate(_slices(grad, size))
+        ]
+        # Relative in norm: a wide matrix's team rotates its transposed slices (other ulps, which
+        # SOAP's Adam ratio grows where a rotated entry is near zero: 2e-6 measured, 3e-8 tall).
+        error = torch.linalg.vector_norm(_in_lockstep(runs, shape) - expected)
+        assert error <= 1e-5 * torch.linalg.vector_norm(expected)
+    # The members' state joined is the one-rank state.
+    joined = joined_state(members, rule.team_sliced_state, shape)
+    assert joined.keys() == whole.keys()
+    for key, value in whole.items():
+        torch.testing.assert_close(joined[key], value, rtol=1e-5, atol=1e-6, msg=key)
+        member = member_state(joined, rule.team_sliced_state, shape, 1, size)[key]
+        assert member.shape == members[1][key].shape, key
+
+
+def test_kronecker_rules_split_only_a_long_side_without_factor() -> None:
+    shampoo, soap = ShampooRule(max_precond_dim=64), SOAPRule(max_precond_dim=64, precondition_frequency=4)
+    assert shampoo.team_cost((64, 64), 2) is None  # factors on both sides
+    assert shampoo.team_cost((3, 130, 40), 2) is None  # a stack
+    assert shampoo.team_cost((130, 40), 131) is None  # more members than rows
+    cost = soap.team_cost((130, 40), 4)
+    whole = soap.cost((130, 40))
+    # A quarter of the rows (rounded up), the whole decomposition: 4 products of 2·40·33·40.
+    assert cost.flops == 4 * 2 * 40 * 33 * 40 + 10 * 40**3 / 4 + 10 * 33 * 40
+    assert cost.flops < whole.flops and cost.numel == 33 * 40
+    assert (cost.team_messages, soap.team_cost((130, 70), 4).team_messages) == (1, 0)
+    assert shampoo.team_cost((130, 40), 4).team_messages == 2
+    assert cost.matrix_state_bytes == 4 * (2 * 33 * 40 + 2 * 40 * 40)
 
 
 def test_team_work_counts_what_the_team_computation_does() -> None:
@@ -145,6 +210,24 @@ def test_planner_keeps_matrices_whole_when_the_team_collectives_cost_more() -> N
     assert team_sizes(matrices, 4, dear) == [1, 1]
     assert build_plan(matrices, 4, 1, dear).split_matrices() == {}
     assert team_sizes(matrices, 4, PlanSettings(max_team=1, **FREE_TEAMS)) == [1, 1]
+
+
+def test_planner_splits_what_packs_badly_beside_matrices_it_cannot_split() -> None:
+    # Two matrices that cannot be split (Shampoo's, factors on both sides) and three that can, on
+    # 4 ranks: whole, two of the three share a rank (6, though every bound of one class is ≤ 4.25);
+    # in teams of 2 the three fill the two other ranks.
+    def spec(name: str, flops: float, splits: bool) -> MatrixSpec:
+        teams = tuple(
+            UpdateCost(flops / k, 100, 0, 0, team_messages=1) if splits else None for k in TEAM_SIZES
+        )
+        return MatrixSpec(name, (10, 10), name, UpdateCost(flops, 100, 0, 0), (), teams)
+
+    matrices = [spec("a", 4.0, False), spec("b", 4.0, False), *(spec(c, 3.0, True) for c in "cde")]
+    settings = PlanSettings(flops_per_element=0.0, flops_per_message=0.01)
+    assert team_sizes(matrices, 4, settings) == [1, 1, 2, 2, 2]
+    whole = build_plan(matrices, 4, 1, dataclasses.replace(settings, max_team=1))
+    assert max(whole.rank_loads()) == 6.0
+    assert max(build_plan(matrices, 4, 1, settings).rank_loads()) == pytest.approx(4.53)
 
 
 def _with_free_teams(optimizer_class):

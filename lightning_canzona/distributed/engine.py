@@ -14,9 +14,10 @@ Per step, on every rank of the mesh, in the same order:
    update together (`MatrixRule.team_direction`, `lightning_canzona.distributed.teams`).
 
 Elementwise state (momentum, Adam moments) is a DTensor sharded like its parameter. Matrix state
-(Shampoo/SOAP factors and bases, step counters) lives on the owner, in full, and nowhere else.
-The plan is built once and rebuilt only when the parameter set changes; matrix state whose owner
-changes then moves to the new owner.
+(Shampoo/SOAP factors and bases, step counters) lives on the owner, in full, and nowhere else; a
+team's members hold their slices of its moments and the whole of the rest. The plan is built once
+and rebuilt only when the parameter set changes; matrix state whose owner changes then moves to
+the new owner (or team).
 
 An exception in this rank's own work (an update rule, out of memory) must not leave the other
 ranks waiting in a collective: it is kept in `MeshEngine.failure`, this rank joins the rest of

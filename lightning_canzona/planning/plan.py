@@ -187,13 +187,16 @@ def member_load(matrix: MatrixSpec, team: int, settings: PlanSettings) -> float:
     return load
 
 
-def team_sizes(matrices: list[MatrixSpec], num_ranks: int, settings: PlanSettings) -> list[int]:
+def team_sizes(
+    matrices: list[MatrixSpec], num_ranks: int, settings: PlanSettings, pairs: bool = True
+) -> list[int]:
     """How many ranks compute each matrix (see the module docstring).
 
     Teams trade a larger total (their collectives) for smaller items. Matrices of the same cost
-    form a class, split alike. Greedily, the class and team size that lower `_packing_bound` the
-    most are taken, while one lowers it (or keeps it at no cost: free collectives). A matrix that
-    some ranks hold whole stays whole: updated where it lies, it moves nothing.
+    form a class, split alike. Greedily, the class and team size that lower `_packing_bound` (with
+    its pair bound if ``pairs``) the most are taken, while one lowers it (or keeps it at no cost:
+    free collectives). A matrix that some ranks hold whole stays whole: updated where it lies, it
+    moves nothing.
     """
     classes: dict[tuple, list[int]] = {}
     for index, matrix in enumerate(matrices):
@@ -215,7 +218,7 @@ def team_sizes(matrices: list[MatrixSpec], num_ranks: int, settings: PlanSetting
     def bound(sizes: list[int]) -> tuple[float, float]:
         """The packing bound and the total load with each class split in ``sizes``."""
         split = [(len(group), size, load[size]) for group, size, load in zip(members, sizes, loads)]
-        return _packing_bound(split, num_ranks), sum(n * k * load for n, k, load in split)
+        return _packing_bound(split, num_ranks, pairs), sum(n * k * load for n, k, load in split)
 
     current, total = bound(chosen)
     while True:
@@ -237,14 +240,26 @@ def team_sizes(matrices: list[MatrixSpec], num_ranks: int, settings: PlanSetting
     return sizes
 
 
-def _packing_bound(classes: list[tuple[int, int, float]], num_ranks: int) -> float:
+def _packing_bound(classes: list[tuple[int, int, float]], num_ranks: int, pairs: bool = True) -> float:
     """A lower bound on the makespan of classes of ``(count, team size, member load)``: the mean
-    load, the largest item, and per class its items on the aligned blocks (``count · size``
-    member slots over ``num_ranks`` ranks: some rank takes ``⌈count · size / ranks⌉``)."""
+    load, the largest item, per class its items on the aligned blocks (``count · size`` member
+    slots over ``num_ranks`` ranks: some rank takes ``⌈count · size / ranks⌉``), and if ``pairs``
+    the pair bound: of the ``ranks + 1`` largest member loads, two share a rank."""
     total = sum(n * k * load for n, k, load in classes)
     largest = max((load for _, _, load in classes), default=0.0)
     packed = max((math.ceil(n * k / num_ranks) * load for n, k, load in classes), default=0.0)
-    return max(total / num_ranks, largest, packed)
+    pair = _pair_bound(classes, num_ranks) if pairs else 0.0
+    return max(total / num_ranks, largest, packed, pair)
+
+
+def _pair_bound(classes: list[tuple[int, int, float]], num_ranks: int) -> float:
+    """``L[ranks] + L[ranks + 1]``, the ``ranks``-th and next largest member loads (0 if fewer)."""
+    pair, seen = [], 0
+    for n, k, load in sorted(classes, key=lambda c: -c[2]):
+        seen += n * k
+        while len(pair) < 2 and seen >= num_ranks + len(pair):
+            pair.append(load)
+    return sum(pair) if len(pair) == 2 else 0.0
 
 
 def _fixed_owner_plan(settings, matrices, dp, tp, owners, capacity, fell_back=False) -> Plan:
@@ -252,6 +267,24 @@ def _fixed_owner_plan(settings, matrices, dp, tp, owners, capacity, fell_back=Fa
     return Plan(
         settings, tuple(matrices), dp, tp, tuple(owners), tuple(map(tuple, groups)), capacity, fell_back
     )
+
+
+def _team_plan(
+    settings: PlanSettings, matrices: list[MatrixSpec], dp: int, tp: int, sizes: list[int]
+) -> Plan:
+    """canzona's plan with each matrix computed by ``sizes[i]`` ranks."""
+    num_ranks = dp * tp
+    member_loads = [member_load(m, size, settings) for m, size in zip(matrices, sizes)]
+    total = sum(m.load(settings.cost) for m in matrices)
+    buckets = [m.bucket for m in matrices]
+    holders = [m.holders for m in matrices] if settings.locality else None
+    capacity = _capacity(settings, member_loads, total / num_ranks)
+    groups, teams = balanced_groups(
+        member_loads, buckets, num_ranks, settings.alpha, capacity, holders, sizes
+    )
+    owners = tuple(team[0] for team in teams)
+    groups_ = tuple(map(tuple, groups))
+    return Plan(settings, tuple(matrices), dp, tp, owners, groups_, capacity, teams=tuple(teams))
 
 
 def build_plan(matrices: list[MatrixSpec], dp: int, tp: int, settings: PlanSettings | None = None) -> Plan:
@@ -283,24 +316,14 @@ def build_plan(matrices: list[MatrixSpec], dp: int, tp: int, settings: PlanSetti
     if settings.policy == "lpt":
         owners = partition.longest_processing_time(loads, num_ranks)
         return _fixed_owner_plan(settings, matrices, dp, tp, owners, capacity)
-    sizes = team_sizes(matrices, num_ranks, settings)
-    member_loads = [member_load(m, size, settings) for m, size in zip(matrices, sizes)]
-    buckets = [m.bucket for m in matrices]
-    holders = [m.holders for m in matrices] if settings.locality else None
-    team_capacity = _capacity(settings, member_loads, sum(loads) / num_ranks)
-    groups, teams = balanced_groups(
-        member_loads, buckets, num_ranks, settings.alpha, team_capacity, holders, sizes
+    # The greedy choice of teams is myopic: with and without the pair bound it can take other
+    # paths; both are planned (when they differ) and the shorter plan is kept.
+    candidates = dict.fromkeys(
+        tuple(team_sizes(matrices, num_ranks, settings, pairs)) for pairs in (True, False)
     )
-    owners = tuple(team[0] for team in teams)
-    plan = Plan(
-        settings,
-        tuple(matrices),
-        dp,
-        tp,
-        owners,
-        tuple(map(tuple, groups)),
-        team_capacity,
-        teams=tuple(teams),
+    plan = min(
+        (_team_plan(settings, matrices, dp, tp, list(sizes)) for sizes in candidates),
+        key=lambda candidate: max(candidate.rank_loads()),
     )
     if plan.split_matrices():  # teams must pack better than whole matrices, not only bound better
         whole = build_plan(matrices, dp, tp, replace(settings, max_team=1))

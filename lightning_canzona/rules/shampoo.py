@@ -18,7 +18,9 @@ for Adam carry over.
 Cost per step, with ``f`` = precondition_frequency and sums over the preconditioned sides
 ``d ∈ {m, n}``: factor updates ``Σ 2d·mn``, preconditioning ``Σ 2d·mn``, eigendecompositions
 ``Σ 10d³ / f`` (the usual ≈10d³ for a symmetric eigensolver with vectors), ``≈ 10·mn`` elementwise.
-All of its state (factors, roots, both moments) is matrix state on the owner.
+All of its state (factors, roots, both moments) is matrix state on the owner. A matrix whose long
+side has no factor can be computed by a team (`kronecker`): two collectives per step, the factor's
+sum with the Adam direction's squared norm, then the preconditioned direction's.
 """
 
 from __future__ import annotations

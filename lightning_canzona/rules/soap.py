@@ -20,6 +20,8 @@ Cost per step, summing over the preconditioned sides ``d ∈ {m, n}``: the facto
 one-sided rotations (of ``G``, ``M`` and back) cost ``Σ 8d·mn``; each refresh costs ``≈ 10d³`` per side
 (two ``d × d`` products for the eigenvalue estimate, one for the power iteration, a Householder
 QR), amortised over ``f`` = precondition_frequency. All of its state is matrix state on the owner.
+A matrix whose long side has no factor can be computed by a team (`kronecker`): one collective per
+step, the factor's sum.
 """
 
 from __future__ import annotations
