@@ -370,7 +370,7 @@ class CanzonaStrategy(ModelParallelStrategy):
             from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
             for optimizer in self.optimizers:
-                if isinstance(optimizer, MatrixOptimizer):
+                if isinstance(optimizer, MatrixOptimizer) and optimizer.splits_matrix_state():
                     # DCP loads into tensors of the saved shapes: a team's state must be whole on
                     # its first member (`load_state_dict` hands out the slices). Getting the
                     # state dict first creates the state of an optimizer that never stepped.

@@ -392,16 +392,30 @@ def test_teams_that_form_the_polynomial_whole_equal_single_process() -> None:
     run_on_ranks(4, _wide_matrices)
 
 
-def _a_member_fails(rank: int, world_size: int) -> None:
+#: A team's rule and its optimizer: SOAP's rounds depend on its step count (a basis refresh every
+#: second step), which the failing member had counted before it failed.
+FAILING_TEAMS = {
+    "muon": (MuonRule, lambda params: TeamMuon(params, lr=0.02, compute_dtype="float32")),
+    "soap": (
+        SOAPRule,
+        lambda params: _with_free_teams(lc.SOAP)(
+            params, lr=0.01, precondition_frequency=2, max_precond_dim=64
+        ),
+    ),
+}
+
+
+def _a_member_fails(rank: int, world_size: int, optimizer_name: str) -> None:
+    rule_class, build = FAILING_TEAMS[optimizer_name]
     mesh = init_device_mesh("cpu", (world_size,))
     torch.manual_seed(0)
     weight = nn.Parameter(distribute_tensor(torch.randn(12, 200), mesh, [Shard(1)], src_data_rank=None))
-    optimizer = TeamMuon([("weight", weight)], lr=0.02, compute_dtype="float32")
-    weight.grad = distribute_tensor(torch.ones(12, 200), mesh, [Shard(1)], src_data_rank=None)
+    optimizer = build([("weight", weight)])
+    weight.grad = distribute_tensor(torch.randn(12, 200), mesh, [Shard(1)], src_data_rank=None)
     optimizer.step()
     (engine,) = optimizer.engines.values()
     assert engine.plan.teams == ((0, 1, 2, 3),)
-    original = MuonRule.team_direction
+    original = rule_class.team_direction
     failures = []
 
     def fails_in_the_second_round(self, matrix, shape, member, size, state):
@@ -412,12 +426,12 @@ def _a_member_fails(rank: int, world_size: int) -> None:
             raise torch.OutOfMemoryError("injected in a team")
         return (yield from _forward(steps, reply))
 
-    MuonRule.team_direction = fails_in_the_second_round if rank == world_size - 1 else original
+    rule_class.team_direction = fails_in_the_second_round if rank == world_size - 1 else original
     try:
         with pytest.raises(RuntimeError, match=r"failed on rank 3: OutOfMemoryError\('injected in a team'\)"):
             optimizer.step()
     finally:
-        MuonRule.team_direction = original
+        rule_class.team_direction = original
     dist.barrier()  # every rank got here: nobody is left in a team's collective
     assert failures == ([3] if rank == 3 else [])
     optimizer.step()  # the next step runs normally
@@ -433,5 +447,6 @@ def _forward(steps, reply):
         return done.value
 
 
-def test_a_failure_in_a_team_is_the_same_error_on_every_rank_in_seconds() -> None:
-    run_on_ranks(4, _a_member_fails, timeout=30.0)
+@pytest.mark.parametrize("optimizer_name", sorted(FAILING_TEAMS))
+def test_a_failure_in_a_team_is_the_same_error_on_every_rank_in_seconds(optimizer_name: str) -> None:
+    run_on_ranks(4, _a_member_fails, optimizer_name, timeout=30.0)

@@ -432,8 +432,13 @@ class MeshEngine:
         prefix = "" if item.member is None else member_prefix(item.member)
         return {prefix + key for key in rules[item.entry].team_sliced_state}
 
-    def _team_items(self) -> list[int]:
-        return [index for index in range(len(self._items)) if len(self.team(index) or ()) > 1]
+    def _stateful_team_items(self, rules: Sequence[MatrixRule]) -> list[int]:
+        """The plan items that a team computes and whose members hold slices of matrix state."""
+        return [
+            index
+            for index, item in enumerate(self._items)
+            if len(self.team(index) or ()) > 1 and rules[item.entry].team_sliced_state
+        ]
 
     def drop_foreign_matrix_state(self, state: dict[Tensor, State], rules: Sequence[MatrixRule]) -> None:
         """Keep only the matrix state that this rank holds under the plan (a full, single-file
@@ -442,7 +447,7 @@ class MeshEngine:
             if self.owner(index) is None:
                 continue
             held = state.get(self._entries[item.entry].param, {})
-            keys = [key for key in self._item_state_keys(index, rules, state)]
+            keys = self._item_state_keys(index, rules, state)
             team = self.team(index) or ()
             if self.rank not in team:
                 for key in keys:
@@ -466,14 +471,14 @@ class MeshEngine:
     def gather_team_state(self, state: dict[Tensor, State], rules: Sequence[MatrixRule]) -> None:
         """Put the matrix state of every matrix computed by a team whole on the team's first
         member (its owner of record), as a checkpoint holds it (collective)."""
-        for index in self._team_items():
+        for index in self._stateful_team_items(rules):
             team = self.team(index)
             self._hand_over(index, team, team[:1], rules, state)  # type: ignore[index]
 
     def scatter_team_state(self, state: dict[Tensor, State], rules: Sequence[MatrixRule]) -> None:
         """Give every team's members their slices of the state that its first member holds whole
         (`gather_team_state`, or a loaded checkpoint); state already in slices stays (collective)."""
-        for index in self._team_items():
+        for index in self._stateful_team_items(rules):
             team = self.team(index)
             item = self._items[index]
             held = state.get(self._entries[item.entry].param, {})

@@ -46,6 +46,8 @@ class TeamRun:
         start: Starts the computation on an input (the member's slices) and the member's state.
         input: The member's slices.
         state: The member's matrix state of the matrix (empty for a rule without).
+        counters: The state's one-element tensors (step counts) as the computation started:
+            they decide its rounds, so a restart on zeros must begin from them.
         computation: The running computation (``None`` before the first round).
         answered: Rounds answered so far.
         on_zeros: The computation failed on this rank and runs on zeros since.
@@ -55,6 +57,7 @@ class TeamRun:
     start: Callable[[Tensor, State], TeamComputation]
     input: Tensor
     state: State = field(default_factory=dict)
+    counters: State = field(default_factory=dict, repr=False)
     computation: TeamComputation | None = field(default=None, repr=False)
     answered: int = 0
     on_zeros: bool = False
@@ -116,7 +119,7 @@ def _advance(
     if not run.on_zeros:
         # Fast-forward the same computation on zeros to where the run failed: replies of the
         # right shapes are all it needs (their values no longer matter).
-        scratch = {key: value.clone() for key, value in run.state.items()}
+        scratch = {key: value.clone() for key, value in {**run.state, **run.counters}.items()}
         run.on_zeros, run.computation = True, run.start(torch.zeros_like(run.input), scratch)
         round_ = next(run.computation)
         for _ in range(run.answered):
@@ -129,6 +132,7 @@ def _advance(
 def _send(run: TeamRun, reply: tuple[Tensor, ...] | None) -> Round | Tensor:
     try:
         if run.computation is None:
+            run.counters = {key: value.clone() for key, value in run.state.items() if value.numel() == 1}
             run.computation = run.start(run.input, run.state)
             return next(run.computation)
         return run.computation.send(reply)  # type: ignore[arg-type]

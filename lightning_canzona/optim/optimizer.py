@@ -301,6 +301,15 @@ class MatrixOptimizer(Optimizer):
         finally:
             self.scatter_team_state()
 
+    def splits_matrix_state(self) -> bool:
+        """Whether a plan has teams whose members hold slices of a matrix's state (Shampoo's
+        and SOAP's; Muon's teams hold none)."""
+        return any(
+            engine._stateful_team_items(entry_rules(engine._entries, self.rule_of))
+            for engine in self.engines.values()
+            if engine.plan is not None
+        )
+
     def gather_team_state(self) -> None:
         """Put every team's matrix state whole on its first member (collective; see
         `whole_team_state`); the next step or load hands it out again (`scatter_team_state`)."""
