@@ -54,6 +54,9 @@ def main(argv: list[str] | None = None) -> None:
     steps.add_argument("--dp", type=int, default=2)
     steps.add_argument("--tp", type=int, default=2)
     steps.add_argument("--steps", type=int, default=10, help="timed steps per variant")
+    steps.add_argument(
+        "--optimizer", choices=sorted(step.OPTIMIZERS), default="muon", help="the optimizer of every variant"
+    )
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv.insert(0, "train")
@@ -63,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
         train.run(args.preset, args.dp, args.tp, args.steps, args.warmup, args.json, args.out)
         return
     if args.command == "step":
-        step.run(args.presets, args.dp, args.tp, args.steps)
+        step.run(args.presets, args.dp, args.tp, args.steps, args.optimizer)
         return
 
     if args.threads:

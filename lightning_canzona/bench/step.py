@@ -19,6 +19,10 @@ expert stacks), and adds two variants of ``canzona`` that take back one thing ea
 - ``canzona (call per expert)``: each expert orthogonalised by a call of its own, not one
   batched call per owner and shape.
 
+``--optimizer shampoo`` or ``soap`` times `lightning_canzona.Shampoo` or `lightning_canzona.SOAP` in
+every variant instead (without ``torch.optim.Muon``, which has no counterpart, and the
+mixture-of-experts variants).
+
 ``canzona`` lets teams of ranks compute one matrix's update together (`planning.teams`) where its
 cost model, with an H100's prices of collectives, says that they pay; ``canzona (whole
 matrices)`` never does; ``canzona (teams, measured)`` prices the collectives as measured on this
@@ -67,6 +71,12 @@ VARIANTS = (
     "canzona (teams, measured)",
 )
 MOE_VARIANTS = ("canzona (locality-blind)", "canzona (call per expert)")
+#: Each optimizer and its settings in every variant.
+OPTIMIZERS: dict[str, tuple[type[lc.MatrixOptimizer], dict]] = {
+    "muon": (lc.Muon, {"lr": 0.02, "adamw_lr": 3e-3}),
+    "shampoo": (lc.Shampoo, {"lr": 1e-3, "adamw_lr": 3e-3, "start_preconditioning_step": 1}),
+    "soap": (lc.SOAP, {"lr": 3e-3, "adamw_lr": 3e-3}),
+}
 
 
 class WideModel(nn.Module):
@@ -125,11 +135,12 @@ class _TorchMuonWithAdamW:
             optimizer.step()
 
 
-def _build(variant: str, groups: list[dict]) -> object:
+def _build(variant: str, groups: list[dict], optimizer_name: str = "muon") -> object:
     if variant == "torch.optim.Muon":
         return _TorchMuonWithAdamW(groups)
+    optimizer_class, settings = OPTIMIZERS[optimizer_name]
     if variant in MOE_VARIANTS:
-        optimizer = lc.Muon(groups, lr=0.02, adamw_lr=3e-3)
+        optimizer = optimizer_class(groups, **settings)
         if variant == "canzona (locality-blind)":
             optimizer.plan_settings = replace(optimizer.plan_settings, locality=False)
         else:
@@ -144,7 +155,7 @@ def _build(variant: str, groups: list[dict]) -> object:
         "canzona (teams, measured)": ("canzona", True),
     }[variant]
     max_team = 1 if variant == "canzona (whole matrices)" else PlanSettings.max_team
-    return lc.Muon(groups, lr=0.02, adamw_lr=3e-3, policy=policy, overlap=overlap, max_team=max_team)
+    return optimizer_class(groups, **settings, policy=policy, overlap=overlap, max_team=max_team)
 
 
 def _state_bytes(optimizer: object) -> int:
@@ -168,7 +179,9 @@ def _gather(value: object) -> list:
     return everyone
 
 
-def _worker(rank: int, world: int, port: int, dp: int, tp: int, preset: str, steps: int, queue) -> None:
+def _worker(
+    rank: int, world: int, port: int, dp: int, tp: int, preset: str, steps: int, optimizer_name: str, queue
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=10))
@@ -185,9 +198,13 @@ def _worker(rank: int, world: int, port: int, dp: int, tp: int, preset: str, ste
         param.grad = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
 
     variants = VARIANTS
-    if isinstance(model, Qwen3) and model.config.num_experts:  # torch.optim.Muon refuses 3-D stacks
+    if optimizer_name != "muon":
+        variants = tuple(v for v in VARIANTS if v != "torch.optim.Muon")
+    elif isinstance(model, Qwen3) and model.config.num_experts:  # torch.optim.Muon refuses 3-D stacks
         variants = tuple(v for v in VARIANTS if v != "torch.optim.Muon") + MOE_VARIANTS
-    optimizers = {variant: _build(variant, lc.matrix_param_groups(model)) for variant in variants}
+    optimizers = {
+        variant: _build(variant, lc.matrix_param_groups(model), optimizer_name) for variant in variants
+    }
     measured = optimizers["canzona (teams, measured)"]
     measured.plan_settings = replace(measured.plan_settings, **measure_team_costs())
     times: dict[str, list[float]] = {v: [] for v in variants}
@@ -238,22 +255,23 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def measure(preset: str, dp: int = 2, tp: int = 2, steps: int = 10) -> list[VariantResult]:
+def measure(
+    preset: str, dp: int = 2, tp: int = 2, steps: int = 10, optimizer: str = "muon"
+) -> list[VariantResult]:
     """Run the benchmark for one model preset on a ``dp × tp`` mesh of CPU processes."""
     context = mp.get_context("spawn")
     queue = context.SimpleQueue()
     world = dp * tp
-    mp.start_processes(
-        _worker, args=(world, _free_port(), dp, tp, preset, steps, queue), nprocs=world, start_method="spawn"
-    )
+    args = (world, _free_port(), dp, tp, preset, steps, optimizer, queue)
+    mp.start_processes(_worker, args=args, nprocs=world, start_method="spawn")
     return queue.get()
 
 
-def format_table(preset: str, results: list[VariantResult]) -> str:
+def format_table(preset: str, results: list[VariantResult], optimizer: str = "muon") -> str:
     """The results, with ratios against ``canzona``."""
     reference = next(r for r in results if r.name == "canzona").step_ms
     lines = [
-        f"preset {preset}: optimizer step, median over ranks' slowest",
+        f"preset {preset}, {optimizer}: optimizer step, median over ranks' slowest",
         f"{'variant':>26} {'step ms':>9} {'÷ canzona':>10} {'busy max/mean':>14} {'plan max/mean':>14} "
         f"{'peak buffers MiB':>17} {'÷ matrix bytes/rank':>20} {'sent MiB':>9} {'state MiB per rank':>24}",
     ]
@@ -277,7 +295,14 @@ def format_table(preset: str, results: list[VariantResult]) -> str:
     return "\n".join(lines)
 
 
-def run(presets: list[str], dp: int, tp: int, steps: int, echo: Callable[[str], None] = print) -> None:
+def run(
+    presets: list[str],
+    dp: int,
+    tp: int,
+    steps: int,
+    optimizer: str = "muon",
+    echo: Callable[[str], None] = print,
+) -> None:
     """Measure and print every preset."""
     for preset in presets:
-        echo(format_table(preset, measure(preset, dp, tp, steps)))
+        echo(format_table(preset, measure(preset, dp, tp, steps, optimizer), optimizer))
