@@ -350,7 +350,7 @@ def _kronecker_teams(rank: int, world_size: int, mesh_name: str) -> None:
             )
 
 
-@pytest.mark.parametrize("mesh_name", sorted(MESHES))
+@pytest.mark.parametrize("mesh_name", ["dp4", "tp2", "dp2xtp2"])  # dp4 covers dp2's case
 def test_shampoo_and_soap_team_updates_equal_single_process(mesh_name: str) -> None:
     run_on_ranks(math.prod(MESHES[mesh_name][0]), _kronecker_teams, mesh_name)
 

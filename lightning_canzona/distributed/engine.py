@@ -473,20 +473,20 @@ class MeshEngine:
         member (its owner of record), as a checkpoint holds it (collective)."""
         for index in self._stateful_team_items(rules):
             team = self.team(index)
-            self._hand_over(index, team, team[:1], rules, state)  # type: ignore[index]
+            assert team is not None
+            self._hand_over(index, team, team[:1], rules, state)
 
     def scatter_team_state(self, state: dict[Tensor, State], rules: Sequence[MatrixRule]) -> None:
         """Give every team's members their slices of the state that its first member holds whole
         (`gather_team_state`, or a loaded checkpoint); state already in slices stays (collective)."""
         for index in self._stateful_team_items(rules):
             team = self.team(index)
-            item = self._items[index]
-            held = state.get(self._entries[item.entry].param, {})
-            whole = self.rank == team[0] and self._is_whole(index, rules, held)  # type: ignore[index]
-            flag = [whole]
-            dist.broadcast_object_list(flag, src=dist.get_global_rank(self.group, team[0]), group=self.group)  # type: ignore[index]
-            if flag[0]:
-                self._hand_over(index, team[:1], team, rules, state)  # type: ignore[index]
+            assert team is not None
+            held = state.get(self._entries[self._items[index].entry].param, {})
+            whole = [self.rank == team[0] and self._is_whole(index, rules, held)]
+            dist.broadcast_object_list(whole, src=dist.get_global_rank(self.group, team[0]), group=self.group)
+            if whole[0]:
+                self._hand_over(index, team[:1], team, rules, state)
 
     def owned_matrix_state(self, state: dict[Tensor, State], rules: Sequence[MatrixRule]) -> dict[int, State]:
         """This rank's matrix state of the matrices it owns (a team's first member: its part, or
