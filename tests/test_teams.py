@@ -295,6 +295,16 @@ KRONECKER_OPTIMIZERS = {
 }
 
 
+def _reference_and_sharded(full: dict, mesh, placements: dict) -> tuple[dict, dict]:
+    """Parameters of the ``full`` values: for the one-process reference, and sharded on ``mesh``."""
+    reference = {name: nn.Parameter(value.clone()) for name, value in full.items()}
+    sharded = {
+        name: nn.Parameter(distribute_tensor(value, mesh, placements[name], src_data_rank=None))
+        for name, value in full.items()
+    }
+    return reference, sharded
+
+
 def _kronecker_teams(rank: int, world_size: int, mesh_name: str) -> None:
     shape, names = MESHES[mesh_name]
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
@@ -302,11 +312,7 @@ def _kronecker_teams(rank: int, world_size: int, mesh_name: str) -> None:
     for name, (optimizer_class, kwargs) in KRONECKER_OPTIMIZERS.items():
         torch.manual_seed(0)
         full = {key: torch.randn(size) for key, size in KRONECKER_SHAPES.items()}
-        reference_params = {key: nn.Parameter(value.clone()) for key, value in full.items()}
-        params = {
-            key: nn.Parameter(distribute_tensor(value, mesh, placements[key], src_data_rank=None))
-            for key, value in full.items()
-        }
+        reference_params, params = _reference_and_sharded(full, mesh, placements)
         settings = {"lr": 0.01, "max_precond_dim": 64, **kwargs}
         reference = optimizer_class(list(reference_params.items()), **settings)
         # One optimizer per matrix (``small`` beside ``bare``): alone, each is split over every rank.
@@ -363,11 +369,7 @@ def _wide_matrices(rank: int, world_size: int) -> None:
     placements = {"wide": [Shard(1)], "tall": [Shard(0)], "cut_short": [Shard(0)]}
     torch.manual_seed(0)
     full = {name: torch.randn(shape) for name, shape in shapes.items()}
-    reference_params = {name: nn.Parameter(value.clone()) for name, value in full.items()}
-    params = {
-        name: nn.Parameter(distribute_tensor(value, mesh, placements[name], src_data_rank=None))
-        for name, value in full.items()
-    }
+    reference_params, params = _reference_and_sharded(full, mesh, placements)
     kwargs = {"lr": 0.02, "compute_dtype": "float32"}
     reference = lc.Muon(list(reference_params.items()), **kwargs)
     optimizer = TeamMuon(list(params.items()), **kwargs)

@@ -80,7 +80,8 @@ class MatrixOptimizer(Optimizer):
             ``None`` derives it from the model.
         max_team: Most ranks that compute one matrix's update together (``canzona``; a power
             of two, 1 keeps every matrix whole): the plan splits the costliest matrices over
-            teams where the rule allows (Muon) and its cost model says it pays.
+            teams where the rule allows (Muon; Shampoo and SOAP where the long side has no
+            factor) and its cost model says it pays.
         team_prices: What the cost model charges for a team's collectives: ``"h100"`` (H100s
             on NVLink, see `PlanSettings`), ``"measure"`` (measured on the job's own devices
             and links when the first plan is built: `distributed.teams.measure_team_costs`), or
@@ -281,8 +282,7 @@ class MatrixOptimizer(Optimizer):
     def owner_held_state(self) -> list[tuple[Tensor, dict[str, Tensor]]]:
         """``(param, matrix state)`` of every matrix this rank owns (empty under ``sync``)."""
         held = []
-        for engine in self.engines.values():
-            rules = entry_rules(engine._entries, self.rule_of)
+        for engine, rules in self._planned_engines():
             for index, matrix_state in engine.owned_matrix_state(self.state, rules).items():
                 held.append((engine._entries[index].param, matrix_state))
         return held
@@ -304,24 +304,24 @@ class MatrixOptimizer(Optimizer):
     def splits_matrix_state(self) -> bool:
         """Whether a plan has teams whose members hold slices of a matrix's state (Shampoo's
         and SOAP's; Muon's teams hold none)."""
-        return any(
-            engine._stateful_team_items(entry_rules(engine._entries, self.rule_of))
-            for engine in self.engines.values()
-            if engine.plan is not None
-        )
+        return any(engine._stateful_team_items(rules) for engine, rules in self._planned_engines())
 
     def gather_team_state(self) -> None:
         """Put every team's matrix state whole on its first member (collective; see
         `whole_team_state`); the next step or load hands it out again (`scatter_team_state`)."""
-        for engine in self.engines.values():
-            if engine.plan is not None:
-                engine.gather_team_state(self.state, entry_rules(engine._entries, self.rule_of))
+        for engine, rules in self._planned_engines():
+            engine.gather_team_state(self.state, rules)
 
     def scatter_team_state(self) -> None:
         """Give every team's members their slices of the state its first member holds whole."""
+        for engine, rules in self._planned_engines():
+            engine.scatter_team_state(self.state, rules)
+
+    def _planned_engines(self) -> Iterator[tuple[MeshEngine, list[MatrixRule]]]:
+        """Every engine that has a plan, with the rules of its matrices."""
         for engine in self.engines.values():
             if engine.plan is not None:
-                engine.scatter_team_state(self.state, entry_rules(engine._entries, self.rule_of))
+                yield engine, entry_rules(engine._entries, self.rule_of)
 
     def _distributed_entries(self) -> dict[Any, list[Entry]]:
         """The DTensor parameters by the mesh they are planned on (`planning_mesh`), in
