@@ -51,10 +51,10 @@ from lightning_canzona.distributed.layout import (
 from lightning_canzona.distributed.memory import BufferMeter
 from lightning_canzona.distributed.teams import TeamRun, joined_state, member_state, run_teams
 from lightning_canzona.distributed.updates import (
-    apply_matrix,
+    apply_matrices,
     member_direction,
     member_prefix,
-    prepare_matrix,
+    prepare_matrices,
     step_adamw,
 )
 from lightning_canzona.planning import Plan, PlanSettings, block_of, build_plan
@@ -504,8 +504,9 @@ class MeshEngine:
 
 class _PreparedEntries:
     """Each matrix entry's elementwise part on this rank's shard, run once per step, and each
-    item's piece of it: what the item's gather sends. An entry's result is dropped once its
-    last item has taken its piece."""
+    item's piece of it: what the item's gather sends. The entries of a micro-group that are not
+    prepared yet are prepared together, one call of their rule per param group; an entry's
+    result is dropped once its last item has taken its piece."""
 
     def __init__(
         self,
@@ -520,33 +521,44 @@ class _PreparedEntries:
         for item in engine._items:
             self.pending[item.entry] += 1
 
-    def __call__(self, index: int) -> Tensor:
-        item = self.engine._items[index]
-        if item.entry not in self.prepared:
-            self.prepared[item.entry] = self._prepare(item.entry)
-        prepared = self.prepared[item.entry]
-        self.pending[item.entry] -= 1
-        if not self.pending[item.entry]:
-            del self.prepared[item.entry]
-        if item.member is None:
-            return prepared
-        return prepared[item.local_index] if item.local_index is not None else prepared[:0]
+    def __call__(self, indices: Sequence[int]) -> dict[int, Tensor]:
+        """The pieces of plan items ``indices`` (a micro-group's members)."""
+        items = self.engine._items
+        self._prepare(sorted({items[m].entry for m in indices} - set(self.prepared)))
+        pieces = {}
+        for m in indices:
+            item = items[m]
+            prepared = self.prepared[item.entry]
+            self.pending[item.entry] -= 1
+            if not self.pending[item.entry]:
+                del self.prepared[item.entry]
+            if item.member is None:
+                pieces[m] = prepared
+            else:
+                pieces[m] = prepared[item.local_index] if item.local_index is not None else prepared[:0]
+        return pieces
 
-    def _prepare(self, entry: int) -> Tensor:
+    def _prepare(self, entries: list[int]) -> None:
         engine = self.engine
-        param = engine._entries[entry].param
-        zeros = functools.partial(torch.zeros_like, local_tensor(param))
-        if not self.stepped[entry]:  # joins the collectives with zeros; nobody computes or applies it
-            return engine.meter.track(zeros())
-        holds_matrix = engine.holds_whole(engine._first_item[entry])  # a stack's items: see prepare_matrix
-        work = functools.partial(prepare_matrix, param, self.rules[entry], self.state, holds_matrix)
-        prepared = engine.attempt(work, zeros)
-        # A rule may hand back its input or its state (Shampoo the gradient, Muon its momentum):
-        # only a new tensor is memory of the step's own.
-        held = [param.grad, *self.state.get(param, {}).values()]
-        if all(local_tensor(t).data_ptr() != prepared.data_ptr() for t in held if t is not None):
-            engine.meter.track(prepared)
-        return prepared
+        by_group: dict[int, list[int]] = {}
+        for entry in entries:
+            if self.stepped[entry]:
+                by_group.setdefault(id(engine._entries[entry].group), []).append(entry)
+            else:  # joins the collectives with zeros; nobody computes or applies it
+                self.prepared[entry] = engine.meter.track(torch.zeros_like(local_tensor(engine._entries[entry].param)))
+        for batch in by_group.values():
+            params = [engine._entries[entry].param for entry in batch]
+            # A stack's items: see prepare_matrices.
+            holds = [engine.holds_whole(engine._first_item[entry]) for entry in batch]
+            work = functools.partial(prepare_matrices, params, self.rules[batch[0]], self.state, holds)
+            zeros = functools.partial(_zeros_like_each, [local_tensor(param) for param in params])
+            for entry, param, prepared in zip(batch, params, engine.attempt(work, zeros)):
+                # A rule may hand back its input or its state (Shampoo the gradient, Muon its
+                # momentum): only a new tensor is memory of the step's own.
+                held = [param.grad, *self.state.get(param, {}).values()]
+                if all(local_tensor(t).data_ptr() != prepared.data_ptr() for t in held if t is not None):
+                    engine.meter.track(prepared)
+                self.prepared[entry] = prepared
 
 
 def _team_start(rule: MatrixRule, shape: tuple[int, ...], member: int, size: int) -> Callable[..., Any]:
@@ -571,7 +583,7 @@ class _GroupStep:
         exchange: MicroGroupExchange,
         dtype: torch.dtype,
         rules: list[MatrixRule],
-        prepare: Callable[[int], Tensor],
+        prepare: _PreparedEntries,
         stepped: list[bool],
         state: dict[Tensor, State],
     ) -> None:
@@ -583,7 +595,7 @@ class _GroupStep:
 
     def launch_gather(self) -> None:
         # Prepared here, not for every group up front: the send buffer copies them at once.
-        prepared = {m: self.prepare(m) for m in self.exchange.members}
+        prepared = self.prepare(self.exchange.members)
         self.gathered, self.gather_work = self.exchange.launch_gather(
             prepared, self.dtype, self.device, self.engine.group, self.engine.meter
         )
@@ -717,14 +729,23 @@ class _GroupStep:
             start = clock.mark()
             self.scatter_work.wait()
             self.engine.stats.wait.add(start, clock.mark())
+        engine = self.engine
+        by_group: dict[int, list[tuple[Item, Tensor]]] = {}  # one call of the rule per param group
         for m, update in self.exchange.my_updates(self.scattered, self.directions).items():
             if self.stepped[m]:
-                item = self.engine._items[m]
-                entry = self.engine._entries[item.entry]
-                work = functools.partial(
-                    apply_matrix, entry.param, self._rule(m), update, entry.group, item.local_index
-                )
-                self.engine.attempt(work)
+                item = engine._items[m]
+                by_group.setdefault(id(engine._entries[item.entry].group), []).append((item, update))
+        for updates in by_group.values():
+            entries = [engine._entries[item.entry] for item, _ in updates]
+            work = functools.partial(
+                apply_matrices,
+                [entry.param for entry in entries],
+                self.rules[updates[0][0].entry],
+                [update for _, update in updates],
+                entries[0].group,
+                [item.local_index for item, _ in updates],
+            )
+            engine.attempt(work)
         self.directions, self.scattered, self.scatter_work = {}, None, None
 
     def _count(self, element_bytes: int, send_sizes: list[int]) -> None:

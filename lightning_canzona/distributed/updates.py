@@ -49,22 +49,29 @@ def step_adamw(params: Sequence[Tensor], state: dict[Tensor, State], group: dict
     )
 
 
-def prepare_matrix(param: Tensor, rule: MatrixRule, state: dict[Tensor, State], holds_matrix: bool) -> Tensor:
-    """``rule``'s elementwise part on this rank's part of ``param``; creates the state it needs.
+def prepare_matrices(
+    params: Sequence[Tensor], rule: MatrixRule, state: dict[Tensor, State], holds_matrix: Sequence[bool]
+) -> list[Tensor]:
+    """``rule``'s elementwise part on this rank's parts of ``params`` (all of one param group, in
+    one call of the rule); creates the state they need.
 
     Args:
-        param: The parameter (a DTensor or a plain tensor).
-        rule: Its matrix rule.
+        params: The parameters (DTensors or plain tensors).
+        rule: Their matrix rule.
         state: The optimizer's state.
-        holds_matrix: Whether this rank computes the full matrix's update, and so holds the
-            matrix state (a stack's matrices create theirs when updated: `member_direction`).
+        holds_matrix: Per parameter, whether this rank computes the full matrix's update, and
+            so holds the matrix state (a stack's matrices create theirs when updated:
+            `member_direction`).
     """
-    param_state = state.setdefault(param, {})
-    if not param_state:
-        param_state.update(rule.init_elementwise_state(param))
-    if holds_matrix and param.ndim != 3 and not rule.matrix_state(param_state):
-        param_state.update(rule.init_matrix_state(param.shape, local_tensor(param).device))
-    return rule.prepare(local_grad(param), _local_state(param_state))
+    states = []
+    for param, holds in zip(params, holds_matrix):
+        param_state = state.setdefault(param, {})
+        if not param_state:
+            param_state.update(rule.init_elementwise_state(param))
+        if holds and param.ndim != 3 and not rule.matrix_state(param_state):
+            param_state.update(rule.init_matrix_state(param.shape, local_tensor(param).device))
+        states.append(_local_state(param_state))
+    return rule.prepare([local_grad(param) for param in params], states)
 
 
 def member_prefix(member: int) -> str:
@@ -93,10 +100,20 @@ def full_direction(rule: MatrixRule, matrix: Tensor, param_state: State) -> Tens
     return torch.stack([member_direction(rule, m, param_state, e) for e, m in enumerate(matrix)])
 
 
-def apply_matrix(
-    param: Tensor, rule: MatrixRule, update: Tensor, group: dict[str, Any], member: int | None = None
+def apply_matrices(
+    params: Sequence[Tensor],
+    rule: MatrixRule,
+    updates: Sequence[Tensor],
+    group: dict[str, Any],
+    members: Sequence[int | None] | None = None,
 ) -> None:
-    """Write ``update`` (this rank's block of the full direction) into this rank's part of
-    ``param``, or into matrix ``member`` of its local part of a stack."""
-    target = local_tensor(param) if member is None else local_tensor(param)[member]
-    rule.apply(target, update, lr=group["lr"], weight_decay=group["weight_decay"], shape=param.shape)
+    """Write ``updates`` (this rank's blocks of the full directions) into this rank's parts of
+    ``params`` (all of ``group``, in one call of the rule), or each into matrix ``members[i]``
+    of its local part of a stack."""
+    members = members or [None] * len(params)
+    targets = [
+        local_tensor(param) if member is None else local_tensor(param)[member]
+        for param, member in zip(params, members)
+    ]
+    shapes = [param.shape for param in params]
+    rule.apply(targets, updates, lr=group["lr"], weight_decay=group["weight_decay"], shapes=shapes)

@@ -26,7 +26,7 @@ from lightning_canzona.distributed.failures import raise_on_every_rank
 from lightning_canzona.distributed.gradients import agree_on_gradients
 from lightning_canzona.distributed.layout import local_tensor, planning_mesh
 from lightning_canzona.distributed.teams import TeamPrices, check_team_prices, priced
-from lightning_canzona.distributed.updates import apply_matrix, full_direction, prepare_matrix, step_adamw
+from lightning_canzona.distributed.updates import apply_matrices, full_direction, prepare_matrices, step_adamw
 from lightning_canzona.planning import Plan, PlanSettings
 from lightning_canzona.rules.adamw import ALGORITHM as ADAMW
 from lightning_canzona.rules.base import MatrixRule
@@ -255,10 +255,12 @@ class MatrixOptimizer(Optimizer):
             if group["algorithm"] == ADAMW:
                 step_adamw(params, self.state, group)
                 continue
+            if not params:
+                continue
             rule = self.rule_of(group)
-            for param in params:
-                prepared = prepare_matrix(param, rule, self.state, holds_matrix=True)
-                apply_matrix(param, rule, full_direction(rule, prepared, self.state[param]), group)
+            prepared = prepare_matrices(params, rule, self.state, [True] * len(params))
+            directions = [full_direction(rule, p, self.state[param]) for p, param in zip(prepared, params)]
+            apply_matrices(params, rule, directions, group)
 
     def plans(self) -> dict[Any, Plan]:
         """The plan of every device mesh of the DTensor parameters, built now if need be.

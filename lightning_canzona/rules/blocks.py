@@ -129,8 +129,8 @@ class RowBlockRule(MatrixRule):
     def init_elementwise_state(self, param: Tensor) -> State:
         return self.inner.init_elementwise_state(param)
 
-    def prepare(self, grad: Tensor, state: State) -> Tensor:
-        return self.inner.prepare(grad, state)
+    def prepare(self, grads: Sequence[Tensor], states: Sequence[State]) -> list[Tensor]:
+        return self.inner.prepare(grads, states)
 
     def init_matrix_state(self, shape: torch.Size, device: torch.device) -> State:
         state: State = {}

@@ -60,10 +60,11 @@ class MuonRule(MatrixRule):
     def init_elementwise_state(self, param: Tensor) -> State:
         return {"momentum_buffer": torch.zeros_like(param, memory_format=torch.preserve_format)}
 
-    def prepare(self, grad: Tensor, state: State) -> Tensor:
-        buffer = state["momentum_buffer"]
-        buffer.lerp_(grad, 1.0 - self.momentum)
-        return grad.lerp(buffer, self.momentum) if self.nesterov else buffer
+    def prepare(self, grads: Sequence[Tensor], states: Sequence[State]) -> list[Tensor]:
+        buffers = [state["momentum_buffer"] for state in states]
+        grads = list(grads)
+        torch._foreach_lerp_(buffers, grads, 1.0 - self.momentum)
+        return list(torch._foreach_lerp(grads, buffers, self.momentum)) if self.nesterov else buffers
 
     def init_matrix_state(self, shape: torch.Size, device: torch.device) -> State:
         return {}
