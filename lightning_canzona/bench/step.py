@@ -34,7 +34,10 @@ A step's latency is the slowest rank's. Busy time is the time each rank spends i
 updates; its max/mean across ranks measures the balance actually achieved. Peak buffers are the
 most bytes of the step's own transient buffers alive at once on the busiest rank
 (`lightning_canzona.distributed.memory`), also as a multiple of the model's matrix bytes per rank.
-Sent is what the busiest rank sent to other ranks in one step's all-to-alls.
+Sent is what the busiest rank sent to other ranks in one step's all-to-alls. CPU is the processor
+time of one step summed over the ranks (their collectives' threads included): with more ranks
+than cores it is what the step costs the machine, and it varies less from run to run than the
+latency, which depends on how the scheduler interleaves the ranks.
 """
 
 from __future__ import annotations
@@ -109,6 +112,7 @@ class VariantResult:
 
     name: str
     step_ms: float
+    cpu_ms: float
     busy_max_over_mean: float | None
     state_bytes: list[int]
     plan_max_over_mean: float | None
@@ -208,17 +212,20 @@ def _worker(
     measured = optimizers["canzona (teams, measured)"]
     measured.plan_settings = replace(measured.plan_settings, **measure_team_costs())
     times: dict[str, list[float]] = {v: [] for v in variants}
+    cpu: dict[str, list[float]] = {v: [] for v in variants}
     busy: dict[str, list[float]] = {v: [] for v in variants}
     peaks: dict[str, int] = dict.fromkeys(variants, 0)
     for repeat in range(steps + 2):  # two warm-up steps: plans, state, allocator
         for variant, optimizer in optimizers.items():
             dist.barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             optimizer.step()
             elapsed = torch.tensor(time.perf_counter() - start)
+            used = time.process_time() - start_cpu
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if repeat >= 2:
                 times[variant].append(float(elapsed))
+                cpu[variant].append(used)
                 engines = list(optimizer.engines.values())
                 busy[variant].append(sum(e.stats.compute.seconds for e in engines))
                 step_peak = max((e.stats.peak_buffer_bytes for e in engines), default=0)
@@ -234,6 +241,7 @@ def _worker(
             VariantResult(
                 name=variant,
                 step_ms=1e3 * statistics.median(times[variant]),
+                cpu_ms=1e3 * sum(_gather(statistics.median(cpu[variant]))),
                 busy_max_over_mean=max(rank_busy) / mean_busy if engines and mean_busy > 0 else None,
                 state_bytes=_gather(_state_bytes(optimizer)),
                 plan_max_over_mean=report(engines[0].plan).max_over_mean if engines else None,
@@ -269,10 +277,11 @@ def measure(
 
 def format_table(preset: str, results: list[VariantResult], optimizer: str = "muon") -> str:
     """The results, with ratios against ``canzona``."""
-    reference = next(r for r in results if r.name == "canzona").step_ms
+    reference = next(r for r in results if r.name == "canzona")
     lines = [
         f"preset {preset}, {optimizer}: optimizer step, median over ranks' slowest",
-        f"{'variant':>26} {'step ms':>9} {'÷ canzona':>10} {'busy max/mean':>14} {'plan max/mean':>14} "
+        f"{'variant':>26} {'step ms':>9} {'÷ canzona':>10} {'CPU ms':>8} {'÷ canzona':>10} "
+        f"{'busy max/mean':>14} {'plan max/mean':>14} "
         f"{'peak buffers MiB':>17} {'÷ matrix bytes/rank':>20} {'sent MiB':>9} {'state MiB per rank':>24}",
     ]
     for result in results:
@@ -285,7 +294,8 @@ def format_table(preset: str, results: list[VariantResult], optimizer: str = "mu
             peak = f"{result.peak_buffer_bytes / 2**20:.2f}"
             relative = f"{result.peak_buffer_bytes / result.matrix_bytes_per_rank:.2f}"
         lines.append(
-            f"{result.name:>26} {result.step_ms:9.1f} {result.step_ms / reference:10.2f} {busy:>14} "
+            f"{result.name:>26} {result.step_ms:9.1f} {result.step_ms / reference.step_ms:10.2f} "
+            f"{result.cpu_ms:8.1f} {result.cpu_ms / reference.cpu_ms:10.2f} {busy:>14} "
             f"{planned:>14} {peak:>17} {relative:>20} {sent:>9} {state:>24}"
         )
     for result in results:
