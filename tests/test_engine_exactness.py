@@ -105,15 +105,23 @@ def _gradients(step: int, shapes: dict[str, torch.Size]) -> dict[str, torch.Tens
     return grads
 
 
+def _groups(model: Net) -> list[dict]:
+    """The model's param groups, two of them with their own learning rate and weight decay (a
+    step applies each group's updates in one call, with that group's settings)."""
+    groups = lc.matrix_param_groups(model, row_blocks=ROW_BLOCKS)
+    groups[0]["weight_decay"] = 0.05
+    groups[1].update(lr=5e-3, weight_decay=0.2)
+    return groups
+
+
 def _run_combination(rank: int, mesh, optimizer_name: str, plan: dict, overlap: bool) -> None:
     optimizer_class, kwargs = OPTIMIZERS[optimizer_name]
     torch.manual_seed(0)
     reference_model = Net()
     torch.manual_seed(0)
     model = _parallelize(Net(), mesh)  # the same initial weights, sharded
-    reference = optimizer_class(lc.matrix_param_groups(reference_model, row_blocks=ROW_BLOCKS), **kwargs)
-    groups = lc.matrix_param_groups(model, row_blocks=ROW_BLOCKS)
-    optimizer = optimizer_class(groups, **kwargs, **plan, overlap=overlap)
+    reference = optimizer_class(_groups(reference_model), **kwargs)
+    optimizer = optimizer_class(_groups(model), **kwargs, **plan, overlap=overlap)
     shapes = {name: p.shape for name, p in reference_model.named_parameters()}
     params = dict(model.named_parameters())
     for step in range(STEPS):
