@@ -20,10 +20,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import lightning_canzona as lc
+from lightning_canzona.commands.model_matrices import make_rule, preset_matrices
 from lightning_canzona.distributed.teams import joined_state, member_state
 from lightning_canzona.planning import PlanSettings, build_plan, describe, report
 from lightning_canzona.planning.matrices import MatrixSpec
-from lightning_canzona.planning.plan import team_sizes
+from lightning_canzona.planning.plan import estimated_step, team_sizes
 from lightning_canzona.planning.teams import TEAM_SIZES, candidate_teams, long_dim, member_blocks, split_sizes
 from lightning_canzona.rules.base import TeamSum, UpdateCost
 from lightning_canzona.rules.muon import MuonRule
@@ -36,9 +37,15 @@ from lightning_canzona.rules.newton_schulz import (
 )
 from lightning_canzona.rules.shampoo import ShampooRule
 from lightning_canzona.rules.soap import SOAPRule
+from lightning_canzona.simulation import H100, project_step
 
 #: Collectives cost nothing: the planner splits every matrix whose split lowers the bound.
-FREE_TEAMS = {"flops_per_element": 0.0, "flops_per_message": 0.0}
+FREE_TEAMS = {
+    "flops_per_element": 0.0,
+    "flops_per_message": 0.0,
+    "exchange_flops_per_element": 0.0,
+    "exchange_flops_per_message": 0.0,
+}
 
 
 def _slices(full: torch.Tensor, size: int) -> list[torch.Tensor]:
@@ -227,6 +234,26 @@ def test_planner_splits_what_packs_badly_beside_matrices_it_cannot_split() -> No
     whole = build_plan(matrices, 4, 1, dataclasses.replace(settings, max_team=1))
     assert max(whole.rank_loads()) == 6.0
     assert max(build_plan(matrices, 4, 1, settings).rank_loads()) == pytest.approx(4.53)
+
+
+def test_planner_keeps_teams_only_where_the_step_with_its_gathers_and_scatters_is_shorter() -> None:
+    # Qwen3 4B, Muon, 256 ranks: teams of 4 cut the busiest rank's compute, but the exchange of
+    # their slices costs more than that at an H100's InfiniBand prices; with the exchange free,
+    # teams pay.
+    matrices, _ = preset_matrices("4B", make_rule("muon"), 32, 8)
+    plans = {
+        policy: build_plan(matrices, 32, 8, PlanSettings(policy=policy))
+        for policy in ("canzona", "round_robin")
+    }
+    assert plans["canzona"].split_matrices() == {}
+    steps = {policy: project_step(plan, H100, 2, "bfloat16").pipelined for policy, plan in plans.items()}
+    assert steps["canzona"] <= steps["round_robin"] * (1 + 1e-9)
+    free_exchange = PlanSettings(exchange_flops_per_element=0.0, exchange_flops_per_message=0.0)
+    teamed = build_plan(matrices, 32, 8, free_exchange)
+    assert teamed.split_matrices() == {4: 108}
+    assert estimated_step(teamed) < estimated_step(
+        build_plan(matrices, 32, 8, dataclasses.replace(free_exchange, max_team=1))
+    )
 
 
 def _with_free_teams(optimizer_class):

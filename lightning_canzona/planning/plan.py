@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 from lightning_canzona.planning import partition
 from lightning_canzona.planning.matrices import COST_KINDS, CostKind, MatrixSpec
 from lightning_canzona.planning.micro_groups import balanced_groups, sequential_groups
+from lightning_canzona.planning.pipeline import pipelined_time
 from lightning_canzona.planning.teams import TEAM_SIZES
 
 POLICIES: tuple[str, ...] = ("canzona", "lpt", "round_robin", "sync")
@@ -66,6 +67,14 @@ class PlanSettings:
             element.
         flops_per_message: What one collective costs in latency, in FLOPs (default: 3 µs at
             594 TFLOP/s; it prices teams' collectives and sets how many micro-groups pay).
+        exchange_flops_per_element: What a micro-group's gather or scatter costs per element
+            that its busiest rank sends or receives, in FLOPs (``flops`` cost only). Default: an
+            H100's 594 TFLOP/s over InfiniBand's 50 GB/s, at 2 bytes per element (a mesh past
+            one node).
+        exchange_flops_per_message: What a gather or scatter costs per peer a rank exchanges
+            with, in FLOPs (default: 6 µs at 594 TFLOP/s). With the element price, it decides
+            between the micro-groups that teams' smaller items allow and the fewer that whole
+            matrices get (`estimated_step`).
     """
 
     policy: str = "canzona"
@@ -76,6 +85,8 @@ class PlanSettings:
     max_team: int = 8
     flops_per_element: float = 2640.0
     flops_per_message: float = 1.8e9
+    exchange_flops_per_element: float = 23760.0
+    exchange_flops_per_message: float = 3.6e9
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -275,16 +286,53 @@ def _team_plan(
     """canzona's plan with each matrix computed by ``sizes[i]`` ranks."""
     num_ranks = dp * tp
     member_loads = [member_load(m, size, settings) for m, size in zip(matrices, sizes)]
-    total = sum(m.load(settings.cost) for m in matrices)
+    whole_loads = [m.load(settings.cost) for m in matrices]
     buckets = [m.bucket for m in matrices]
     holders = [m.holders for m in matrices] if settings.locality else None
-    capacity = _capacity(settings, member_loads, total / num_ranks)
-    groups, teams = balanced_groups(
-        member_loads, buckets, num_ranks, settings.alpha, capacity, holders, sizes
-    )
-    owners = tuple(team[0] for team in teams)
-    groups_ = tuple(map(tuple, groups))
-    return Plan(settings, tuple(matrices), dp, tp, owners, groups_, capacity, teams=tuple(teams))
+    # Teams' smaller items let the packer cut more micro-groups than whole matrices get; more
+    # groups overlap more, but each waits for its own busiest rank's gather and scatter. Both
+    # capacities are planned where they differ, and the shorter estimated step is kept.
+    per_rank = sum(whole_loads) / num_ranks
+    capacities = {_capacity(settings, loads, per_rank) for loads in (member_loads, whole_loads)}
+    plans = []
+    for capacity in sorted(capacities):
+        groups, teams = balanced_groups(
+            member_loads, buckets, num_ranks, settings.alpha, capacity, holders, sizes
+        )
+        owners = tuple(team[0] for team in teams)
+        groups_ = tuple(map(tuple, groups))
+        plans.append(Plan(settings, tuple(matrices), dp, tp, owners, groups_, capacity, teams=tuple(teams)))
+    return plans[0] if len(plans) == 1 else min(plans, key=estimated_step)
+
+
+def estimated_step(plan: Plan) -> float:
+    """The plan's pipelined optimizer step in the cost's unit (`pipeline.pipelined_time`).
+
+    A micro-group computes as long as its busiest rank; under ``flops`` its gather and its
+    scatter each cost the busiest rank's elements (what it receives of the slices it computes,
+    or its shards of the group's matrices) and a message to every other rank, at the settings'
+    exchange prices. Cheap (linear in the matrices; a matrix that its owner holds whole counted
+    as moved): an estimate to choose between plans, not the traffic (`planning.traffic`) or the
+    simulator's projection.
+    """
+    settings = plan.settings
+    computes = [max(plan.group_host_loads(group)) for group in plan.micro_groups]
+    if settings.cost != "flops" or plan.teams is None:
+        return sum(computes)
+    exchanges = []
+    for group in plan.micro_groups:
+        received = [0.0] * plan.num_ranks
+        for index in group:
+            team = plan.teams[index]
+            for rank in team:
+                received[rank] += plan.matrices[index].cost.numel / len(team)
+        sent = sum(plan.matrices[index].cost.numel for index in group) / plan.num_ranks
+        busiest = max(*received, sent)
+        peers = plan.num_ranks - 1
+        exchanges.append(
+            busiest * settings.exchange_flops_per_element + peers * settings.exchange_flops_per_message
+        )
+    return pipelined_time(exchanges, computes, exchanges)
 
 
 def build_plan(matrices: list[MatrixSpec], dp: int, tp: int, settings: PlanSettings | None = None) -> Plan:
@@ -329,7 +377,9 @@ def build_plan(matrices: list[MatrixSpec], dp: int, tp: int, settings: PlanSetti
         whole = build_plan(matrices, dp, tp, replace(settings, max_team=1))
         free = settings.flops_per_element == settings.flops_per_message == 0
         gain = 1.0 if free else TEAM_GAIN
-        plan = plan if max(plan.rank_loads()) <= gain * max(whole.rank_loads()) else whole
+        packs = max(plan.rank_loads()) <= gain * max(whole.rank_loads())
+        # ...and shorten the step with its gathers and scatters, which teams change too.
+        plan = plan if packs and estimated_step(plan) <= estimated_step(whole) else whole
     naive = _fixed_owner_plan(
         settings, matrices, dp, tp, partition.round_robin(loads, num_ranks), capacity, fell_back=True
     )

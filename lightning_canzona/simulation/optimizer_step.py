@@ -18,11 +18,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lightning_canzona.planning.pipeline import pipelined_time, sequential_time
 from lightning_canzona.planning.plan import Plan
 from lightning_canzona.planning.traffic import Exchange, Traffic, traffic
 from lightning_canzona.rules.base import UpdateCost
 from lightning_canzona.simulation.device import DeviceModel
-from lightning_canzona.simulation.pipeline import pipelined_time, sequential_time
 
 
 @dataclass(frozen=True)
