@@ -13,7 +13,7 @@ expensive matrix part once, on one owner, on the whole matrix:
 
 The elementwise parts take lists: an LLM has hundreds of matrices, and one ``torch._foreach_*``
 call per operation for all of a param group's shards costs one call where a loop costs hundreds
-(the same result, bit for bit).
+(the same operations on each tensor).
 """
 
 from __future__ import annotations
