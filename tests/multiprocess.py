@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import sys
 import tempfile
@@ -46,4 +47,11 @@ def run_on_ranks(world_size: int, body: Callable[..., Any], *args: Any, timeout:
     """
     with tempfile.TemporaryDirectory() as directory:
         store_path = str(Path(directory) / "store")
-        mp.spawn(_worker, args=(world_size, store_path, timeout, body, args), nprocs=world_size, join=True)
+        args = (world_size, store_path, timeout, body, args)
+        mp.start_processes(_worker, args=args, nprocs=world_size, join=True, start_method="forkserver")
+
+
+# Ranks fork from one server process that imported torch and the package once (about 8 s of
+# imports per rank otherwise, most of it Lightning's); the server runs no OpenMP region, so its
+# forks cannot inherit OpenMP threads.
+multiprocessing.set_forkserver_preload(["torch", "lightning_canzona"])
