@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import lightning_canzona as lc
 from lightning_canzona.commands.model_matrices import make_rule, preset_matrices
-from lightning_canzona.distributed.teams import joined_state, member_state
+from lightning_canzona.distributed.teams import joined_state, measure_team_costs, member_state
 from lightning_canzona.planning import PlanSettings, build_plan, describe, report
 from lightning_canzona.planning.matrices import MatrixSpec
 from lightning_canzona.planning.plan import estimated_step, team_sizes
@@ -254,6 +254,29 @@ def test_planner_keeps_teams_only_where_the_step_with_its_gathers_and_scatters_i
     assert estimated_step(teamed) < estimated_step(
         build_plan(matrices, 32, 8, dataclasses.replace(free_exchange, max_team=1))
     )
+
+
+def _measured_prices(rank: int, world_size: int) -> None:
+    prices = measure_team_costs()
+    assert set(prices) == {
+        "flops_per_element",
+        "flops_per_message",
+        "exchange_flops_per_element",
+        "exchange_flops_per_message",
+    }
+    assert all(price > 0 for price in prices.values())
+    # The gathers cross the job's links, as the teams do; the latency is per peer of an exchange.
+    assert prices["exchange_flops_per_element"] == prices["flops_per_element"]
+    assert prices["exchange_flops_per_message"] == pytest.approx(
+        prices["flops_per_message"] / (world_size - 1)
+    )
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, prices)
+    assert all(theirs == prices for theirs in everyone)  # every rank plans alike
+
+
+def test_measured_prices_cover_teams_and_exchanges_and_agree_on_every_rank() -> None:
+    run_on_ranks(3, _measured_prices)
 
 
 def _with_free_teams(optimizer_class):

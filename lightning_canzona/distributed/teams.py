@@ -249,13 +249,16 @@ def measure_team_costs(
     size: int = 1024,
 ) -> dict[str, float]:
     """The planner's prices of collectives (`PlanSettings` ``flops_per_element`` and
-    ``flops_per_message``), measured on this machine instead of the H100 defaults.
+    ``flops_per_message``, and the gathers' and scatters' ``exchange_flops_per_element`` and
+    ``exchange_flops_per_message``), measured on this machine instead of the H100 defaults.
 
     Times a ``size × size`` matmul in ``dtype`` (the compute rate), all-reduces of one element
     (latency) and of ``2²⁰`` elements (bandwidth) over ``group`` (the whole job by default: a
     team's links are no faster), summed as teams sum ``dtype``, and turns the collectives into
-    FLOPs of the same time. Collective: the ranks agree on the slowest figures, so that all plan
-    alike.
+    FLOPs of the same time. The gathers and scatters cross the same links: their price per
+    element is the same, and the measured latency is spread over the peers that the planner
+    charges an exchange a message for (`plan.estimated_step`). Collective: the ranks agree on the
+    slowest figures, so that all plan alike.
     """
     device = torch.device(device)
     clock = Clock(device)
@@ -284,6 +287,8 @@ def measure_team_costs(
     return {
         "flops_per_element": per_element / seconds_per_flop,
         "flops_per_message": latency / seconds_per_flop,
+        "exchange_flops_per_element": per_element / seconds_per_flop,
+        "exchange_flops_per_message": latency / seconds_per_flop / max(world - 1, 1),
     }
 
 
