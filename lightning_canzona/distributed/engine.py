@@ -542,11 +542,11 @@ class _PreparedEntries:
         engine = self.engine
         by_group: dict[int, list[int]] = {}
         for entry in entries:
-            param = engine._entries[entry].param
             if self.stepped[entry]:
                 by_group.setdefault(id(engine._entries[entry].group), []).append(entry)
             else:  # joins the collectives with zeros; nobody computes or applies it
-                self.prepared[entry] = engine.meter.track(torch.zeros_like(local_tensor(param)))
+                local = local_tensor(engine._entries[entry].param)
+                self.prepared[entry] = engine.meter.track(torch.zeros_like(local))
         for batch in by_group.values():
             params = [engine._entries[entry].param for entry in batch]
             # A stack's items: see prepare_matrices.

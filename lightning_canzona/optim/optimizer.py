@@ -253,10 +253,10 @@ class MatrixOptimizer(Optimizer):
         """Update the parameters that are not DTensors: whole, on this rank."""
         for group in self.param_groups:
             params = [p for p in group["params"] if not isinstance(p, DTensor) and has_grad[id(p)]]
+            if not params:
+                continue
             if group["algorithm"] == ADAMW:
                 step_adamw(params, self.state, group)
-                continue
-            if not params:
                 continue
             rule = self.rule_of(group)
             prepared = prepare_matrices(params, rule, self.state, [True] * len(params))

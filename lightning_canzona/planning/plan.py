@@ -319,6 +319,7 @@ def estimated_step(plan: Plan) -> float:
     computes = [max(plan.group_host_loads(group)) for group in plan.micro_groups]
     if settings.cost != "flops" or plan.teams is None:
         return sum(computes)
+    messages = (plan.num_ranks - 1) * settings.exchange_flops_per_message  # one to every peer
     exchanges = []
     for group in plan.micro_groups:
         received = [0.0] * plan.num_ranks
@@ -327,11 +328,7 @@ def estimated_step(plan: Plan) -> float:
             for rank in team:
                 received[rank] += plan.matrices[index].cost.numel / len(team)
         sent = sum(plan.matrices[index].cost.numel for index in group) / plan.num_ranks
-        busiest = max(*received, sent)
-        peers = plan.num_ranks - 1
-        exchanges.append(
-            busiest * settings.exchange_flops_per_element + peers * settings.exchange_flops_per_message
-        )
+        exchanges.append(max(*received, sent) * settings.exchange_flops_per_element + messages)
     return pipelined_time(exchanges, computes, exchanges)
 
 
