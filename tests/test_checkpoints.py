@@ -99,17 +99,19 @@ class CountTeams(Callback):
 #: Optimizers whose plans split matrices over teams (collectives priced at zero): Muon's state is
 #: momentum, sharded like the weights whoever computes the update; SOAP's moments are in slices on
 #: a team's members (at max_precond_dim 100, the 128-long sides of the attention and the MLP have no
-#: factor, the key and value projections' 64-long side has), and a checkpoint holds them whole.
+#: factor, the key and value projections' 64-long side has), and a checkpoint holds them whole;
+#: Shampoo's have factors on both sides, the long side's in rows on the members.
 TEAM_OPTIMIZERS = {
     "muon": functools.partial(lc.Muon, lr=0.02, compute_dtype="float32"),
     "soap": functools.partial(lc.SOAP, lr=3e-3, precondition_frequency=2, max_precond_dim=100),
+    "shampoo": functools.partial(lc.Shampoo, lr=3e-3, precondition_frequency=2, start_preconditioning_step=2),
 }
 
 
 @pytest.mark.parametrize(
     "optimizer, distributed",
-    [("muon", True), ("soap", True), ("soap", False)],
-    ids=["muon-distributed", "soap-distributed", "soap-single-file"],
+    [("muon", True), ("soap", True), ("soap", False), ("shampoo", True)],
+    ids=["muon-distributed", "soap-distributed", "soap-single-file", "shampoo-distributed"],
 )
 def test_checkpoint_of_matrices_computed_by_teams_resumes_exactly(tmp_path, optimizer, distributed) -> None:
     teams = {

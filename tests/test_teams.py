@@ -105,13 +105,17 @@ KRONECKER_RULES = {
 }
 
 
-@pytest.mark.parametrize("rule_name", sorted(KRONECKER_RULES))
-@pytest.mark.parametrize("shape", [(6, 50), (50, 6), (13, 10)])
+@pytest.mark.parametrize(
+    ("rule_name", "shape"),
+    [(name, shape) for name in sorted(KRONECKER_RULES) for shape in [(6, 50), (50, 6), (13, 10)]]
+    + [("shampoo", (7, 5)), ("shampoo", (5, 8)), ("shampoo", (7, 7))],
+)
 @pytest.mark.parametrize("size", [2, 3, 4])
 def test_kronecker_team_updates_equal_one_rank(rule_name, shape, size) -> None:
     # (13, 10) has no factor at max_precond_dim 8: the members' computations are their own
-    # (SOAP: no round at all; Shampoo: its grafting norms). Five steps: decompositions at 1
-    # (SOAP), 2 and 4, refreshes at 2 and 4 (SOAP).
+    # (SOAP: no round at all; Shampoo: its grafting norms). (7, 5), (5, 8) and (7, 7) have factors
+    # on both sides (Shampoo: the long side's in rows, the gradient and momentum gathered). Five
+    # steps: decompositions at 1 (SOAP), 2 and 4, refreshes at 2 and 4 (SOAP).
     rule = KRONECKER_RULES[rule_name]
     assert rule.team_cost(shape, size) is not None
     whole = rule.init_matrix_state(torch.Size(shape), torch.device("cpu"))
@@ -130,17 +134,17 @@ def test_kronecker_team_updates_equal_one_rank(rule_name, shape, size) -> None:
         error = torch.linalg.vector_norm(_in_lockstep(runs, shape) - expected)
         assert error <= 1e-5 * torch.linalg.vector_norm(expected)
     # The members' state joined is the one-rank state.
-    joined = joined_state(members, rule.team_sliced_state, shape)
+    joined = joined_state(members, rule.team_sliced_keys(shape), shape)
     assert joined.keys() == whole.keys()
     for key, value in whole.items():
         torch.testing.assert_close(joined[key], value, rtol=1e-5, atol=1e-6, msg=key)
-        member = member_state(joined, rule.team_sliced_state, shape, 1, size)[key]
+        member = member_state(joined, rule.team_sliced_keys(shape), shape, 1, size)[key]
         assert member.shape == members[1][key].shape, key
 
 
-def test_kronecker_rules_split_only_a_long_side_without_factor() -> None:
+def test_kronecker_team_costs_count_the_members_work_and_what_they_send() -> None:
     shampoo, soap = ShampooRule(max_precond_dim=64), SOAPRule(max_precond_dim=64, precondition_frequency=4)
-    assert shampoo.team_cost((64, 64), 2) is None  # factors on both sides
+    assert soap.team_cost((64, 48), 2) is None  # SOAP splits no long side with a factor
     assert shampoo.team_cost((3, 130, 40), 2) is None  # a stack
     assert shampoo.team_cost((130, 40), 131) is None  # more members than rows
     cost = soap.team_cost((130, 40), 4)
@@ -151,6 +155,17 @@ def test_kronecker_rules_split_only_a_long_side_without_factor() -> None:
     assert (cost.team_messages, soap.team_cost((130, 70), 4).team_messages) == (1, 0)
     assert shampoo.team_cost((130, 40), 4).team_messages == 2
     assert cost.matrix_state_bytes == 4 * (2 * 33 * 40 + 2 * 40 * 40)
+    # The factor summed (a ring sends 2·3/4 of it), its basis shared every 4th step, two norms.
+    assert cost.team_numel == round(1.5 * 40 * 40 + 1.5 * 40 * 40 / 4) + 2
+    # Both sides (Shampoo): a member's 16 rows of 64 × 48; the long side's root on member 0;
+    # the gradient and momentum gathered whole (each member sends its 16 × 48 to 3 others), the
+    # factor's rows before a decomposition (every 10th step).
+    two_sided = shampoo.team_cost((64, 48), 4)
+    assert two_sided.flops == 2 * 2 * (48 + 64) * 16 * 48 + 10 * 64**3 / 10 + 10 * 16 * 48
+    assert two_sided.matrix_state_bytes == 4 * (2 * 16 * 48 + 2 * 48 * 48 + 2 * 16 * 64)
+    shared = 1.5 * (48 * 48 + 64 * 64) / 10
+    assert two_sided.team_numel == round(shared + 1.5 * 48 * 48 + 3 * (2 * 16 * 48 + 16 * 64 / 10)) + 2
+    assert two_sided.flops < shampoo.cost((64, 48)).flops / 2
 
 
 def test_team_work_counts_what_the_team_computation_does() -> None:
@@ -328,15 +343,33 @@ def test_team_updates_equal_single_process(mesh_name: str) -> None:
 
 #: Matrices that teams split along their long side: ``tall`` preconditioned on its columns,
 #: ``wide`` on its rows (its columns turned into rows), ``bare`` on neither (both sides longer
-#: than ``max_precond_dim``); ``small`` stays whole. Sharded across and along the long side.
-KRONECKER_SHAPES = {"tall": (130, 40), "wide": (40, 130), "bare": (100, 70), "small": (9, 7)}
+#: than ``max_precond_dim``), ``both`` and ``both_wide`` on both sides (Shampoo only; SOAP keeps
+#: them whole); ``small`` stays whole beside ``bare`` with SOAP. Sharded across and along the long
+#: side.
+KRONECKER_SHAPES = {
+    "tall": (130, 40),
+    "wide": (40, 130),
+    "bare": (100, 70),
+    "small": (9, 7),
+    "both": (62, 44),
+    "both_wide": (44, 62),
+}
 KRONECKER_PLACEMENTS = {
-    1: {"tall": [Shard(0)], "wide": [Shard(0)], "bare": [Shard(1)], "small": [Shard(0)]},
+    1: {
+        "tall": [Shard(0)],
+        "wide": [Shard(0)],
+        "bare": [Shard(1)],
+        "small": [Shard(0)],
+        "both": [Shard(0)],
+        "both_wide": [Shard(0)],
+    },
     2: {
         "tall": [Shard(0), Shard(1)],
         "wide": [Shard(0), Shard(0)],
         "bare": [Shard(1), Shard(0)],
         "small": [Shard(0), Shard(1)],
+        "both": [Shard(1), Shard(0)],
+        "both_wide": [Shard(0), Shard(1)],
     },
 }
 KRONECKER_OPTIMIZERS = {
@@ -365,8 +398,9 @@ def _kronecker_teams(rank: int, world_size: int, mesh_name: str) -> None:
         reference_params, params = _reference_and_sharded(full, mesh, placements)
         settings = {"lr": 0.01, "max_precond_dim": 64, **kwargs}
         reference = optimizer_class(list(reference_params.items()), **settings)
-        # One optimizer per matrix (``small`` beside ``bare``): alone, each is split over every rank.
-        alone = [["tall"], ["wide"], ["bare", "small"]]
+        # One optimizer per matrix (``small`` beside ``bare``): alone, each is split over every
+        # rank, except where the rule cannot split it.
+        alone = [["tall"], ["wide"], ["bare", "small"], ["both"], ["both_wide"]]
         teamed = _with_free_teams(optimizer_class)
         optimizers = [teamed([(key, params[key]) for key in keys], **settings) for keys in alone]
         for step in range(5):
@@ -377,7 +411,7 @@ def _kronecker_teams(rank: int, world_size: int, mesh_name: str) -> None:
                 # (measured on one process, the factor summed over slices instead of whole: the
                 # team's result equals that bit for bit).
                 grad = torch.randint(-3, 4, size, generator=generator).float()
-                grad = None if (step, key) == (1, "wide") else grad
+                grad = None if (step, key) in ((1, "wide"), (2, "both")) else grad
                 sharded = None
                 if grad is not None:
                     sharded = distribute_tensor(grad, mesh, placements[key], src_data_rank=None)
@@ -391,10 +425,13 @@ def _kronecker_teams(rank: int, world_size: int, mesh_name: str) -> None:
             for optimizer in optimizers:
                 optimizer.step()
             reference.step()
-        for optimizer in optimizers:
+        for optimizer, keys in zip(optimizers, alone):
             (engine,) = optimizer.engines.values()
-            assert engine.plan.split_matrices() == {world_size: 1}, (name, mesh_name, engine.plan.teams)
-            assert engine.stats.team_matrices == 1
+            # SOAP keeps a long side with a factor whole; Shampoo splits ``small`` too.
+            split = [key for key in keys if name == "shampoo" or key not in ("both", "both_wide", "small")]
+            expected = {world_size: len(split)} if split else {}
+            assert engine.plan.split_matrices() == expected, (name, mesh_name, engine.plan.teams)
+            assert engine.stats.team_matrices == len(split)
         for key, value in reference_params.items():
             label = f"{name} {key} on {mesh_name}"
             torch.testing.assert_close(

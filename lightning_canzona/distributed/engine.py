@@ -59,6 +59,7 @@ from lightning_canzona.distributed.updates import (
 )
 from lightning_canzona.planning import Plan, PlanSettings, block_of, build_plan
 from lightning_canzona.planning.matrices import matrix_spec
+from lightning_canzona.planning.teams import long_dim
 from lightning_canzona.rules.adamw import ALGORITHM as ADAMW
 from lightning_canzona.rules.base import MatrixRule, state_part, store_state_part
 from lightning_canzona.rules.kronecker import FAILURES
@@ -430,14 +431,14 @@ class MeshEngine:
         """The keys of item ``index``'s state that a team member holds a slice of."""
         item = self._items[index]
         prefix = "" if item.member is None else member_prefix(item.member)
-        return {prefix + key for key in rules[item.entry].team_sliced_state}
+        return {prefix + key for key in rules[item.entry].team_sliced_keys(item.layout.shape)}
 
     def _stateful_team_items(self, rules: Sequence[MatrixRule]) -> list[int]:
         """The plan items that a team computes and whose members hold slices of matrix state."""
         return [
             index
             for index, item in enumerate(self._items)
-            if len(self.team(index) or ()) > 1 and rules[item.entry].team_sliced_state
+            if len(self.team(index) or ()) > 1 and rules[item.entry].team_sliced_keys(item.layout.shape)
         ]
 
     def drop_foreign_matrix_state(self, state: dict[Tensor, State], rules: Sequence[MatrixRule]) -> None:
@@ -465,8 +466,9 @@ class MeshEngine:
     def _is_whole(self, index: int, rules: Sequence[MatrixRule], held: State) -> bool:
         """Whether ``held`` has item ``index``'s sliced state at the matrix's whole shape."""
         shape = tuple(self._items[index].layout.shape)
+        dim = long_dim(shape)
         sliced = [held[key] for key in self._sliced_keys(index, rules) if key in held]
-        return bool(sliced) and all(tuple(value.shape) == shape for value in sliced)
+        return bool(sliced) and all(value.shape[dim] == shape[dim] for value in sliced)
 
     def gather_team_state(self, state: dict[Tensor, State], rules: Sequence[MatrixRule]) -> None:
         """Put the matrix state of every matrix computed by a team whole on the team's first

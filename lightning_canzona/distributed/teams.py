@@ -13,8 +13,8 @@ of its state, and fast-forwarded to the same round: the rank keeps joining its t
 as every rank must, and the failure is raised on every rank after the step
 (`lightning_canzona.distributed.failures`).
 
-A member holds its slice of the matrix state that is elementwise in the matrix
-(`MatrixRule.team_sliced_state`) and the whole of the rest (`member_state`, `joined_state`).
+A member holds its slice of the matrix state that the rule slices (`MatrixRule.team_sliced_keys`)
+and the whole of the rest (`member_state`, `joined_state`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from torch import Tensor
 from lightning_canzona.distributed.clock import Clock, Intervals
 from lightning_canzona.planning import PlanSettings
 from lightning_canzona.planning.teams import long_dim, member_blocks
-from lightning_canzona.rules.base import State, TeamComputation, TeamRequest, TeamRows, TeamSum
+from lightning_canzona.rules.base import FAILURES, State, TeamComputation, TeamRequest, TeamRows, TeamSum
 
 Round = tuple[TeamRequest, ...]
 #: torch 2.13 renamed ``all_gather_into_tensor`` (same signature) and warns on the old name.
@@ -223,23 +223,32 @@ def member_state(
     whole: State, sliced: Collection[str], shape: Sequence[int], member: int, size: int
 ) -> State:
     """Member ``member``'s matrix state in a team of ``size``: its slice (a copy) of the
-    ``sliced`` tensors of a matrix of ``shape``, the others whole."""
+    ``sliced`` tensors of a matrix of ``shape``, the others whole; a failure count on member 0
+    only (`joined_state` adds the members' up)."""
     offset, block = member_blocks(shape, size)[member]
     dim = long_dim(shape)
-    return {
+    part = {
         key: value.narrow(dim, offset[dim], block[dim]).clone() if key in sliced else value
         for key, value in whole.items()
     }
+    if member > 0 and FAILURES in part:
+        part[FAILURES] = torch.zeros_like(part[FAILURES])
+    return part
 
 
 def joined_state(parts: Sequence[State], sliced: Collection[str], shape: Sequence[int]) -> State:
-    """The whole matrix state from every member's (`member_state`), in member order; the
-    tensors that are not sliced (factors, step counters, failure counts) are member 0's."""
+    """The whole matrix state from every member's (`member_state`), in member order: the
+    ``sliced`` tensors joined, the failure counts added up (each factor is decomposed by one
+    member, which counts its failures), the rest (factors, step counters) member 0's."""
     dim = long_dim(shape)
-    return {
+    whole = {
         key: torch.cat([part[key].to(value.device) for part in parts], dim=dim) if key in sliced else value
         for key, value in parts[0].items()
     }
+    if FAILURES in whole:
+        counts = (part[FAILURES].to(whole[FAILURES].device) for part in parts[1:])
+        whole[FAILURES] = sum(counts, whole[FAILURES])
+    return whole
 
 
 def measure_team_costs(

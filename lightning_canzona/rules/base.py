@@ -116,9 +116,6 @@ class MatrixRule(ABC):
     #: may stack same-shape matrices into one call. (Every rule has each matrix of a stack planned
     #: alone; a rule with matrix state keeps each one's under `updates.member_prefix`.)
     batches_matrices: ClassVar[bool] = False
-    #: Matrix-state keys whose tensors have the matrix's shape and are elementwise in it: a team
-    #: member holds its slice of them (`init_team_state`), and the whole of every other.
-    team_sliced_state: ClassVar[tuple[str, ...]] = ()
 
     def matrix_state(self, state: State) -> State:
         """The matrix-state part of a parameter's state."""
@@ -191,9 +188,15 @@ class MatrixRule(ABC):
 
     def init_team_state(self, shape: Sequence[int], member: int, size: int, device: torch.device) -> State:
         """The matrix state that member ``member`` of a team of ``size`` holds for a matrix of
-        ``shape``: its slice of each `team_sliced_state` tensor, the whole of the others (the
+        ``shape``: its slice of each `team_sliced_keys` tensor, the whole of the others (the
         default: none)."""
         return {}
+
+    def team_sliced_keys(self, shape: Sequence[int]) -> tuple[str, ...]:
+        """The matrix-state keys of a matrix of ``shape`` whose tensors a team member holds a slice
+        of, cut along the matrix's long dimension (`lightning_canzona.planning.teams.long_dim`)
+        as the matrix is; the member holds the whole of every other."""
+        return ()
 
     def team_direction(
         self, matrix: Tensor, shape: Sequence[int], member: int, size: int, state: State

@@ -4,11 +4,13 @@ For gradients ``G`` of shape ``(…, m, n)`` the left factor ``L`` (``m × m``) 
 (``n × n``) are exponential moving averages of ``GGᵀ`` and ``GᵀG``. A side longer than
 ``max_precond_dim`` gets no factor: the rule leaves that side unpreconditioned (identity).
 
-Teams (`lightning_canzona.planning.teams`) slice a matrix along its long side. Where that side has
-no factor, the update splits exactly: the other side's factor is a sum over the slices (``GᵀG =
-Σ GᵢᵀGᵢ``), its decomposition is computed by one member and shared, and the moments and the
-one-sided products are the slices' own. A matrix with factors on both sides stays whole: a slice's
-rows of ``GGᵀ`` and of ``L^(-1/4)·X`` need the whole matrix on every member each step.
+Teams (`lightning_canzona.planning.teams`) slice a matrix along its long side, and the update
+splits exactly. The short side's factor is a sum over the slices (``GᵀG = Σ GᵢᵀGᵢ``), whole on
+every member. The moments and the one-sided products by the short side's companion are the
+slices' own. A factor on the long side (Shampoo only) is held in rows: a member's rows of ``GGᵀ``
+are ``Gᵢ·Gᵀ``, and of ``L^(-1/4)·M`` are ``L^(-1/4)ᵢ·M``, so the team gathers ``G`` and ``M``
+whole on every member each step. Each factor is decomposed by one member and the result shared
+(`shared_decompositions`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,15 @@ import torch
 from torch import Tensor
 
 from lightning_canzona.planning.teams import long_dim, member_blocks
-from lightning_canzona.rules.base import FAILURES, State, TeamRequest, TeamSum, UpdateCost, matrix_dims
+from lightning_canzona.rules.base import (
+    FAILURES,
+    State,
+    TeamRequest,
+    TeamRows,
+    TeamSum,
+    UpdateCost,
+    matrix_dims,
+)
 
 SIDES = ("left", "right")
 #: The state that is elementwise in the matrix: what a team member holds its slice of.
@@ -119,50 +129,89 @@ def cost(shape: Sequence[int], max_precond_dim: int, frequency: int, products: i
     )
 
 
-def team_cost(
-    shape: Sequence[int], size: int, max_precond_dim: int, frequency: int, products: int, rounds: int
-) -> UpdateCost | None:
-    """Cost to the busiest member (the one that decomposes the factor) when a team of ``size``
-    computes the update of a matrix of ``shape`` together, or ``None`` where it cannot exactly:
-    a stack, a long side with a factor, or more members than the long side has slices.
+def sliced_keys(shape: Sequence[int], max_precond_dim: int, companion: str) -> tuple[str, ...]:
+    """The state keys that a team member holds a slice of (along the matrix's long side): the
+    moments, and the long side's factor and companion where that side has one (their rows, or
+    their columns for a factor on the columns: the same numbers, the factor being symmetric)."""
+    dim = long_dim(shape)
+    if shape[dim] > max_precond_dim:
+        return MOMENTS
+    side = SIDES[dim - (len(shape) - 2)]
+    return (*MOMENTS, side, f"{side}_{companion}")
 
-    ``rounds``: the team's collectives per step (besides the factor's sharing, every
-    ``frequency`` steps, counted in elements).
+
+def team_cost(
+    shape: Sequence[int],
+    size: int,
+    max_precond_dim: int,
+    frequency: int,
+    products: int,
+    rounds: int,
+    two_sided: bool = False,
+) -> UpdateCost | None:
+    """Cost to the busiest member when a team of ``size`` computes the update of a matrix of
+    ``shape`` together, or ``None`` where it cannot exactly: a stack, more members than the long
+    side has slices, or a long side with a factor unless the rule splits ``two_sided`` matrices.
+
+    Per member: its share of the one-sided products, and the decompositions, each factor's on
+    one member (the long side's on member 0, the short side's on the last; the busiest member
+    carries the larger). ``rounds``: the team's collectives per step; the elements a member sends
+    count, as a ring does, the factor's sum, the decompositions' sharing amortised over
+    ``frequency``, the gathers of the gradient and momentum that a long side's factor needs, and
+    two norms.
     """
     if len(shape) != 2:
         return None
     long = shape[long_dim(shape)]
     short = shape[0] + shape[1] - long
-    if long <= max_precond_dim or size > long:
+    if size > long or (long <= max_precond_dim and not two_sided):
         return None
     rows = -(-long // size)
-    sides = [short] if short <= max_precond_dim else []
     numel = rows * short
+    sides = [dim for dim in (short, long) if dim <= max_precond_dim]
+    share = (size - 1) / size
+    sent = 2 * share * sum(dim * dim / frequency for dim in sides)  # the decompositions, shared
+    if short in sides:
+        sent += 2 * share * short * short  # the short side's factor, summed
+    if long in sides:
+        # The gradient and the momentum gathered every step, the long factor before a decomposition.
+        sent += (size - 1) * (2 * numel + rows * long / frequency)
     return UpdateCost(
-        flops=float(sum(products * 2 * dim * numel + 10 * dim**3 / frequency for dim in sides) + 10 * numel),
+        flops=float(
+            sum(products * 2 * dim * numel for dim in sides)
+            + 10 * max(sides, default=0) ** 3 / frequency
+            + 10 * numel
+        ),
         numel=numel,
-        matrix_state_bytes=4 * (2 * numel + sum(2 * dim * dim for dim in sides)),
+        matrix_state_bytes=4 * (2 * numel + sum(2 * dim * (rows if dim == long else dim) for dim in sides)),
         elementwise_state_bytes=0,
         team_messages=rounds,
-        # The factor's sum, its decomposition's share amortised, and the grafting norms.
-        team_numel=sum(dim * dim + -(-dim * dim // frequency) for dim in sides) + 2,
+        team_numel=round(sent) + 2,
     )
 
 
 def init_team_state(
     shape: Sequence[int], member: int, size: int, device: torch.device, max_precond_dim: int, companion: str
 ) -> State:
-    """A team member's state: its slice of the moments, the whole factor and companion."""
-    _, block = member_blocks(shape, size)[member]
-    return init_state(shape, device, max_precond_dim, companion, moments_shape=block)
+    """A team member's state: its slice (`sliced_keys`) of the moments and of the long side's
+    factor and companion, the whole of the short side's."""
+    offset, block = member_blocks(shape, size)[member]
+    dim = long_dim(shape)
+    state = init_state(shape, device, max_precond_dim, companion, moments_shape=block)
+    for key in sliced_keys(shape, max_precond_dim, companion)[len(MOMENTS) :]:
+        state[key] = state[key].narrow(dim, offset[dim], block[dim]).clone()
+    return state
 
 
-def oriented(matrix: Tensor, state: State, shape: Sequence[int]) -> tuple[Tensor, State]:
+def oriented(
+    matrix: Tensor, state: State, shape: Sequence[int], sliced: Sequence[str] = MOMENTS
+) -> tuple[Tensor, State]:
     """A team member's slice and state, turned so that the sliced side is the rows.
 
     Where a team slices the columns (`planning.teams.long_dim`), the transposed slice is worked
     on: the left factor of ``Gᵀ`` is the right factor of ``G``, so the sides' keys swap, and the
-    moments are transposed views (updates write through to the state).
+    ``sliced`` tensors are transposed views (updates write through to the state). In the
+    oriented view a left factor, where present, is the member's rows of it.
     """
     if long_dim(shape) == len(shape) - 2:
         return matrix, state
@@ -170,10 +219,8 @@ def oriented(matrix: Tensor, state: State, shape: Sequence[int]) -> tuple[Tensor
     view = {}
     for key, value in state.items():
         side = key.split("_")[0]
-        if side in swapped:
-            view[swapped[side] + key[len(side) :]] = value
-        else:
-            view[key] = value.mT if key in MOMENTS else value
+        turned = value.mT if key in sliced else value
+        view[swapped[side] + key[len(side) :] if side in swapped else key] = turned
     return matrix.mT, view
 
 
@@ -187,25 +234,69 @@ def squared_norm(tensor: Tensor) -> Tensor:
     return torch.linalg.vector_norm(tensor).square().reshape(1)
 
 
-def factor_requests(grad: Tensor, state: State) -> tuple[TeamRequest, ...]:
-    """A member's part of the right factor's update ``GᵀG = Σ GᵢᵀGᵢ`` (rows sliced), if any."""
-    return (TeamSum(grad.mT @ grad),) if "right" in state else ()
+Rounds = Generator[tuple[TeamRequest, ...], tuple[Tensor, ...], dict[str, Tensor]]
 
 
-def update_summed_factor(state: State, summed: Sequence[Tensor], beta: float) -> None:
-    """``R ← β·R + (1 − β)·GᵀG`` from the team's sum (`factor_requests`' reply, first)."""
+def combined(requests: dict[str, TeamRequest]) -> Rounds:
+    """One round of named ``requests`` (none: no round); their combinations by name."""
+    if not requests:
+        return {}
+    replies = yield tuple(requests.values())
+    return dict(zip(requests, replies))
+
+
+def factor_requests(grad: Tensor, state: State, sizes: tuple[int, ...]) -> dict[str, TeamRequest]:
+    """What a member's oriented ``grad`` (its rows) contributes to the factors' updates: its
+    part of ``GᵀG = Σ GᵢᵀGᵢ``, and its rows of ``G``, which its rows of ``GGᵀ`` need whole."""
+    requests: dict[str, TeamRequest] = {}
     if "right" in state:
-        state["right"].lerp_(summed[0], 1.0 - beta)
+        requests["right"] = TeamSum(grad.mT @ grad)
+    if "left" in state:
+        requests["grad"] = TeamRows(grad, sizes)
+    return requests
 
 
-def shared_decomposition(
-    state: State, key: str, member: int, decompose_factor: Callable[[], None]
+def update_team_factors(state: State, grad: Tensor, combined: dict[str, Tensor], beta: float) -> None:
+    """`update_factors` on a member: ``R`` from the team's sum, its rows of ``L`` from ``Gᵢ·Gᵀ``."""
+    if "right" in state:
+        state["right"].lerp_(combined["right"], 1.0 - beta)
+    if "left" in state:
+        state["left"].lerp_(grad @ combined["grad"].mT, 1.0 - beta)
+
+
+def shared_decompositions(
+    state: State,
+    companion: str,
+    member: int,
+    size: int,
+    sizes: tuple[int, ...],
+    decompose: Callable[[State, str], None],
 ) -> Generator[tuple[TeamRequest, ...], tuple[Tensor, ...], None]:
-    """One round: member 0 decomposes (``decompose_factor`` updates ``state[key]``), and every
-    member receives its result, as the sum of it and the others' zeros (exact), so that the
-    members' factors stay equal bit for bit."""
-    if member == 0:
-        decompose_factor()
-    value = state[key]
-    (shared,) = yield (TeamSum(value if member == 0 else torch.zeros_like(value)),)
-    value.copy_(shared)
+    """Every factor decomposed once, by one member, and the result shared with every member.
+
+    ``decompose(state, side)`` updates ``state[f"{side}_{companion}"]`` from ``state[side]``
+    (keeping the old value where it fails, and counting the failure on that member). The right
+    factor, whole on every member, is decomposed by the last member; the left factor (this
+    member's rows of it) is first gathered, with its companion's rows, and decomposed by member
+    0, so that a two-sided team spreads its two decompositions. A member receives each result as
+    the sum of it and the others' zeros (exact), so the members' state stays equal bit for bit.
+    """
+    results: dict[str, TeamRequest] = {}
+    left = f"left_{companion}"
+    if "left" in state:
+        rows = {"left": TeamRows(state["left"], sizes), left: TeamRows(state[left], sizes)}
+        whole = yield from combined(rows)
+        if member == 0:
+            whole[FAILURES] = state[FAILURES]
+            decompose(whole, "left")
+        value = whole[left]
+        results[left] = TeamSum(value if member == 0 else torch.zeros_like(value))
+    if "right" in state:
+        if member == size - 1:
+            decompose(state, "right")
+        value = state[f"right_{companion}"]
+        results[f"right_{companion}"] = TeamSum(value if member == size - 1 else torch.zeros_like(value))
+    shared = yield from combined(results)
+    offset = sum(sizes[:member])
+    for key, value in shared.items():
+        state[key].copy_(value.narrow(-2, offset, sizes[member]) if key == left else value)

@@ -18,9 +18,10 @@ for Adam carry over.
 Cost per step, with ``f`` = precondition_frequency and sums over the preconditioned sides
 ``d ∈ {m, n}``: factor updates ``Σ 2d·mn``, preconditioning ``Σ 2d·mn``, eigendecompositions
 ``Σ 10d³ / f`` (the usual ≈10d³ for a symmetric eigensolver with vectors), ``≈ 10·mn`` elementwise.
-All of its state (factors, roots, both moments) is matrix state on the owner. A matrix whose long
-side has no factor can be computed by a team (`kronecker`): two collectives per step, the factor's
-sum with the Adam direction's squared norm, then the preconditioned direction's.
+All of its state (factors, roots, both moments) is matrix state on the owner. A team can compute
+any matrix (`kronecker`): two collectives per step, the factors' contributions with the Adam
+direction's squared norm, then the preconditioned direction's; where the long side has a factor,
+the first gathers the gradient and the momentum whole on every member.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lightning_canzona.planning.teams import long_dim, split_sizes
 from lightning_canzona.rules import kronecker
-from lightning_canzona.rules.base import MatrixRule, State, TeamComputation, TeamSum, UpdateCost
+from lightning_canzona.rules.base import MatrixRule, State, TeamComputation, TeamRows, TeamSum, UpdateCost
 
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -62,13 +64,15 @@ class ShampooRule(MatrixRule):
     start_preconditioning_step: int = 10
     max_precond_dim: int = 8192
     name = "shampoo"
-    team_sliced_state = kronecker.MOMENTS
 
     def init_matrix_state(self, shape: torch.Size, device: torch.device) -> State:
         return kronecker.init_state(shape, device, self.max_precond_dim, companion="root")
 
     def init_team_state(self, shape: Sequence[int], member: int, size: int, device: torch.device) -> State:
         return kronecker.init_team_state(shape, member, size, device, self.max_precond_dim, companion="root")
+
+    def team_sliced_keys(self, shape: Sequence[int]) -> tuple[str, ...]:
+        return kronecker.sliced_keys(shape, self.max_precond_dim, "root")
 
     def direction(self, matrix: Tensor, state: State) -> Tensor:
         grad = matrix.float()
@@ -90,26 +94,32 @@ class ShampooRule(MatrixRule):
     def team_direction(
         self, matrix: Tensor, shape: Sequence[int], member: int, size: int, state: State
     ) -> TeamComputation:
-        """Rounds: the right factor's sum with the Adam direction's squared norm, the root's
-        sharing on a decomposition step, the preconditioned direction's squared norm."""
-        grad, state = kronecker.oriented(matrix.float(), state, shape)
+        """Rounds: the factors' contributions (the short side's sum; the gradient and momentum
+        gathered where the long side has a factor) with the Adam direction's squared norm, the
+        roots' sharing on a decomposition step, the preconditioned direction's squared norm."""
+        sliced = kronecker.sliced_keys(shape, self.max_precond_dim, "root")
+        grad, state = kronecker.oriented(matrix.float(), state, shape, sliced)
+        sizes = split_sizes(shape[long_dim(shape)], size)
         step, momentum, adam = self._moments(grad, state)
         preconditioning = step >= self.start_preconditioning_step
-        requests = kronecker.factor_requests(grad, state)
+        requests = kronecker.factor_requests(grad, state, sizes)
         if preconditioning:
-            requests += (TeamSum(kronecker.squared_norm(adam)),)
-        summed = (yield requests) if requests else ()
-        kronecker.update_summed_factor(state, summed, self.betas[1])
+            requests["adam"] = TeamSum(kronecker.squared_norm(adam))
+            if "left" in state:
+                requests["momentum"] = TeamRows(momentum, sizes)
+        combined = yield from kronecker.combined(requests)
+        kronecker.update_team_factors(state, grad, combined, self.betas[1])
         if not preconditioning:
             return kronecker.unoriented(adam, shape)
+        if self._decomposes(step):
+            yield from kronecker.shared_decompositions(state, "root", member, size, sizes, self._decompose)
         preconditioned = momentum
+        if "left" in state:
+            preconditioned = state["left_root"] @ combined["momentum"]
         if "right" in state:
-            if self._decomposes(step):
-                decompose = functools.partial(self._decompose, state, "right")
-                yield from kronecker.shared_decomposition(state, "right_root", member, decompose)
             preconditioned = preconditioned @ state["right_root"]
         (preconditioned_norm,) = yield (TeamSum(kronecker.squared_norm(preconditioned)),)
-        scale = summed[-1].sqrt() / preconditioned_norm.sqrt().clamp_min(_TINY)
+        scale = combined["adam"].sqrt() / preconditioned_norm.sqrt().clamp_min(_TINY)
         return kronecker.unoriented(preconditioned * scale, shape)
 
     def _moments(self, grad: Tensor, state: State) -> tuple[int, Tensor, Tensor]:
@@ -137,5 +147,11 @@ class ShampooRule(MatrixRule):
 
     def team_cost(self, shape: Sequence[int], size: int) -> UpdateCost | None:
         return kronecker.team_cost(
-            shape, size, self.max_precond_dim, self.precondition_frequency, products=2, rounds=2
+            shape,
+            size,
+            self.max_precond_dim,
+            self.precondition_frequency,
+            products=2,
+            rounds=2,
+            two_sided=True,
         )

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lightning_canzona.planning.teams import long_dim, split_sizes
 from lightning_canzona.rules import kronecker
 from lightning_canzona.rules.base import MatrixRule, State, TeamComputation, UpdateCost
 
@@ -90,13 +91,15 @@ class SOAPRule(MatrixRule):
     precondition_frequency: int = 10
     max_precond_dim: int = 10_000
     name = "soap"
-    team_sliced_state = kronecker.MOMENTS
 
     def init_matrix_state(self, shape: torch.Size, device: torch.device) -> State:
         return kronecker.init_state(shape, device, self.max_precond_dim, companion="basis")
 
     def init_team_state(self, shape: Sequence[int], member: int, size: int, device: torch.device) -> State:
         return kronecker.init_team_state(shape, member, size, device, self.max_precond_dim, companion="basis")
+
+    def team_sliced_keys(self, shape: Sequence[int]) -> tuple[str, ...]:
+        return kronecker.MOMENTS  # a long side with a factor is never split (see `team_cost`)
 
     def direction(self, matrix: Tensor, state: State) -> Tensor:
         state["step"] += 1
@@ -115,21 +118,20 @@ class SOAPRule(MatrixRule):
     ) -> TeamComputation:
         """Rounds: the right factor's sum, and its basis's sharing on a basis step."""
         grad, state = kronecker.oriented(matrix.float(), state, shape)
+        sizes = split_sizes(shape[long_dim(shape)], size)
         state["step"] += 1
         step = int(state["step"])
-        requests = kronecker.factor_requests(grad, state)
-        if requests:
-            summed = yield requests
-            kronecker.update_summed_factor(state, summed, self._factor_beta)
-            decompose = None
-            if step == 1:
-                decompose = functools.partial(_first_basis, state, "right")
-            elif step % self.precondition_frequency == 0:
-                # Every member reorders its slice of exp_avg_sq; the order is the same on all.
-                reordered = _reordered_basis(state, "right")
-                decompose = functools.partial(_refreshed_basis, state, "right", reordered)
-            if decompose is not None:
-                yield from kronecker.shared_decomposition(state, "right_basis", member, decompose)
+        combined = yield from kronecker.combined(kronecker.factor_requests(grad, state, sizes))
+        kronecker.update_team_factors(state, grad, combined, self._factor_beta)
+        decompose = None
+        if "right" in state and step == 1:
+            decompose = _first_basis
+        elif "right" in state and step % self.precondition_frequency == 0:
+            # Every member reorders its slice of exp_avg_sq; the order is the same on all.
+            reordered = _reordered_basis(state, "right")
+            decompose = functools.partial(_refreshed_basis, basis=reordered)
+        if decompose is not None:
+            yield from kronecker.shared_decompositions(state, "basis", member, size, sizes, decompose)
         return kronecker.unoriented(self._adam_in_eigenbasis(grad, state, step), shape)
 
     @property
