@@ -49,7 +49,10 @@ def main(argv: list[str] | None = None) -> None:
         "step", help="optimizer-step latency on dp×tp CPU ranks: canzona vs the alternatives"
     )
     steps.add_argument(
-        "--presets", nargs="+", default=["tiny", "small"], help="Qwen3 presets (see models.qwen3)"
+        "--presets",
+        nargs="+",
+        default=["tiny", "small"],
+        help="Qwen3 presets (see models.qwen3), or wide or square: one large matrix and four small",
     )
     steps.add_argument("--dp", type=int, default=2)
     steps.add_argument("--tp", type=int, default=2)

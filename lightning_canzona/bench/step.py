@@ -26,9 +26,9 @@ mixture-of-experts variants).
 ``canzona`` lets teams of ranks compute one matrix's update together (`planning.teams`) where its
 cost model, with an H100's prices of collectives, says that they pay; ``canzona (whole
 matrices)`` never does; ``canzona (teams, measured)`` prices the collectives as measured on this
-machine (`distributed.teams.measure_team_costs`). The ``wide`` preset is a model whose largest
-matrix is most of the update work (`WideModel`), where whole-matrix ownership leaves three of
-four ranks waiting for the owner of that one matrix.
+machine (`distributed.teams.measure_team_costs`). The ``wide`` and ``square`` presets are models
+whose largest matrix is most of the update work (`LargeMatrixModel`), where whole-matrix ownership
+leaves three of four ranks waiting for the owner of that one matrix.
 
 A step's latency is the slowest rank's. Busy time is the time each rank spends in full-matrix
 updates; its max/mean across ranks measures the balance actually achieved. Peak buffers are the
@@ -82,25 +82,32 @@ OPTIMIZERS: dict[str, tuple[type[lc.MatrixOptimizer], dict]] = {
 }
 
 
-class WideModel(nn.Module):
-    """One ``16384 × 256`` projection and four ``256 × 256`` ones: the projection is 94 % of
-    Muon's update FLOPs (every matrix column-parallel under TP; the benchmark needs no forward)."""
+#: Models whose largest matrix is most of the update work (`LargeMatrixModel`), by preset: its
+#: ``(out_features, in_features)``. ``wide``'s long side has no Shampoo/SOAP factor at their default
+#: ``max_precond_dim``; ``square``'s both sides have one.
+LARGE_MATRIX_PRESETS = {"wide": (16384, 256), "square": (1024, 1024)}
 
-    def __init__(self) -> None:
+
+class LargeMatrixModel(nn.Module):
+    """One large projection and four ``256 × 256`` ones (every matrix column-parallel under TP;
+    the benchmark needs no forward): the large one is 94 % (``wide``) of Muon's update FLOPs, and
+    97 % (``square``) of Shampoo's."""
+
+    def __init__(self, out_features: int, in_features: int) -> None:
         super().__init__()
         block = nn.Module()
-        block.wide = nn.Linear(256, 16384, bias=False)
+        block.large = nn.Linear(in_features, out_features, bias=False)
         block.narrow = nn.ModuleList(nn.Linear(256, 256, bias=False) for _ in range(4))
         self.layers = nn.ModuleList([block])
 
     def tensor_parallel_plan(self) -> dict[str, ParallelStyle]:
-        names = ["layers.0.wide", *(f"layers.0.narrow.{i}" for i in range(4))]
+        names = ["layers.0.large", *(f"layers.0.narrow.{i}" for i in range(4))]
         return dict.fromkeys(names, ColwiseParallel())
 
 
 def _model(preset: str) -> tuple[nn.Module, dict[str, ParallelStyle]]:
-    if preset == "wide":
-        model = WideModel()
+    if preset in LARGE_MATRIX_PRESETS:
+        model = LargeMatrixModel(*LARGE_MATRIX_PRESETS[preset])
         return model, model.tensor_parallel_plan()
     model = Qwen3(preset)
     return model, tensor_parallel_plan(model)
