@@ -159,12 +159,12 @@ def test_kronecker_team_costs_count_the_members_work_and_what_they_send() -> Non
     assert cost.team_numel == round(1.5 * 40 * 40 + 1.5 * 40 * 40 / 4) + 2
     # Both sides (Shampoo): a member's 16 rows of 64 × 48; the long side's root on member 0;
     # the gradient and momentum gathered whole (each member sends its 16 × 48 to 3 others), the
-    # factor's rows before a decomposition (every 10th step).
+    # factor's and the root's rows before a decomposition (every 10th step).
     two_sided = shampoo.team_cost((64, 48), 4)
     assert two_sided.flops == 2 * 2 * (48 + 64) * 16 * 48 + 10 * 64**3 / 10 + 10 * 16 * 48
     assert two_sided.matrix_state_bytes == 4 * (2 * 16 * 48 + 2 * 48 * 48 + 2 * 16 * 64)
     shared = 1.5 * (48 * 48 + 64 * 64) / 10
-    assert two_sided.team_numel == round(shared + 1.5 * 48 * 48 + 3 * (2 * 16 * 48 + 16 * 64 / 10)) + 2
+    assert two_sided.team_numel == round(shared + 1.5 * 48 * 48 + 3 * (2 * 16 * 48 + 2 * 16 * 64 / 10)) + 2
     assert two_sided.flops < shampoo.cost((64, 48)).flops / 2
 
 

@@ -174,8 +174,8 @@ def team_cost(
     if short in sides:
         sent += 2 * share * short * short  # the short side's factor, summed
     if long in sides:
-        # The gradient and the momentum gathered every step, the long factor before a decomposition.
-        sent += (size - 1) * (2 * numel + rows * long / frequency)
+        # The gradient and momentum gathered every step, the long factor and root before a decomposition.
+        sent += (size - 1) * (2 * numel + 2 * rows * long / frequency)
     return UpdateCost(
         flops=float(
             sum(products * 2 * dim * numel for dim in sides)
@@ -256,12 +256,13 @@ def factor_requests(grad: Tensor, state: State, sizes: tuple[int, ...]) -> dict[
     return requests
 
 
-def update_team_factors(state: State, grad: Tensor, combined: dict[str, Tensor], beta: float) -> None:
-    """`update_factors` on a member: ``R`` from the team's sum, its rows of ``L`` from ``Gᵢ·Gᵀ``."""
+def update_team_factors(state: State, grad: Tensor, replies: dict[str, Tensor], beta: float) -> None:
+    """`update_factors` on a member from the replies to `factor_requests`: ``R`` from the team's
+    sum, its rows of ``L`` from ``Gᵢ·Gᵀ``."""
     if "right" in state:
-        state["right"].lerp_(combined["right"], 1.0 - beta)
+        state["right"].lerp_(replies["right"], 1.0 - beta)
     if "left" in state:
-        state["left"].lerp_(grad @ combined["grad"].mT, 1.0 - beta)
+        state["left"].lerp_(grad @ replies["grad"].mT, 1.0 - beta)
 
 
 def shared_decompositions(
@@ -287,7 +288,7 @@ def shared_decompositions(
         rows = {"left": TeamRows(state["left"], sizes), left: TeamRows(state[left], sizes)}
         whole = yield from combined(rows)
         if member == 0:
-            whole[FAILURES] = state[FAILURES]
+            whole[FAILURES] = state.setdefault(FAILURES, torch.zeros((), dtype=torch.int64))
             decompose(whole, "left")
         value = whole[left]
         results[left] = TeamSum(value if member == 0 else torch.zeros_like(value))

@@ -107,19 +107,19 @@ class ShampooRule(MatrixRule):
             requests["adam"] = TeamSum(kronecker.squared_norm(adam))
             if "left" in state:
                 requests["momentum"] = TeamRows(momentum, sizes)
-        combined = yield from kronecker.combined(requests)
-        kronecker.update_team_factors(state, grad, combined, self.betas[1])
+        replies = yield from kronecker.combined(requests)
+        kronecker.update_team_factors(state, grad, replies, self.betas[1])
         if not preconditioning:
             return kronecker.unoriented(adam, shape)
         if self._decomposes(step):
             yield from kronecker.shared_decompositions(state, "root", member, size, sizes, self._decompose)
         preconditioned = momentum
         if "left" in state:
-            preconditioned = state["left_root"] @ combined["momentum"]
+            preconditioned = state["left_root"] @ replies["momentum"]
         if "right" in state:
             preconditioned = preconditioned @ state["right_root"]
         (preconditioned_norm,) = yield (TeamSum(kronecker.squared_norm(preconditioned)),)
-        scale = combined["adam"].sqrt() / preconditioned_norm.sqrt().clamp_min(_TINY)
+        scale = replies["adam"].sqrt() / preconditioned_norm.sqrt().clamp_min(_TINY)
         return kronecker.unoriented(preconditioned * scale, shape)
 
     def _moments(self, grad: Tensor, state: State) -> tuple[int, Tensor, Tensor]:

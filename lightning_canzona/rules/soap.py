@@ -121,8 +121,8 @@ class SOAPRule(MatrixRule):
         sizes = split_sizes(shape[long_dim(shape)], size)
         state["step"] += 1
         step = int(state["step"])
-        combined = yield from kronecker.combined(kronecker.factor_requests(grad, state, sizes))
-        kronecker.update_team_factors(state, grad, combined, self._factor_beta)
+        replies = yield from kronecker.combined(kronecker.factor_requests(grad, state, sizes))
+        kronecker.update_team_factors(state, grad, replies, self._factor_beta)
         decompose = None
         if "right" in state and step == 1:
             decompose = _first_basis
