@@ -27,6 +27,7 @@ from lightning_canzona.planning.matrices import MatrixSpec
 from lightning_canzona.planning.plan import estimated_step, team_sizes
 from lightning_canzona.planning.teams import TEAM_SIZES, candidate_teams, long_dim, member_blocks, split_sizes
 from lightning_canzona.rules.base import TeamSum, UpdateCost
+from lightning_canzona.rules.blocks import RowBlockRule
 from lightning_canzona.rules.muon import MuonRule
 from lightning_canzona.rules.newton_schulz import (
     PRESETS,
@@ -292,6 +293,16 @@ def _measured_prices(rank: int, world_size: int) -> None:
 
 def test_measured_prices_cover_teams_and_exchanges_and_agree_on_every_rank() -> None:
     run_on_ranks(3, _measured_prices)
+
+
+def test_prices_are_measured_in_the_dtype_of_the_rules_matrix_products() -> None:
+    # FLOPs of Muon's bf16 Newton–Schulz and of Shampoo's and SOAP's float32 products differ
+    # about 4× in time on one device: `team_prices="measure"` times the rule's own.
+    quintic = PRESETS["quintic"]
+    assert MuonRule(quintic).matmul_dtype() == torch.bfloat16
+    assert MuonRule(quintic, compute_dtype=torch.float32).matmul_dtype() == torch.float32
+    assert ShampooRule().matmul_dtype() == SOAPRule().matmul_dtype() == torch.float32
+    assert RowBlockRule(MuonRule(quintic), 2).matmul_dtype() == torch.bfloat16
 
 
 def _with_free_teams(optimizer_class):

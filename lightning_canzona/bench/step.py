@@ -60,7 +60,6 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, parallelize_module
 
 import lightning_canzona as lc
-from lightning_canzona.distributed.teams import measure_team_costs
 from lightning_canzona.models.qwen3 import Qwen3, tensor_parallel_plan
 from lightning_canzona.planning import PlanSettings, report
 
@@ -166,7 +165,10 @@ def _build(variant: str, groups: list[dict], optimizer_name: str = "muon") -> ob
         "canzona (teams, measured)": ("canzona", True),
     }[variant]
     max_team = 1 if variant == "canzona (whole matrices)" else PlanSettings.max_team
-    return optimizer_class(groups, **settings, policy=policy, overlap=overlap, max_team=max_team)
+    prices = "measure" if variant == "canzona (teams, measured)" else "h100"
+    return optimizer_class(
+        groups, **settings, policy=policy, overlap=overlap, max_team=max_team, team_prices=prices
+    )
 
 
 def _state_bytes(optimizer: object) -> int:
@@ -216,8 +218,6 @@ def _worker(
     optimizers = {
         variant: _build(variant, lc.matrix_param_groups(model), optimizer_name) for variant in variants
     }
-    measured = optimizers["canzona (teams, measured)"]
-    measured.plan_settings = replace(measured.plan_settings, **measure_team_costs())
     times: dict[str, list[float]] = {v: [] for v in variants}
     cpu: dict[str, list[float]] = {v: [] for v in variants}
     busy: dict[str, list[float]] = {v: [] for v in variants}

@@ -29,9 +29,8 @@ def make_rule(optimizer: str) -> MatrixRule:
 
 
 def compute_dtype(rule: MatrixRule) -> str:
-    """Dtype of the rule's matmuls: Muon's ``compute_dtype``; Shampoo and SOAP work in float32."""
-    dtype = rule.compute_dtype if isinstance(rule, MuonRule) else torch.float32
-    return str(dtype).removeprefix("torch.")
+    """Dtype of the rule's matmuls (`MatrixRule.matmul_dtype`), by name."""
+    return str(rule.matmul_dtype()).removeprefix("torch.")
 
 
 @cache

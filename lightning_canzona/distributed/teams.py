@@ -317,12 +317,14 @@ def check_team_prices(prices: TeamPrices) -> TeamPrices:
     )
 
 
-def priced(settings: PlanSettings, prices: TeamPrices, group: dist.ProcessGroup, device: str) -> PlanSettings:
+def priced(
+    settings: PlanSettings, prices: TeamPrices, group: dist.ProcessGroup, device: str, dtype: torch.dtype
+) -> PlanSettings:
     """``settings`` with the team prices ``prices`` (``"measure"``: collective over ``group``,
-    on ``device``)."""
+    on ``device``, with the FLOPs of matrix products in ``dtype``, the rule's `matmul_dtype`)."""
     if prices == "h100":
         return settings
     if prices == "measure":
-        return replace(settings, **measure_team_costs(group, device))
+        return replace(settings, **measure_team_costs(group, device, dtype))
     per_element, per_message = prices  # type: ignore[misc]
     return replace(settings, flops_per_element=per_element, flops_per_message=per_message)

@@ -138,6 +138,10 @@ class MatrixRule(ABC):
     def direction(self, matrix: Tensor, state: State) -> Tensor:
         """The update direction for the full ``matrix`` (a ``(…, m, n)`` tensor)."""
 
+    def matmul_dtype(self) -> torch.dtype:
+        """The dtype of `direction`'s matrix products: the FLOPs of `cost` are in it."""
+        return torch.float32
+
     def exchange_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
         """The dtype in which full matrices travel to and from the owner without changing the
         result: what `direction` converts its input to first, and what it returns."""

@@ -162,6 +162,9 @@ class RowBlockRule(MatrixRule):
         ratio = self.inner.lr_scale(blocks.shape[-2:]) / scale
         return direction if ratio == 1.0 else direction.mul(ratio)
 
+    def matmul_dtype(self) -> torch.dtype:
+        return self.inner.matmul_dtype()
+
     def exchange_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
         return self.inner.exchange_dtype(param_dtype)
 

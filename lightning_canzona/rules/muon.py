@@ -72,6 +72,9 @@ class MuonRule(MatrixRule):
     def direction(self, matrix: Tensor, state: State) -> Tensor:
         return newton_schulz(matrix, self.schedule, self.ns_steps, self.eps, self.compute_dtype, self.ns_form)
 
+    def matmul_dtype(self) -> torch.dtype:
+        return self.compute_dtype
+
     def exchange_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
         # Newton–Schulz starts by rounding to compute_dtype and returns compute_dtype: sending bf16
         # both ways halves the traffic and changes no bit of the result.
