@@ -493,13 +493,20 @@ def test_teams_that_form_the_polynomial_whole_equal_single_process() -> None:
 
 
 #: A team's rule and its optimizer: SOAP's rounds depend on its step count (a basis refresh every
-#: second step), which the failing member had counted before it failed.
+#: second step), which the failing member had counted before it failed; Shampoo's too (factors on
+#: both sides of the ``12 × 200`` weight: its gathers, and a decomposition in the failed step).
 FAILING_TEAMS = {
     "muon": (MuonRule, lambda params: TeamMuon(params, lr=0.02, compute_dtype="float32")),
     "soap": (
         SOAPRule,
         lambda params: _with_free_teams(lc.SOAP)(
             params, lr=0.01, precondition_frequency=2, max_precond_dim=64
+        ),
+    ),
+    "shampoo": (
+        ShampooRule,
+        lambda params: _with_free_teams(lc.Shampoo)(
+            params, lr=0.01, precondition_frequency=2, start_preconditioning_step=2
         ),
     ),
 }
