@@ -87,8 +87,8 @@ class CanzonaStrategy(ModelParallelStrategy):
             ``None`` derives it from the model.
         max_team: Most ranks that compute one matrix's update together (``canzona``; a power
             of two, 1 keeps every matrix whole): the plan splits the costliest matrices over
-            teams where the rule allows (Muon and Shampoo: any matrix; SOAP where the long side
-            has no factor) and its cost model says it pays.
+            teams where the rule allows (Muon, Shampoo and SOAP: any 2-D matrix) and its cost
+            model says it pays.
         team_prices: What the cost model charges for a team's collectives: ``"h100"``,
             ``"measure"`` (on the job's own devices and links) or ``(FLOPs per element sent,
             FLOPs per collective)``; see `lightning_canzona.MatrixOptimizer`.

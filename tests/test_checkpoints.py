@@ -205,9 +205,10 @@ def test_checkpoint_loads_at_a_different_mesh_with_every_owners_state(
         # only show that training goes on from it. One TP rank instead of two sums the backward's
         # partial products in another order; SOAP (Adam in a refreshed eigenbasis) grows those
         # ulps within two steps, and a token whose top-2 experts nearly tie can switch experts:
-        # measured up to 1.6e-3 (Python 3.10's corpus), 1e-4 without experts.
+        # measured up to 6.0e-3 (here, with SOAP rotating the long side first; 1.6e-3 before, on
+        # Python 3.10's corpus), 1e-4 without experts.
         for got, expected in zip(resumed, uninterrupted[3:]):
-            assert abs(got - expected) <= 5e-3, (resumed, uninterrupted[3:])
+            assert abs(got - expected) <= 1e-2, (resumed, uninterrupted[3:])
 
 
 class SaveThenFailMidway(Callback):

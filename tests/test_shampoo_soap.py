@@ -75,6 +75,12 @@ def _reference_soap(initial, grads, *, lr, betas, eps, weight_decay, frequency):
     def eigenvectors_descending(factor):
         return torch.linalg.eigh(factor).eigenvectors.flip(-1)
 
+    def rotate(x, q_left, q_right):
+        # Qᵀ_L·X·Q_R, the long side (the columns of a square matrix) turned first, as the
+        # optimizer does: at t = 1 the bases diagonalise G, and the Adam ratio turns the rounding
+        # off the diagonal into ±1, so the reference must form the same products.
+        return q_left.T @ (x @ q_right) if x.shape[1] >= x.shape[0] else (q_left.T @ x) @ q_right
+
     beta1, beta2 = betas
     weight = initial.clone()
     m, v = torch.zeros_like(initial), torch.zeros_like(initial)
@@ -100,9 +106,9 @@ def _reference_soap(initial, grads, *, lr, betas, eps, weight_decay, frequency):
             q_left = torch.linalg.qr(left @ q_left).Q
             q_right = torch.linalg.qr(right @ q_right).Q
         bases.append(q_left)
-        g_rotated = q_left.T @ g @ q_right
+        g_rotated = rotate(g, q_left, q_right)
         m = beta1 * m + (1 - beta1) * g
-        m_rotated = q_left.T @ m @ q_right
+        m_rotated = rotate(m, q_left, q_right)
         v = beta2 * v + (1 - beta2) * g_rotated**2
         correction = (1 - beta2**t) ** 0.5 / (1 - beta1**t)
         step = q_left @ (correction * m_rotated / (v.sqrt() + eps)) @ q_right.T

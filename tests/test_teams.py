@@ -108,14 +108,18 @@ KRONECKER_RULES = {
 
 @pytest.mark.parametrize(
     ("rule_name", "shape"),
-    [(name, shape) for name in sorted(KRONECKER_RULES) for shape in [(6, 50), (50, 6), (13, 10)]]
-    + [("shampoo", (7, 5)), ("shampoo", (5, 8)), ("shampoo", (7, 7))],
+    [
+        (name, shape)
+        for name in sorted(KRONECKER_RULES)
+        for shape in [(6, 50), (50, 6), (13, 10), (7, 5), (5, 8), (7, 7)]
+    ],
 )
 @pytest.mark.parametrize("size", [2, 3, 4])
 def test_kronecker_team_updates_equal_one_rank(rule_name, shape, size) -> None:
     # (13, 10) has no factor at max_precond_dim 8: the members' computations are their own
     # (SOAP: no round at all; Shampoo: its grafting norms). (7, 5), (5, 8) and (7, 7) have factors
-    # on both sides (Shampoo: the long side's in rows, the gradient and momentum gathered). Five
+    # on both sides (the long side's in rows, the gradient and momentum gathered; SOAP's basis
+    # whole on every member, its refresh reordering the members' rows of the second moment). Five
     # steps: decompositions at 1 (SOAP), 2 and 4, refreshes at 2 and 4 (SOAP).
     rule = KRONECKER_RULES[rule_name]
     assert rule.team_cost(shape, size) is not None
@@ -145,7 +149,6 @@ def test_kronecker_team_updates_equal_one_rank(rule_name, shape, size) -> None:
 
 def test_kronecker_team_costs_count_the_members_work_and_what_they_send() -> None:
     shampoo, soap = ShampooRule(max_precond_dim=64), SOAPRule(max_precond_dim=64, precondition_frequency=4)
-    assert soap.team_cost((64, 48), 2) is None  # SOAP splits no long side with a factor
     assert shampoo.team_cost((3, 130, 40), 2) is None  # a stack
     assert shampoo.team_cost((130, 40), 131) is None  # more members than rows
     cost = soap.team_cost((130, 40), 4)
@@ -158,6 +161,10 @@ def test_kronecker_team_costs_count_the_members_work_and_what_they_send() -> Non
     assert cost.matrix_state_bytes == 4 * (2 * 33 * 40 + 2 * 40 * 40)
     # The factor summed (a ring sends 2·3/4 of it), its basis shared every 4th step, two norms.
     assert cost.team_numel == round(1.5 * 40 * 40 + 1.5 * 40 * 40 / 4) + 2
+    # Both sides, SOAP: the factor's rows, its basis whole; three matrices gathered per step.
+    soap_two_sided = soap.team_cost((64, 48), 4)
+    assert soap_two_sided.matrix_state_bytes == 4 * (2 * 16 * 48 + 2 * 48 * 48 + 16 * 64 + 64 * 64)
+    assert (soap_two_sided.team_messages, soap.cost((64, 48)).flops > 2 * soap_two_sided.flops) == (3, True)
     # Both sides (Shampoo): a member's 16 rows of 64 × 48; the long side's root on member 0;
     # the gradient and momentum gathered whole (each member sends its 16 × 48 to 3 others), the
     # factor's and the root's rows before a decomposition (every 10th step).
@@ -354,9 +361,8 @@ def test_team_updates_equal_single_process(mesh_name: str) -> None:
 
 #: Matrices that teams split along their long side: ``tall`` preconditioned on its columns,
 #: ``wide`` on its rows (its columns turned into rows), ``bare`` on neither (both sides longer
-#: than ``max_precond_dim``), ``both`` and ``both_wide`` on both sides (Shampoo only; SOAP keeps
-#: them whole); ``small`` stays whole beside ``bare`` with SOAP. Sharded across and along the long
-#: side.
+#: than ``max_precond_dim``), ``both``, ``both_wide`` and ``small`` on both sides. Sharded across
+#: and along the long side.
 KRONECKER_SHAPES = {
     "tall": (130, 40),
     "wide": (40, 130),
@@ -438,9 +444,8 @@ def _kronecker_teams(rank: int, world_size: int, mesh_name: str) -> None:
             reference.step()
         for optimizer, keys in zip(optimizers, alone):
             (engine,) = optimizer.engines.values()
-            # SOAP keeps a long side with a factor whole; Shampoo splits ``small`` too.
-            split = [key for key in keys if name == "shampoo" or key not in ("both", "both_wide", "small")]
-            expected = {world_size: len(split)} if split else {}
+            split = keys  # ``small`` too: both its sides have a factor
+            expected = {world_size: len(split)}
             assert engine.plan.split_matrices() == expected, (name, mesh_name, engine.plan.teams)
             assert engine.stats.team_matrices == len(split)
         for key, value in reference_params.items():

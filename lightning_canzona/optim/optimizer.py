@@ -80,8 +80,8 @@ class MatrixOptimizer(Optimizer):
             ``None`` derives it from the model.
         max_team: Most ranks that compute one matrix's update together (``canzona``; a power
             of two, 1 keeps every matrix whole): the plan splits the costliest matrices over
-            teams where the rule allows (Muon and Shampoo: any matrix; SOAP where the long side
-            has no factor) and its cost model says it pays.
+            teams where the rule allows (Muon, Shampoo and SOAP: any 2-D matrix) and its cost
+            model says it pays.
         team_prices: What the cost model charges for a team's collectives: ``"h100"`` (H100s
             on NVLink, see `PlanSettings`), ``"measure"`` (measured on the job's own devices
             and links when the first plan is built, the gathers' and scatters' prices too:

@@ -7,10 +7,10 @@ For gradients ``G`` of shape ``(…, m, n)`` the left factor ``L`` (``m × m``) 
 Teams (`lightning_canzona.planning.teams`) slice a matrix along its long side, and the update
 splits exactly. The short side's factor is a sum over the slices (``GᵀG = Σ GᵢᵀGᵢ``), whole on
 every member. The moments and the one-sided products by the short side's companion are the
-slices' own. A factor on the long side (Shampoo only) is held in rows: a member's rows of ``GGᵀ``
-are ``Gᵢ·Gᵀ``, and of ``L^(-1/4)·M`` are ``L^(-1/4)ᵢ·M``, so the team gathers ``G`` and ``M``
-whole on every member each step. Each factor is decomposed by one member and the result shared
-(`shared_decompositions`).
+slices' own. A factor on the long side is held in rows: a member's rows of ``GGᵀ`` are
+``Gᵢ·Gᵀ``, and of ``L^(-1/4)·M`` are ``L^(-1/4)ᵢ·M``, so the team gathers ``G`` and ``M`` whole on
+every member each step (SOAP keeps that side's basis whole: see `lightning_canzona.rules.soap`).
+Each factor is decomposed by one member and the result shared (`shared_decompositions`).
 """
 
 from __future__ import annotations
@@ -129,15 +129,16 @@ def cost(shape: Sequence[int], max_precond_dim: int, frequency: int, products: i
     )
 
 
-def sliced_keys(shape: Sequence[int], max_precond_dim: int, companion: str) -> tuple[str, ...]:
+def sliced_keys(shape: Sequence[int], max_precond_dim: int, companion: str | None) -> tuple[str, ...]:
     """The state keys that a team member holds a slice of (along the matrix's long side): the
-    moments, and the long side's factor and companion where that side has one (their rows, or
-    their columns for a factor on the columns: the same numbers, the factor being symmetric)."""
+    moments, and the long side's factor where that side has one, with its ``companion`` if given
+    (their rows, or their columns for a factor on the columns: the same numbers, the factor being
+    symmetric); a companion not given is held whole."""
     dim = long_dim(shape)
     if shape[dim] > max_precond_dim:
         return MOMENTS
     side = SIDES[dim - (len(shape) - 2)]
-    return (*MOMENTS, side, f"{side}_{companion}")
+    return (*MOMENTS, side) if companion is None else (*MOMENTS, side, f"{side}_{companion}")
 
 
 def team_cost(
@@ -147,24 +148,26 @@ def team_cost(
     frequency: int,
     products: int,
     rounds: int,
-    two_sided: bool = False,
+    gathers: int = 0,
+    sliced_companion: bool = True,
 ) -> UpdateCost | None:
     """Cost to the busiest member when a team of ``size`` computes the update of a matrix of
     ``shape`` together, or ``None`` where it cannot exactly: a stack, more members than the long
-    side has slices, or a long side with a factor unless the rule splits ``two_sided`` matrices.
+    side has slices, or a long side with a factor where the rule has no ``gathers`` for it.
 
     Per member: its share of the one-sided products, and the decompositions, each factor's on
     one member (the long side's on member 0, the short side's on the last; the busiest member
     carries the larger). ``rounds``: the team's collectives per step; the elements a member sends
     count, as a ring does, the factor's sum, the decompositions' sharing amortised over
-    ``frequency``, the gathers of the gradient and momentum that a long side's factor needs, and
-    two norms.
+    ``frequency``, the ``gathers`` of whole matrices per step that a long side's factor needs
+    (with two slices' worth before a decomposition), and two norms. The long side's companion is
+    held in rows if ``sliced_companion``, else whole.
     """
     if len(shape) != 2:
         return None
     long = shape[long_dim(shape)]
     short = shape[0] + shape[1] - long
-    if size > long or (long <= max_precond_dim and not two_sided):
+    if size > long or (long <= max_precond_dim and not gathers):
         return None
     rows = -(-long // size)
     numel = rows * short
@@ -174,8 +177,7 @@ def team_cost(
     if short in sides:
         sent += 2 * share * short * short  # the short side's factor, summed
     if long in sides:
-        # The gradient and momentum gathered every step, the long factor and root before a decomposition.
-        sent += (size - 1) * (2 * numel + 2 * rows * long / frequency)
+        sent += (size - 1) * (gathers * numel + 2 * rows * long / frequency)
     return UpdateCost(
         flops=float(
             sum(products * 2 * dim * numel for dim in sides)
@@ -183,22 +185,36 @@ def team_cost(
             + 10 * numel
         ),
         numel=numel,
-        matrix_state_bytes=4 * (2 * numel + sum(2 * dim * (rows if dim == long else dim) for dim in sides)),
+        matrix_state_bytes=4
+        * (2 * numel + sum(_factor_numel(dim, dim == long, rows, sliced_companion) for dim in sides)),
         elementwise_state_bytes=0,
         team_messages=rounds,
         team_numel=round(sent) + 2,
     )
 
 
+def _factor_numel(dim: int, long: bool, rows: int, sliced_companion: bool) -> int:
+    """Elements of a side's factor and companion on a team member (``rows`` of the long side's)."""
+    if not long:
+        return 2 * dim * dim
+    return rows * dim + (rows if sliced_companion else dim) * dim
+
+
 def init_team_state(
-    shape: Sequence[int], member: int, size: int, device: torch.device, max_precond_dim: int, companion: str
+    shape: Sequence[int],
+    member: int,
+    size: int,
+    device: torch.device,
+    max_precond_dim: int,
+    companion: str,
+    sliced: Sequence[str],
 ) -> State:
-    """A team member's state: its slice (`sliced_keys`) of the moments and of the long side's
-    factor and companion, the whole of the short side's."""
+    """A team member's state: its slice of the ``sliced`` keys (`sliced_keys`), the whole of the
+    others."""
     offset, block = member_blocks(shape, size)[member]
     dim = long_dim(shape)
     state = init_state(shape, device, max_precond_dim, companion, moments_shape=block)
-    for key in sliced_keys(shape, max_precond_dim, companion)[len(MOMENTS) :]:
+    for key in sliced[len(MOMENTS) :]:
         state[key] = state[key].narrow(dim, offset[dim], block[dim]).clone()
     return state
 

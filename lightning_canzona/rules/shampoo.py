@@ -69,7 +69,8 @@ class ShampooRule(MatrixRule):
         return kronecker.init_state(shape, device, self.max_precond_dim, companion="root")
 
     def init_team_state(self, shape: Sequence[int], member: int, size: int, device: torch.device) -> State:
-        return kronecker.init_team_state(shape, member, size, device, self.max_precond_dim, companion="root")
+        sliced = self.team_sliced_keys(shape)
+        return kronecker.init_team_state(shape, member, size, device, self.max_precond_dim, "root", sliced)
 
     def team_sliced_keys(self, shape: Sequence[int]) -> tuple[str, ...]:
         return kronecker.sliced_keys(shape, self.max_precond_dim, "root")
@@ -97,8 +98,7 @@ class ShampooRule(MatrixRule):
         """Rounds: the factors' contributions (the short side's sum; the gradient and momentum
         gathered where the long side has a factor) with the Adam direction's squared norm, the
         roots' sharing on a decomposition step, the preconditioned direction's squared norm."""
-        sliced = kronecker.sliced_keys(shape, self.max_precond_dim, "root")
-        grad, state = kronecker.oriented(matrix.float(), state, shape, sliced)
+        grad, state = kronecker.oriented(matrix.float(), state, shape, self.team_sliced_keys(shape))
         sizes = split_sizes(shape[long_dim(shape)], size)
         step, momentum, adam = self._moments(grad, state)
         preconditioning = step >= self.start_preconditioning_step
@@ -153,5 +153,5 @@ class ShampooRule(MatrixRule):
             self.precondition_frequency,
             products=2,
             rounds=2,
-            two_sided=True,
+            gathers=2,  # the gradient and the momentum, where the long side has a factor
         )

@@ -20,14 +20,15 @@ Cost per step, summing over the preconditioned sides ``d ∈ {m, n}``: the facto
 one-sided rotations (of ``G``, ``M`` and back) cost ``Σ 8d·mn``; each refresh costs ``≈ 10d³`` per side
 (two ``d × d`` products for the eigenvalue estimate, one for the power iteration, a Householder
 QR), amortised over ``f`` = precondition_frequency. All of its state is matrix state on the owner.
-A matrix whose long side has no factor can be computed by a team (`kronecker`): one collective per
-step, the factor's sum.
+A team can compute any matrix (`kronecker`): one collective per step, the factors' contributions
+(the short side's sum; the gradient and momentum gathered where the long side has a factor, and
+then the rotated step for the way back).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,18 +36,45 @@ from torch import Tensor
 
 from lightning_canzona.planning.teams import long_dim, split_sizes
 from lightning_canzona.rules import kronecker
-from lightning_canzona.rules.base import MatrixRule, State, TeamComputation, UpdateCost
+from lightning_canzona.rules.base import (
+    FAILURES,
+    MatrixRule,
+    State,
+    TeamComputation,
+    TeamRequest,
+    TeamRows,
+    TeamSum,
+    UpdateCost,
+)
 
 
-def _project(matrix: Tensor, state: State, *, back: bool = False) -> Tensor:
-    """``Q_Lᵀ·X·Q_R`` (or ``Q_L·X·Q_Rᵀ`` with ``back``), skipping sides without a basis."""
-    if "left_basis" in state:
-        left = state["left_basis"]
-        matrix = (left if back else left.mT) @ matrix
-    if "right_basis" in state:
-        right = state["right_basis"]
-        matrix = matrix @ (right.mT if back else right)
-    return matrix
+def _project(matrix: Tensor, state: State, *, back: bool = False, rows: slice | None = None) -> Tensor:
+    """``Q_Lᵀ·X·Q_R`` (or ``Q_L·X·Q_Rᵀ`` with ``back``), skipping sides without a basis; only the
+    result's ``rows`` (a team member's, of a whole ``X``) if given.
+
+    The rotation turns the long side first (`planning.teams.long_dim`; a member's ``rows`` are
+    of the long side), so that a team, which turns its slices of the long side first, forms the
+    same products: the Adam ratio that follows grows their rounding where a rotated entry is near
+    zero.
+    """
+    left, right = state.get("left_basis"), state.get("right_basis")
+    if rows is not None and left is not None:
+        left = left[rows] if back else left[:, rows]
+
+    def turn_left(x: Tensor) -> Tensor:
+        return x if left is None else (left if back else left.mT) @ x
+
+    def turn_right(x: Tensor) -> Tensor:
+        return x if right is None else x @ (right.mT if back else right)
+
+    columns_long = long_dim(matrix.shape) == matrix.dim() - 1
+    if not back and rows is None and columns_long:
+        return turn_left(turn_right(matrix))
+    return turn_right(turn_left(matrix))
+
+
+#: The sides of a matrix and of its transpose.
+SWAPS = (("left", "right"), ("right", "left"))
 
 
 def _eigenbasis(factor: Tensor) -> Tensor:
@@ -59,16 +87,22 @@ def _power_iteration(factor: Tensor, basis: Tensor) -> Tensor:
     return torch.linalg.qr(factor @ basis).Q
 
 
-def _reordered_basis(state: State, side: str) -> Tensor:
+def _reordered_basis(state: State, side: str) -> tuple[Tensor, Tensor]:
     """``side``'s basis with its columns ordered by the estimated eigenvalues ``diag(QᵀFQ)``,
-    largest first; ``exp_avg_sq``'s matching axis is reordered with them (in ``state``)."""
-    axis = -2 if side == "left" else -1
+    largest first, and that order; ``exp_avg_sq``'s matching axis is reordered with them (in
+    ``state``)."""
     factor, basis = state[side], state[f"{side}_basis"]
     estimated = torch.diagonal(basis.mT @ factor @ basis, dim1=-2, dim2=-1)
     order = estimated.argsort(dim=-1, descending=True)
+    _reorder_second_moment(state, side, order)
+    return basis.take_along_dim(order.unsqueeze(-2), dim=-1), order
+
+
+def _reorder_second_moment(state: State, side: str, order: Tensor) -> None:
+    """``exp_avg_sq``'s axis of ``side``'s basis put in ``order`` (the basis's new column order)."""
+    axis = -2 if side == "left" else -1
     order_shape = order.unsqueeze(-1) if axis == -2 else order.unsqueeze(-2)
     state["exp_avg_sq"].copy_(state["exp_avg_sq"].take_along_dim(order_shape, dim=axis))
-    return basis.take_along_dim(order.unsqueeze(-2), dim=-1)
 
 
 def _first_basis(state: State, side: str) -> None:
@@ -96,10 +130,11 @@ class SOAPRule(MatrixRule):
         return kronecker.init_state(shape, device, self.max_precond_dim, companion="basis")
 
     def init_team_state(self, shape: Sequence[int], member: int, size: int, device: torch.device) -> State:
-        return kronecker.init_team_state(shape, member, size, device, self.max_precond_dim, companion="basis")
+        sliced = self.team_sliced_keys(shape)
+        return kronecker.init_team_state(shape, member, size, device, self.max_precond_dim, "basis", sliced)
 
     def team_sliced_keys(self, shape: Sequence[int]) -> tuple[str, ...]:
-        return kronecker.MOMENTS  # a long side with a factor is never split (see `team_cost`)
+        return kronecker.sliced_keys(shape, self.max_precond_dim, companion=None)
 
     def direction(self, matrix: Tensor, state: State) -> Tensor:
         state["step"] += 1
@@ -110,49 +145,141 @@ class SOAPRule(MatrixRule):
             if side in state and step == 1:
                 _first_basis(state, side)
             elif side in state and step % self.precondition_frequency == 0:
-                _refreshed_basis(state, side, _reordered_basis(state, side))
-        return self._adam_in_eigenbasis(grad, state, step)
+                _refreshed_basis(state, side, _reordered_basis(state, side)[0])
+        state["exp_avg"].lerp_(grad, 1.0 - self.betas[0])
+        return _project(self._rotated_step(grad, state["exp_avg"], state, step), state, back=True)
 
     def team_direction(
         self, matrix: Tensor, shape: Sequence[int], member: int, size: int, state: State
     ) -> TeamComputation:
-        """Rounds: the right factor's sum, and its basis's sharing on a basis step."""
-        grad, state = kronecker.oriented(matrix.float(), state, shape)
+        """Rounds: the factors' contributions (the short side's sum; the gradient and the
+        momentum gathered where the long side has a factor), the bases' sharing on a basis step
+        (after gathering the long side's factor), and where the long side has a factor the
+        rotated step gathered for the rotation back."""
+        grad, state = kronecker.oriented(matrix.float(), state, shape, self.team_sliced_keys(shape))
         sizes = split_sizes(shape[long_dim(shape)], size)
+        rows = slice(sum(sizes[:member]), sum(sizes[: member + 1]))
+        turned = long_dim(shape) != len(shape) - 2  # `oriented` transposed the matrix
         state["step"] += 1
         step = int(state["step"])
-        replies = yield from kronecker.combined(kronecker.factor_requests(grad, state, sizes))
+        # Elementwise, before the bases change (which leaves the momentum as it is), as on one rank.
+        state["exp_avg"].lerp_(grad, 1.0 - self.betas[0])
+        requests = kronecker.factor_requests(grad, state, sizes)
+        if "left" in state:
+            requests["momentum"] = TeamRows(state["exp_avg"], sizes)
+        replies = yield from kronecker.combined(requests)
         kronecker.update_team_factors(state, grad, replies, self._factor_beta)
-        decompose = None
-        if "right" in state and step == 1:
-            decompose = _first_basis
-        elif "right" in state and step % self.precondition_frequency == 0:
-            # Every member reorders its slice of exp_avg_sq; the order is the same on all.
-            reordered = _reordered_basis(state, "right")
-            decompose = functools.partial(_refreshed_basis, basis=reordered)
-        if decompose is not None:
-            yield from kronecker.shared_decompositions(state, "basis", member, size, sizes, decompose)
-        return kronecker.unoriented(self._adam_in_eigenbasis(grad, state, step), shape)
+        if step == 1 or step % self.precondition_frequency == 0:
+            yield from self._shared_bases(state, step == 1, member, size, sizes, rows)
+        if "left" not in state:
+            direction = _project(self._rotated_step(grad, state["exp_avg"], state, step), state, back=True)
+            return kronecker.unoriented(direction, shape)
+        # The first bases diagonalise the first gradient: its rotation off the diagonal is
+        # rounding, which the Adam ratio turns into ±1; only one rank's products reproduce it.
+        rotated = self._rotated_step(
+            replies["grad"], replies["momentum"], state, step, rows, whole=step == 1, turned=turned
+        )
+        (whole,) = yield (TeamRows(rotated, sizes),)
+        return kronecker.unoriented(_project(whole, state, back=True, rows=rows), shape)
+
+    def _shared_bases(
+        self, state: State, first: bool, member: int, size: int, sizes: tuple[int, ...], rows: slice
+    ) -> Generator[tuple[TeamRequest, ...], tuple[Tensor, ...], None]:
+        """The bases' first eigendecompositions or refreshes, each computed by one member and
+        shared: the short side's (whole on every member) by the last member; the long side's
+        (a member holds its rows of the factor and the whole basis) by member 0, on the factor
+        and, for a refresh, the second moment gathered whole, as one rank computes them. The
+        refresh's new column order reorders every member's rows of the second moment."""
+        shared: dict[str, TeamRequest] = {}
+        if "right" in state:
+            if first:
+                decompose = functools.partial(_first_basis, state, "right")
+            else:  # every member reorders its own slice; the order is the same on all
+                decompose = functools.partial(
+                    _refreshed_basis, state, "right", _reordered_basis(state, "right")[0]
+                )
+            if member == size - 1:
+                decompose()
+            value = state["right_basis"]
+            shared["right_basis"] = TeamSum(value if member == size - 1 else torch.zeros_like(value))
+        if "left" in state:
+            gathers = {"left": TeamRows(state["left"], sizes)}
+            if not first:
+                gathers["exp_avg_sq"] = TeamRows(state["exp_avg_sq"], sizes)
+            whole = yield from kronecker.combined(gathers)
+            basis = state["left_basis"].clone()
+            order = torch.zeros(basis.shape[-1], dtype=torch.float32, device=basis.device)
+            if member == 0:  # as one rank: on a whole factor, basis and second moment (a copy)
+                failures = state.setdefault(FAILURES, torch.zeros((), dtype=torch.int64))
+                work = {"left": whole["left"], "left_basis": basis, FAILURES: failures}
+                if first:
+                    _first_basis(work, "left")
+                else:
+                    work["exp_avg_sq"] = whole["exp_avg_sq"].clone()
+                    reordered, indices = _reordered_basis(work, "left")
+                    _refreshed_basis(work, "left", reordered)
+                    order = indices.to(order.dtype)
+            shared["left_basis"] = TeamSum(basis if member == 0 else torch.zeros_like(basis))
+            if not first:
+                shared["order"] = TeamSum(order)  # exact: integers, and zeros from the others
+        replies = yield from kronecker.combined(shared)
+        for key in ("left_basis", "right_basis"):
+            if key in replies:
+                state[key].copy_(replies[key])
+        if "order" in replies:
+            reordered = whole["exp_avg_sq"].index_select(-2, replies["order"].long())
+            state["exp_avg_sq"].copy_(reordered[rows])
 
     @property
     def _factor_beta(self) -> float:
         return self.betas[1] if self.shampoo_beta is None else self.shampoo_beta
 
-    def _adam_in_eigenbasis(self, grad: Tensor, state: State, step: int) -> Tensor:
-        beta1, beta2 = self.betas
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        rotated_grad = _project(grad, state)
-        exp_avg.lerp_(grad, 1.0 - beta1)
+    def _rotated_step(
+        self,
+        grad: Tensor,
+        momentum: Tensor,
+        state: State,
+        step: int,
+        rows: slice | None = None,
+        whole: bool = False,
+        turned: bool = False,
+    ) -> Tensor:
+        """Adam's step in the eigenbasis, ``c·M' / (√V + ε)``, updating ``V``; a team member's
+        ``rows`` of it from the whole gradient and momentum, if given. With ``whole``, rotated
+        whole and then cut: the same products as on one rank, on the matrix in its own
+        orientation (``turned``: the member works on its transpose, whose bases swap sides)."""
+
+        def rotated(matrix: Tensor) -> Tensor:
+            if not whole:
+                return _project(matrix, state, rows=rows)
+            if not turned:
+                return _project(matrix, state)[rows]
+            swapped = {
+                f"{other}_basis": state[f"{side}_basis"] for side, other in SWAPS if f"{side}_basis" in state
+            }
+            return _project(matrix.mT, swapped).mT[rows]
+
+        beta2 = self.betas[1]
+        exp_avg_sq = state["exp_avg_sq"]
+        rotated_grad = rotated(grad)
         exp_avg_sq.mul_(beta2).addcmul_(rotated_grad, rotated_grad, value=1.0 - beta2)
-        correction = (1.0 - beta2**step) ** 0.5 / (1.0 - beta1**step)
-        rotated_step = _project(exp_avg, state) / exp_avg_sq.sqrt().add_(self.eps)
-        return _project(rotated_step.mul_(correction), state, back=True)
+        correction = (1.0 - beta2**step) ** 0.5 / (1.0 - self.betas[0] ** step)
+        rotated_step = rotated(momentum) / exp_avg_sq.sqrt().add_(self.eps)
+        return rotated_step.mul_(correction)
 
     def cost(self, shape: Sequence[int]) -> UpdateCost:
         return kronecker.cost(shape, self.max_precond_dim, self.precondition_frequency, products=4)
 
     def team_cost(self, shape: Sequence[int], size: int) -> UpdateCost | None:
         sides = len(kronecker.preconditioned_sides(*shape[-2:], self.max_precond_dim))
+        long_factor = shape[long_dim(shape)] <= self.max_precond_dim
         return kronecker.team_cost(
-            shape, size, self.max_precond_dim, self.precondition_frequency, products=4, rounds=sides
+            shape,
+            size,
+            self.max_precond_dim,
+            self.precondition_frequency,
+            products=4,
+            rounds=sides + long_factor,  # the rotated step gathered for the rotation back
+            gathers=3,  # the gradient, the momentum and the rotated step
+            sliced_companion=False,
         )
