@@ -179,8 +179,8 @@ class SOAPRule(MatrixRule):
         rotated = self._rotated_step(
             replies["grad"], replies["momentum"], state, step, rows, whole=step == 1, turned=turned
         )
-        (whole,) = yield (TeamRows(rotated, sizes),)
-        return kronecker.unoriented(_project(whole, state, back=True, rows=rows), shape)
+        (gathered,) = yield (TeamRows(rotated, sizes),)
+        return kronecker.unoriented(_project(gathered, state, back=True, rows=rows), shape)
 
     def _shared_bases(
         self, state: State, first: bool, member: int, size: int, sizes: tuple[int, ...], rows: slice
