@@ -281,6 +281,25 @@ def update_team_factors(state: State, grad: Tensor, replies: dict[str, Tensor], 
         state["left"].lerp_(grad @ replies["grad"].mT, 1.0 - beta)
 
 
+def from_member(value: Tensor, source: int, member: int) -> TeamSum:
+    """Member ``source``'s ``value`` for every member: the sum of it and the others' zeros, which
+    is exact, so that the members' state stays equal bit for bit."""
+    return TeamSum(value if member == source else torch.zeros_like(value))
+
+
+def short_side_decomposition(
+    state: State, companion: str, member: int, size: int, decompose: Callable[[], None]
+) -> dict[str, TeamRequest]:
+    """The short side's factor (the right one, whole on every member) decomposed by the last
+    member (``decompose()`` updates its companion), and the result to share; none without it."""
+    if "right" not in state:
+        return {}
+    if member == size - 1:
+        decompose()
+    key = f"right_{companion}"
+    return {key: from_member(state[key], size - 1, member)}
+
+
 def shared_decompositions(
     state: State,
     companion: str,
@@ -293,12 +312,11 @@ def shared_decompositions(
 
     ``decompose(state, side)`` updates ``state[f"{side}_{companion}"]`` from ``state[side]``
     (keeping the old value where it fails, and counting the failure on that member). The right
-    factor, whole on every member, is decomposed by the last member; the left factor (this
-    member's rows of it) is first gathered, with its companion's rows, and decomposed by member
-    0, so that a two-sided team spreads its two decompositions. A member receives each result as
-    the sum of it and the others' zeros (exact), so the members' state stays equal bit for bit.
+    factor is decomposed by `short_side_decomposition`; the left factor (this member's rows of
+    it) is first gathered, with its companion's rows, and decomposed by member 0, so that a
+    two-sided team spreads its two decompositions. Every result is shared (`from_member`).
     """
-    results: dict[str, TeamRequest] = {}
+    results = short_side_decomposition(state, companion, member, size, lambda: decompose(state, "right"))
     left = f"left_{companion}"
     if "left" in state:
         rows = {"left": TeamRows(state["left"], sizes), left: TeamRows(state[left], sizes)}
@@ -306,13 +324,7 @@ def shared_decompositions(
         if member == 0:
             whole[FAILURES] = state.setdefault(FAILURES, torch.zeros((), dtype=torch.int64))
             decompose(whole, "left")
-        value = whole[left]
-        results[left] = TeamSum(value if member == 0 else torch.zeros_like(value))
-    if "right" in state:
-        if member == size - 1:
-            decompose(state, "right")
-        value = state[f"right_{companion}"]
-        results[f"right_{companion}"] = TeamSum(value if member == size - 1 else torch.zeros_like(value))
+        results[left] = from_member(whole[left], 0, member)
     shared = yield from combined(results)
     offset = sum(sizes[:member])
     for key, value in shared.items():

@@ -43,7 +43,6 @@ from lightning_canzona.rules.base import (
     TeamComputation,
     TeamRequest,
     TeamRows,
-    TeamSum,
     UpdateCost,
 )
 
@@ -190,18 +189,12 @@ class SOAPRule(MatrixRule):
         (a member holds its rows of the factor and the whole basis) by member 0, on the factor
         and, for a refresh, the second moment gathered whole, as one rank computes them. The
         refresh's new column order reorders every member's rows of the second moment."""
-        shared: dict[str, TeamRequest] = {}
-        if "right" in state:
-            if first:
-                decompose = functools.partial(_first_basis, state, "right")
-            else:  # every member reorders its own slice; the order is the same on all
-                decompose = functools.partial(
-                    _refreshed_basis, state, "right", _reordered_basis(state, "right")[0]
-                )
-            if member == size - 1:
-                decompose()
-            value = state["right_basis"]
-            shared["right_basis"] = TeamSum(value if member == size - 1 else torch.zeros_like(value))
+        decompose = functools.partial(_first_basis, state, "right")
+        if "right" in state and not first:  # every member reorders its own slice, all alike
+            decompose = functools.partial(
+                _refreshed_basis, state, "right", _reordered_basis(state, "right")[0]
+            )
+        shared = kronecker.short_side_decomposition(state, "basis", member, size, decompose)
         if "left" in state:
             gathers = {"left": TeamRows(state["left"], sizes)}
             if not first:
@@ -219,9 +212,9 @@ class SOAPRule(MatrixRule):
                     reordered, indices = _reordered_basis(work, "left")
                     _refreshed_basis(work, "left", reordered)
                     order = indices.to(order.dtype)
-            shared["left_basis"] = TeamSum(basis if member == 0 else torch.zeros_like(basis))
+            shared["left_basis"] = kronecker.from_member(basis, 0, member)
             if not first:
-                shared["order"] = TeamSum(order)  # exact: integers, and zeros from the others
+                shared["order"] = kronecker.from_member(order, 0, member)  # integers: exact
         replies = yield from kronecker.combined(shared)
         for key in ("left_basis", "right_basis"):
             if key in replies:
