@@ -70,15 +70,16 @@ def test_shampoo_before_preconditioning_is_adamw() -> None:
 
 
 def _reference_soap(initial, grads, *, lr, betas, eps, weight_decay, frequency):
-    """Algorithm 3 of Vyas et al. (2024), written from its equations."""
+    """Algorithm 3 of Vyas et al. (2024), written from its equations, in the order of the
+    authors' implementation: the first gradient only starts the factors and bases, and each later
+    one is rotated by the bases of the gradients before it."""
 
     def eigenvectors_descending(factor):
         return torch.linalg.eigh(factor).eigenvectors.flip(-1)
 
     def rotate(x, q_left, q_right):
         # Qᵀ_L·X·Q_R, the long side (the columns of a square matrix) turned first, as the
-        # optimizer does: at t = 1 the bases diagonalise G, and the Adam ratio turns the rounding
-        # off the diagonal into ±1, so the reference must form the same products.
+        # optimizer does, so that both round alike.
         return q_left.T @ (x @ q_right) if x.shape[1] >= x.shape[0] else (q_left.T @ x) @ q_right
 
     beta1, beta2 = betas
@@ -89,12 +90,21 @@ def _reference_soap(initial, grads, *, lr, betas, eps, weight_decay, frequency):
         torch.zeros(initial.shape[1], initial.shape[1]),
     )
     bases = []
-    for t, g in enumerate(grads, start=1):
+    for step, g in enumerate(grads, start=1):
+        weight = weight * (1 - lr * weight_decay)
+        t = step - 1  # Adam's step
+        if t > 0:
+            g_rotated = rotate(g, q_left, q_right)
+            m = beta1 * m + (1 - beta1) * g
+            m_rotated = rotate(m, q_left, q_right)
+            v = beta2 * v + (1 - beta2) * g_rotated**2
+            correction = (1 - beta2**t) ** 0.5 / (1 - beta1**t)
+            weight = weight - lr * q_left @ (correction * m_rotated / (v.sqrt() + eps)) @ q_right.T
         # Written as lerp, the EMA rounds like the optimizer's: eigh's choice of eigenvectors
         # inside the factor's null space is arbitrary, so it must see the same bits.
         left = left.lerp(g @ g.T, 1 - beta2)
         right = right.lerp(g.T @ g, 1 - beta2)
-        if t == 1:
+        if t == 0:
             q_left, q_right = eigenvectors_descending(left), eigenvectors_descending(right)
         elif t % frequency == 0:
             # Sort the columns by the estimated eigenvalues (and V's axes with them), then one
@@ -106,32 +116,48 @@ def _reference_soap(initial, grads, *, lr, betas, eps, weight_decay, frequency):
             q_left = torch.linalg.qr(left @ q_left).Q
             q_right = torch.linalg.qr(right @ q_right).Q
         bases.append(q_left)
-        g_rotated = rotate(g, q_left, q_right)
-        m = beta1 * m + (1 - beta1) * g
-        m_rotated = rotate(m, q_left, q_right)
-        v = beta2 * v + (1 - beta2) * g_rotated**2
-        correction = (1 - beta2**t) ** 0.5 / (1 - beta1**t)
-        step = q_left @ (correction * m_rotated / (v.sqrt() + eps)) @ q_right.T
-        weight = weight * (1 - lr * weight_decay) - lr * step
     return weight, bases
 
 
+@pytest.mark.parametrize("scale", [1e-2, 1.0])
 @pytest.mark.parametrize("shape", [(24, 24), (20, 36), (36, 20)])
-def test_soap_matches_the_papers_algorithm_over_two_refresh_periods(shape) -> None:
+def test_soap_matches_the_papers_algorithm_over_two_refresh_periods(shape, scale) -> None:
     settings = dict(lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
-    # Gradient scale 1e-2 keeps float32 rounding in the factors' null space far below eps.
-    initial, grads = torch.randn(shape), [1e-2 * torch.randn(shape) for _ in range(8)]
+    initial, grads = torch.randn(shape), [scale * torch.randn(shape) for _ in range(8)]
     ours, states = _steps(lc.SOAP, initial, grads, precondition_frequency=3, **settings)
     expected, reference_bases = _reference_soap(initial, grads, frequency=3, **settings)
     torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-5)
     bases = [state["left_basis"] for state in states]
-    for step in (3, 6):  # refreshes happen at steps 3 and 6 and change the basis
+    for step in (4, 7):  # refreshes follow Adam's steps 3 and 6 and change the basis
         assert (bases[step - 1] - bases[step - 2]).abs().max() > 1e-3
         torch.testing.assert_close(
             bases[step - 1].abs(), reference_bases[step - 1].abs(), rtol=1e-3, atol=1e-4
         )
-    for step in (2, 4, 5, 7, 8):
+    for step in (2, 3, 5, 6, 8):
         assert torch.equal(bases[step - 1], bases[step - 2])
+
+
+@pytest.mark.parametrize("scale", [1e-4, 1.0])
+def test_soap_first_step_only_starts_the_preconditioner(scale) -> None:
+    # The first bases diagonalise the first gradient: rotating it by them would leave rounding
+    # off the diagonal for the Adam ratio to turn into ±1 (measured: 0.8–8.7× the step's norm).
+    initial, grads = torch.randn(32, 24), [scale * torch.randn(32, 24) for _ in range(2)]
+    settings = dict(lr=0.01, weight_decay=0.1)
+    weights, states = [], []
+    for steps in (1, 2):
+        weight, state = _steps(lc.SOAP, initial, grads[:steps], **settings)
+        weights.append(weight)
+        states.append(state[-1])
+    torch.testing.assert_close(weights[0], initial * (1 - 0.01 * 0.1), rtol=0, atol=0)
+    assert not states[0]["exp_avg"].any() and not states[0]["exp_avg_sq"].any()
+    eigenvalues = torch.linalg.eigvalsh(grads[0] @ grads[0].T).flip(-1)
+    basis = states[0]["left_basis"]
+    torch.testing.assert_close(
+        torch.diag(basis.T @ states[0]["left"] @ basis), 0.05 * eigenvalues, rtol=1e-4, atol=1e-6 * scale**2
+    )
+    # The second step is Adam's first: a step of about one per entry in the rotated coordinates.
+    step = (weights[0] * (1 - 0.01 * 0.1) - weights[1]) / 0.01
+    assert 0.5 < step.norm() / (32 * 24) ** 0.5 < 1.5
 
 
 def test_soap_leaves_a_side_over_max_precond_dim_unrotated() -> None:
