@@ -89,7 +89,7 @@ def _reference_soap(initial, grads, *, lr, betas, eps, weight_decay, frequency):
         torch.zeros(initial.shape[0], initial.shape[0]),
         torch.zeros(initial.shape[1], initial.shape[1]),
     )
-    bases = []
+    bases, q_left, q_right = [], None, None
     for step, g in enumerate(grads, start=1):
         weight = weight * (1 - lr * weight_decay)
         t = step - 1  # Adam's step

@@ -149,7 +149,7 @@ class SOAPRule(MatrixRule):
         direction = torch.zeros_like(grad)
         if step > 1:
             state["exp_avg"].lerp_(grad, 1.0 - self.betas[0])
-            direction = _project(self._rotated_step(grad, state["exp_avg"], state, step - 1), state, back=True)
+            direction = self._whole_step(grad, state, step)
         kronecker.update_factors(state, grad, self._factor_beta)
         for side in kronecker.SIDES:
             if side in state and step == 1:
@@ -178,7 +178,7 @@ class SOAPRule(MatrixRule):
         replies = yield from kronecker.combined(requests)
         direction = torch.zeros_like(grad)
         if step > 1 and "left" not in state:
-            direction = _project(self._rotated_step(grad, state["exp_avg"], state, step - 1), state, back=True)
+            direction = self._whole_step(grad, state, step)
         elif step > 1:
             rotated = self._rotated_step(replies["grad"], replies["momentum"], state, step - 1, rows)
             (gathered,) = yield (TeamRows(rotated, sizes),)
@@ -187,6 +187,11 @@ class SOAPRule(MatrixRule):
         if step == 1 or self._refreshes(step):
             yield from self._shared_bases(state, step == 1, member, size, sizes, rows)
         return kronecker.unoriented(direction, shape)
+
+    def _whole_step(self, grad: Tensor, state: State, step: int) -> Tensor:
+        """The optimizer's ``step`` (Adam's ``step − 1``) from this rank's gradient and momentum
+        alone: the whole matrix's, or a member's slice where the long side has no factor."""
+        return _project(self._rotated_step(grad, state["exp_avg"], state, step - 1), state, back=True)
 
     def _refreshes(self, step: int) -> bool:
         """Whether the bases are refreshed after the optimizer's ``step`` (Adam's ``step − 1``)."""
