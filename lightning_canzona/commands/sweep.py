@@ -11,8 +11,9 @@ import torch
 from lightning_canzona.commands.analysis import Scenario, analyse
 from lightning_canzona.commands.model_matrices import OPTIMIZERS, compute_dtype, make_rule, preset_matrices
 from lightning_canzona.commands.tables import PAPER_ITERATION_SPEEDUP, PAPER_STEP_SPEEDUP
-from lightning_canzona.planning.plan import PlanSettings, build_plan
+from lightning_canzona.planning.plan import PlanSettings, build_plan, team_bound
 from lightning_canzona.planning.report import report
+from lightning_canzona.planning.teams import TEAM_SIZES
 from lightning_canzona.rules import MatrixRule
 from lightning_canzona.simulation.device import DeviceModel
 from lightning_canzona.simulation.optimizer_step import project_step
@@ -37,12 +38,13 @@ def bound_table(
 ) -> tuple[str, bool]:
     """Per preset and mesh: whole-matrix plans' makespan ÷ lower bound (``canzona`` without
     teams, ``lpt``, ``round_robin``), and ``canzona``'s with teams ÷ the ideal ``total / ranks``,
-    its teams and its per-rank state max/mean; and whether whole-matrix ``canzona`` met `TARGET`
-    everywhere."""
+    the team bound ÷ the ideal (what no plan with teams beats at these prices,
+    `lightning_canzona.planning.plan.team_bound`), its teams and its per-rank state max/mean;
+    and whether whole-matrix ``canzona`` met `TARGET` everywhere."""
     whole = replace(settings, max_team=1)
     lines = [
         f"{'preset':<7} {'dp×tp':>7} {'canzona':>8} {'lpt':>8} {'rr':>8}  {'target':<6} "
-        f"{'teams ÷ ideal':>13} {'state max/mean':>14}  teams",
+        f"{'teams ÷ ideal':>13} {'bound ÷ ideal':>13} {'state max/mean':>14}  teams",
         f"{'':<7} {'':>7} {'(whole matrices ÷ lower bound)':>26}",
     ]
     all_met = True
@@ -61,9 +63,36 @@ def bound_table(
                 f"{preset:<7} {f'{dp}×{tp}':>7} "
                 + " ".join(f"{r:>8.4f}" for r in ratios)
                 + f"  {'met' if met else 'MISSED':<6} {teamed.makespan_over_ideal:>13.4f} "
-                f"{teamed.state_max_over_mean:>14.3f}  {teams}"
+                f"{teamed.team_bound / teamed.ideal:>13.4f} {teamed.state_max_over_mean:>14.3f}  {teams}"
             )
     return "\n".join(lines), all_met
+
+
+def team_bound_table(
+    settings: PlanSettings, presets: Sequence[str] = SWEEP_PRESETS, mesh: tuple[int, int] = SWEEP_MESHES[-1]
+) -> str:
+    """What keeps teams from the ideal on ``mesh``: per optimizer and preset, the team bound
+    (`lightning_canzona.planning.plan.team_bound`) ÷ the ideal with teams of up to the settings'
+    ``max_team``, of up to the largest team size, and of that size with collectives free."""
+    largest = replace(settings, max_team=TEAM_SIZES[-1])
+    free = replace(largest, flops_per_element=0.0, flops_per_message=0.0)
+    variants = (settings, largest, free)
+    num_ranks = mesh[0] * mesh[1]
+    lines = [
+        f"{'optimizer':<9} {'preset':<7} {f'max_team {settings.max_team}':>11} "
+        f"{f'max_team {largest.max_team}':>11} {'and free collectives':>20}"
+    ]
+    for optimizer in OPTIMIZERS:
+        rule = make_rule(optimizer)
+        for preset in presets:
+            matrices, _ = preset_matrices(preset, rule)
+            ideal = sum(m.load(settings.cost) for m in matrices) / num_ranks
+            bounds = [team_bound(matrices, num_ranks, variant) / ideal for variant in variants]
+            widths = (11, 11, 20)
+            lines.append(
+                f"{optimizer:<9} {preset:<7} " + " ".join(f"{b:>{w}.3f}" for b, w in zip(bounds, widths))
+            )
+    return "\n".join(lines)
 
 
 def scale_curves(

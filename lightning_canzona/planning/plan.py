@@ -209,21 +209,7 @@ def team_sizes(
     free collectives). A matrix that some ranks hold whole stays whole: updated where it lies, it
     moves nothing.
     """
-    classes: dict[tuple, list[int]] = {}
-    for index, matrix in enumerate(matrices):
-        key = (matrix.cost, matrix.team_costs, bool(matrix.holders))
-        classes.setdefault(key, []).append(index)
-    members = list(classes.values())
-    options = [
-        [1]
-        if matrices[group[0]].holders
-        else [1, *(s for s in matrices[group[0]].team_sizes() if s <= min(settings.max_team, num_ranks))]
-        for group in members
-    ]
-    loads = [
-        {size: member_load(matrices[group[0]], size, settings) for size in sizes}
-        for group, sizes in zip(members, options)
-    ]
+    members, options, loads = _team_classes(matrices, num_ranks, settings)
     chosen = [1] * len(members)
 
     def bound(sizes: list[int]) -> tuple[float, float]:
@@ -249,6 +235,53 @@ def team_sizes(
         for index in group:
             sizes[index] = size
     return sizes
+
+
+def _team_classes(
+    matrices: list[MatrixSpec], num_ranks: int, settings: PlanSettings
+) -> tuple[list[list[int]], list[list[int]], list[dict[int, float]]]:
+    """The matrices of equal cost as classes: each class's indices, its team sizes (1 only for a
+    matrix that some ranks hold whole) and its member load at each size."""
+    classes: dict[tuple, list[int]] = {}
+    for index, matrix in enumerate(matrices):
+        key = (matrix.cost, matrix.team_costs, bool(matrix.holders))
+        classes.setdefault(key, []).append(index)
+    members = list(classes.values())
+    options = [
+        [1]
+        if matrices[group[0]].holders
+        else [1, *(s for s in matrices[group[0]].team_sizes() if s <= min(settings.max_team, num_ranks))]
+        for group in members
+    ]
+    loads = [
+        {size: member_load(matrices[group[0]], size, settings) for size in sizes}
+        for group, sizes in zip(members, options)
+    ]
+    return members, options, loads
+
+
+def team_bound(matrices: list[MatrixSpec], num_ranks: int, settings: PlanSettings) -> float:
+    """A lower bound on the makespan of every plan whose teams have at most ``settings.max_team``
+    ranks, at the settings' prices of their collectives (`member_load`).
+
+    Whatever the team sizes, the makespan is at least the largest member load and the mean
+    member load over the ranks. For each limit on the former, each matrix takes the size within
+    it that adds the least load (a team adds its collectives); the bound is the least over the
+    limits. Unlike the ideal ``total / ranks``, no plan beats it: where it exceeds the ideal, the
+    excess is what teams' collectives cost at the least to bring every item under the ideal.
+    """
+    classes = list(zip(*_team_classes(matrices, num_ranks, settings)))
+    best = math.inf
+    for limit in sorted({load for _, _, loads in classes for load in loads.values()}):
+        total = 0.0
+        for group, _, loads in classes:
+            allowed = [size for size, load in loads.items() if load <= limit]
+            if not allowed:
+                break
+            total += len(group) * min(size * loads[size] for size in allowed)
+        else:
+            best = min(best, max(limit, total / num_ranks))
+    return 0.0 if best == math.inf else best
 
 
 def _packing_bound(classes: list[tuple[int, int, float]], num_ranks: int, pairs: bool = True) -> float:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_canzona.planning.plan import Plan
+from lightning_canzona.planning.plan import Plan, team_bound
 
 #: How each cost kind is printed: ``(divisor, unit)``.
 COST_UNITS = {"flops": (1e9, "GFLOP"), "numel": (1e6, "M elements")}
@@ -25,6 +25,9 @@ class PlanReport:
             better.
         ideal: ``total / ranks``: the whole matrices' cost perfectly divided, which only teams
             (`lightning_canzona.planning.teams`) can approach once a matrix exceeds it.
+        team_bound: No plan whose teams (of at most the settings' ``max_team`` ranks) split the
+            matrices of one cost alike does better, at the settings' prices of their collectives
+            (`lightning_canzona.planning.plan.team_bound`); at least the ideal.
         makespan: The largest rank load.
         synchronized_makespan: Σ over micro-groups of the group's largest host load: the makespan
             when every group waits for its slowest host.
@@ -39,6 +42,7 @@ class PlanReport:
     rank_state_bytes: list[int]
     lower_bound: float
     ideal: float
+    team_bound: float
     makespan: float
     synchronized_makespan: float
     num_micro_groups: int
@@ -58,6 +62,10 @@ class PlanReport:
         return self.makespan / self.ideal if self.ideal > 0 else 1.0
 
     @property
+    def makespan_over_team_bound(self) -> float:
+        return self.makespan / self.team_bound if self.team_bound > 0 else 1.0
+
+    @property
     def state_max_over_mean(self) -> float:
         mean = sum(self.rank_state_bytes) / len(self.rank_state_bytes)
         return max(self.rank_state_bytes) / mean if mean > 0 else 1.0
@@ -72,7 +80,8 @@ class PlanReport:
             lines.append(f"{rank:>5} {load / scale:>18.3f} {count:>9} {state / 2**20:>12.2f}")
         lines.append(
             f"policy {self.policy}, cost {self.cost}: max/mean {self.max_over_mean:.3f}, "
-            f"makespan/bound {self.makespan_over_bound:.3f}, makespan/ideal {self.makespan_over_ideal:.3f}, "
+            f"makespan/bound {self.makespan_over_bound:.3f}, makespan/ideal {self.makespan_over_ideal:.3f} "
+            f"(team bound/ideal {self.team_bound / self.ideal:.3f}), "
             f"synchronized makespan/bound {self.synchronized_makespan / self.lower_bound:.3f} "
             f"over {self.num_micro_groups} micro-groups"
             if self.lower_bound > 0
@@ -106,6 +115,7 @@ def report(plan: Plan) -> PlanReport:
         rank_state_bytes=state,
         lower_bound=max(max((m.load(plan.settings.cost) for m in matrices), default=0.0), plan.ideal),
         ideal=plan.ideal,
+        team_bound=team_bound(list(matrices), num_ranks, plan.settings),
         makespan=max(loads, default=0.0),
         synchronized_makespan=sum(max(plan.group_host_loads(group)) for group in plan.micro_groups),
         num_micro_groups=len(plan.micro_groups),
