@@ -237,6 +237,33 @@ def team_sizes(
     return sizes
 
 
+def overflow_sizes(matrices: list[MatrixSpec], num_ranks: int, settings: PlanSettings) -> list[list[int]]:
+    """Team sizes that split only what does not fit one to a rank: candidates beside `team_sizes`.
+
+    Where more matrices cost over half the ideal than there are ranks, two of them share a rank
+    however the rest is packed. `team_sizes` splits a class alike, every matrix of it paying its
+    team's collectives; it suffices to split the overflow. For each such class large enough and
+    each team size, the overflow's count of its matrices (evenly spaced in model order, so that
+    blocks keep their share) go to teams of that size, the others stay whole.
+    """
+    members, options, loads = _team_classes(matrices, num_ranks, settings)
+    ideal = sum(m.load(settings.cost) for m in matrices) / num_ranks
+    large = [c for c, load in enumerate(loads) if load[1] > ideal / 2]
+    overflow = sum(len(members[c]) for c in large) - num_ranks
+    candidates = []
+    for c in large:
+        group = members[c]
+        if not 0 < overflow <= len(group):
+            continue
+        moved = [group[i * len(group) // overflow] for i in range(overflow)]
+        for size in options[c][1:]:
+            sizes = [1] * len(matrices)
+            for index in moved:
+                sizes[index] = size
+            candidates.append(sizes)
+    return candidates
+
+
 def _team_classes(
     matrices: list[MatrixSpec], num_ranks: int, settings: PlanSettings
 ) -> tuple[list[list[int]], list[list[int]], list[dict[int, float]]]:
@@ -395,9 +422,13 @@ def build_plan(matrices: list[MatrixSpec], dp: int, tp: int, settings: PlanSetti
         owners = partition.longest_processing_time(loads, num_ranks)
         return _fixed_owner_plan(settings, matrices, dp, tp, owners, capacity)
     # The greedy choice of teams is myopic: with and without the pair bound it can take other
-    # paths; both are planned (when they differ) and the shorter plan is kept.
+    # paths, and it splits classes alike; those and the overflow's splits are planned (where they
+    # differ) and the shorter plan is kept.
     candidates = dict.fromkeys(
-        tuple(team_sizes(matrices, num_ranks, settings, pairs)) for pairs in (True, False)
+        [
+            *(tuple(team_sizes(matrices, num_ranks, settings, pairs)) for pairs in (True, False)),
+            *map(tuple, overflow_sizes(matrices, num_ranks, settings)),
+        ]
     )
     plan = min(
         (_team_plan(settings, matrices, dp, tp, list(sizes)) for sizes in candidates),
