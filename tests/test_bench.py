@@ -37,3 +37,23 @@ def test_bench_ns_compares_the_forms_on_time_and_accuracy(capsys) -> None:
         # Rounding alone is float32's; the quintic schedule leaves the polar factor ~15 % away.
         assert float(row[-1]) < 1e-5, form
         assert 0.05 < float(row[-2]) < 0.5, form
+
+
+def test_bench_step_times_every_variant_and_a_team_computes_the_large_matrix(capsys) -> None:
+    # The Gram form on `wide` (one 16384 × 256 projection, 94 % of Muon's FLOPs), on 2 ranks.
+    main(["bench", "step", "--presets", "wide", "--optimizer", "muon-gram", "--dp", "2", "--tp", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "preset wide, muon-gram: optimizer step, median over ranks' slowest"
+    rows = {line[:26].strip(): line[26:].split() for line in lines[2:] if not line.startswith("canzona")}
+    assert list(rows) == [
+        "sync",
+        "round_robin",
+        "lpt (no overlap)",
+        "canzona (whole matrices)",
+        "canzona",
+        "canzona (teams, measured)",
+    ]  # no torch.optim.Muon: it has the standard form only
+    assert rows["canzona"][1] == "1.00" and all(float(row[0]) > 0 for row in rows.values())
+    # Whole, the large matrix's owner plans 1.58 × the mean of 2 ranks (whether a team pays at
+    # the prices measured on this machine is the machine's to say).
+    assert rows["canzona (whole matrices)"][5] == "1.58"

@@ -58,7 +58,10 @@ def main(argv: list[str] | None = None) -> None:
     steps.add_argument("--tp", type=int, default=2)
     steps.add_argument("--steps", type=int, default=10, help="timed steps per variant")
     steps.add_argument(
-        "--optimizer", choices=sorted(step.OPTIMIZERS), default="muon", help="the optimizer of every variant"
+        "--optimizer",
+        choices=sorted(step.OPTIMIZERS),
+        default="muon",
+        help="the optimizer of every variant (muon-gram: Muon with ns_form='gram')",
     )
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):

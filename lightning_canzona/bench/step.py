@@ -76,6 +76,8 @@ MOE_VARIANTS = ("canzona (locality-blind)", "canzona (call per expert)")
 #: Each optimizer and its settings in every variant.
 OPTIMIZERS: dict[str, tuple[type[lc.MatrixOptimizer], dict]] = {
     "muon": (lc.Muon, {"lr": 0.02, "adamw_lr": 3e-3}),
+    # Newton–Schulz iterating on the Gram matrix: a team sums it once per restart, not per step.
+    "muon-gram": (lc.Muon, {"lr": 0.02, "adamw_lr": 3e-3, "ns_form": "gram"}),
     "shampoo": (lc.Shampoo, {"lr": 1e-3, "adamw_lr": 3e-3, "start_preconditioning_step": 1}),
     "soap": (lc.SOAP, {"lr": 3e-3, "adamw_lr": 3e-3}),
 }
@@ -211,7 +213,7 @@ def _worker(
         param.grad = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
 
     variants = VARIANTS
-    if optimizer_name != "muon":
+    if optimizer_name != "muon":  # torch.optim.Muon is Muon's standard form only
         variants = tuple(v for v in VARIANTS if v != "torch.optim.Muon")
     elif isinstance(model, Qwen3) and model.config.num_experts:  # torch.optim.Muon refuses 3-D stacks
         variants = tuple(v for v in VARIANTS if v != "torch.optim.Muon") + MOE_VARIANTS
