@@ -314,6 +314,19 @@ def test_planner_splits_only_the_matrices_that_do_not_fit_one_to_a_rank() -> Non
     assert report(plan).team_bound == 3.75  # the mean: the bound does not see that two would share
 
 
+def test_planner_splits_the_overflow_of_a_class_that_must_split_further() -> None:
+    # Qwen3 14B, SOAP, 256 ranks: each MLP matrix costs 1.43 × the ideal, so it needs a team
+    # (halves: 0.77); 240 halves and 80 attention projections (0.91) are 320 items over half the
+    # ideal for 256 ranks. Split alike in quarters, three share a rank (1.315); 32 of the 120 in
+    # smaller teams leave one such item per rank.
+    matrices, _ = preset_matrices("14B", make_rule("soap"), 32, 8)
+    plan = build_plan(matrices, 32, 8, PlanSettings())
+    measured = report(plan)
+    assert measured.makespan < 1.21 * measured.ideal
+    mlp = [len(team) for spec, team in zip(plan.matrices, plan.teams) if max(spec.shape) == 17408]
+    assert mlp.count(2) == 88 and len(mlp) == 120
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     shapes=st.lists(st.tuples(st.integers(1, 400), st.integers(1, 400)), min_size=1, max_size=12),

@@ -240,24 +240,33 @@ def team_sizes(
 def overflow_sizes(matrices: list[MatrixSpec], num_ranks: int, settings: PlanSettings) -> list[list[int]]:
     """Team sizes that split only what does not fit one to a rank: candidates beside `team_sizes`.
 
-    Where more matrices cost over half the ideal than there are ranks, two of them share a rank
-    however the rest is packed. `team_sizes` splits a class alike, every matrix of it paying its
-    team's collectives; it suffices to split the overflow. For each such class large enough and
-    each team size, the overflow's count of its matrices (evenly spaced in model order, so that
-    blocks keep their share) go to teams of that size, the others stay whole.
+    Each class starts at its smallest team size whose member load is within the ideal (its
+    least load if none is). Where those leave more members costing over half the ideal than
+    there are ranks, two of them share a rank however the rest is packed. `team_sizes` splits a
+    class alike, every matrix of it paying its team's collectives; it suffices to split the
+    overflow. For each such class and each larger size whose members cost at most half the
+    ideal, as many of its matrices as free the overflow (evenly spaced in model order, so that
+    blocks keep their share) go to teams of that size.
     """
     members, options, loads = _team_classes(matrices, num_ranks, settings)
     ideal = sum(m.load(settings.cost) for m in matrices) / num_ranks
-    large = [c for c, load in enumerate(loads) if load[1] > ideal / 2]
-    overflow = sum(len(members[c]) for c in large) - num_ranks
+    base = [
+        next((k for k in sizes if load[k] <= ideal), min(sizes, key=load.__getitem__))
+        for sizes, load in zip(options, loads)
+    ]
+    large = [c for c, load in enumerate(loads) if load[base[c]] > ideal / 2]
+    overflow = sum(len(members[c]) * base[c] for c in large) - num_ranks
     candidates = []
     for c in large:
-        group = members[c]
-        if not 0 < overflow <= len(group):
+        group, moves = members[c], -(-overflow // base[c])
+        if not 0 < moves <= len(group):
             continue
-        moved = [group[i * len(group) // overflow] for i in range(overflow)]
-        for size in options[c][1:]:
+        moved = [group[i * len(group) // moves] for i in range(moves)]
+        for size in (k for k in options[c] if k > base[c] and loads[c][k] <= ideal / 2):
             sizes = [1] * len(matrices)
+            for other, group_ in enumerate(members):
+                for index in group_:
+                    sizes[index] = base[other]
             for index in moved:
                 sizes[index] = size
             candidates.append(sizes)
@@ -440,7 +449,12 @@ def build_plan(matrices: list[MatrixSpec], dp: int, tp: int, settings: PlanSetti
         gain = 1.0 if free else TEAM_GAIN
         packs = max(plan.rank_loads()) <= gain * max(whole.rank_loads())
         # ...and shorten the step with its gathers and scatters, which teams change too.
-        plan = plan if packs and estimated_step(plan) <= estimated_step(whole) else whole
+        # (Whole, the plan keeps the settings it was asked for: its report's team bound too.)
+        plan = (
+            plan
+            if packs and estimated_step(plan) <= estimated_step(whole)
+            else replace(whole, settings=settings)
+        )
     naive = _fixed_owner_plan(
         settings, matrices, dp, tp, partition.round_robin(loads, num_ranks), capacity, fell_back=True
     )
