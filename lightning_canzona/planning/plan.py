@@ -254,19 +254,20 @@ def overflow_sizes(matrices: list[MatrixSpec], num_ranks: int, settings: PlanSet
         next((k for k in sizes if load[k] <= ideal), min(sizes, key=load.__getitem__))
         for sizes, load in zip(options, loads)
     ]
+    base_sizes = [1] * len(matrices)
+    for group, size in zip(members, base):
+        for index in group:
+            base_sizes[index] = size
     large = [c for c, load in enumerate(loads) if load[base[c]] > ideal / 2]
     overflow = sum(len(members[c]) * base[c] for c in large) - num_ranks
     candidates = []
     for c in large:
-        group, moves = members[c], -(-overflow // base[c])
+        group, moves = members[c], -(-overflow // base[c])  # each frees its base-size members
         if not 0 < moves <= len(group):
             continue
         moved = [group[i * len(group) // moves] for i in range(moves)]
         for size in (k for k in options[c] if k > base[c] and loads[c][k] <= ideal / 2):
-            sizes = [1] * len(matrices)
-            for other, group_ in enumerate(members):
-                for index in group_:
-                    sizes[index] = base[other]
+            sizes = list(base_sizes)
             for index in moved:
                 sizes[index] = size
             candidates.append(sizes)

@@ -25,8 +25,8 @@ class PlanReport:
             better.
         ideal: ``total / ranks``: the whole matrices' cost perfectly divided, which only teams
             (`lightning_canzona.planning.teams`) can approach once a matrix exceeds it.
-        team_bound: No plan whose teams (of at most the settings' ``max_team`` ranks) split the
-            matrices of one cost alike does better, at the settings' prices of their collectives
+        team_bound: No plan whose teams have at most the settings' ``max_team`` ranks does
+            better, at the settings' prices of their collectives
             (`lightning_canzona.planning.plan.team_bound`); at least the ideal.
         makespan: The largest rank load.
         synchronized_makespan: Σ over micro-groups of the group's largest host load: the makespan

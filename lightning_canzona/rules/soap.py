@@ -21,7 +21,8 @@ This is the order of the authors' implementation: a basis never rotates a gradie
 computed from. The first bases diagonalise the first gradient exactly, so its rotation off the
 diagonal is rounding, which the Adam ratio would turn into ±1: measured, such a first step lay
 0.78–8.7× the norm of the step it stands for (``c·UVᵀ``) away from it, by the gradient's scale.
-The first step therefore moves the weights by the weight decay only (the authors' skip that too).
+The first step therefore moves the weights by the weight decay only (the authors' implementation
+skips that too).
 
 ``M`` stays in the original coordinates, as in the paper's algorithm, so a basis refresh never
 mixes momenta from two bases; ``V`` lives in the rotated coordinates. A side longer than
