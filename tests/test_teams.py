@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import lightning_canzona as lc
 from lightning_canzona.commands.model_matrices import make_rule, preset_matrices
-from lightning_canzona.distributed.teams import joined_state, measure_team_costs, member_state
+from lightning_canzona.distributed.teams import joined_state, measure_team_costs, member_state, priced
 from lightning_canzona.planning import PlanSettings, build_plan, describe, report
 from lightning_canzona.planning.matrices import MatrixSpec
 from lightning_canzona.planning.plan import estimated_step, overflow_sizes, team_bound, team_sizes
@@ -350,6 +350,25 @@ def test_canzona_reaches_the_team_bound_on_qwen3_with_muon(preset, dp) -> None:
     measured = report(build_plan(matrices, dp, 8, PlanSettings()))
     assert measured.team_bound > 1.05 * measured.ideal
     assert measured.makespan <= measured.team_bound * (1 + 1e-9)
+
+
+def test_h100_prices_are_in_the_flops_of_the_rules_matrix_products() -> None:
+    # The defaults are an H100's in bf16 FLOPs of 2-byte elements; Shampoo's and SOAP's float32
+    # products run at 67 TFLOP/s, not 989: the same collective costs them 14.8× fewer FLOPs, and
+    # their float32 elements twice the bytes.
+    bf16 = priced(PlanSettings(), "h100", None, "cuda", torch.bfloat16)
+    assert bf16 == PlanSettings()
+    for name, value in H100.plan_prices("bfloat16", 2).items():
+        assert getattr(PlanSettings(), name) == pytest.approx(value, rel=1e-12)
+    float32 = priced(PlanSettings(), "h100", None, "cuda", torch.float32)
+    ratio = 67 / 989.4
+    assert float32.flops_per_message == pytest.approx(ratio * bf16.flops_per_message)
+    assert float32.exchange_flops_per_message == pytest.approx(ratio * bf16.exchange_flops_per_message)
+    assert float32.flops_per_element == pytest.approx(2 * ratio * bf16.flops_per_element)
+    assert float32.exchange_flops_per_element == pytest.approx(2 * ratio * bf16.exchange_flops_per_element)
+    assert float32.max_team == bf16.max_team and float32.policy == bf16.policy
+    free = dataclasses.replace(PlanSettings(), **FREE_TEAMS)  # a planner told collectives are free
+    assert priced(free, "h100", None, "cuda", torch.float32) == free
 
 
 def _measured_prices(rank: int, world_size: int) -> None:

@@ -10,9 +10,11 @@ import torch
 from lightning_canzona.models.qwen3 import Qwen3
 from lightning_canzona.optim.param_groups import matrix_param_groups
 from lightning_canzona.planning.matrices import MatrixSpec, describe
+from lightning_canzona.planning.plan import PlanSettings
 from lightning_canzona.rules import MatrixRule, MuonRule, RowBlockRule, ShampooRule, SOAPRule
 from lightning_canzona.rules.blocks import RowBlocks
 from lightning_canzona.rules.newton_schulz import PRESETS as SCHEDULES
+from lightning_canzona.simulation.device import DeviceModel
 
 OPTIMIZERS: tuple[str, ...] = ("muon", "shampoo", "soap")
 
@@ -31,6 +33,12 @@ def make_rule(optimizer: str) -> MatrixRule:
 def compute_dtype(rule: MatrixRule) -> str:
     """Dtype of the rule's matmuls (`MatrixRule.matmul_dtype`), by name."""
     return str(rule.matmul_dtype()).removeprefix("torch.")
+
+
+def rule_settings(settings: PlanSettings, device: DeviceModel, rule: MatrixRule) -> PlanSettings:
+    """``settings`` with ``device``'s prices of collectives in FLOPs of ``rule``'s matmuls (what
+    ``team_prices="h100"`` gives the optimizer on an H100)."""
+    return device.repriced(settings, compute_dtype(rule), rule.matmul_dtype().itemsize)
 
 
 @cache

@@ -21,7 +21,13 @@ import torch
 from lightning_canzona.commands import sweep, tables
 from lightning_canzona.commands.analysis import Scenario, analyse
 from lightning_canzona.commands.chart import write_load_chart, write_scale_chart
-from lightning_canzona.commands.model_matrices import OPTIMIZERS, compute_dtype, make_rule, preset_matrices
+from lightning_canzona.commands.model_matrices import (
+    OPTIMIZERS,
+    compute_dtype,
+    make_rule,
+    preset_matrices,
+    rule_settings,
+)
 from lightning_canzona.models.qwen3 import PRESETS
 from lightning_canzona.planning.matrices import COST_KINDS
 from lightning_canzona.planning.plan import PlanSettings
@@ -74,7 +80,9 @@ def main(argv: list[str]) -> None:
     args = _parser().parse_args(argv)
     rule = make_rule(args.optimizer)
     exchange = rule.exchange_dtype(getattr(torch, args.dtype))
+    device = DEVICES[args.device]
     settings = PlanSettings(alpha=args.alpha, cost=args.cost, max_team=args.max_team)
+    settings = rule_settings(settings, device, rule)  # the prices of what team_prices="h100" gives
     matrices, num_params = preset_matrices(args.preset, rule, args.dp, args.tp)
     scenario = Scenario(
         matrices=matrices,
@@ -84,7 +92,7 @@ def main(argv: list[str]) -> None:
         settings=settings,
         element_bytes=exchange.itemsize,
         compute_dtype=compute_dtype(rule),
-        device=DEVICES[args.device],
+        device=device,
         workload=Workload(global_batch=args.global_batch, seq_len=args.seq_len),
     )
     if args.sweep:
@@ -126,7 +134,8 @@ def main(argv: list[str]) -> None:
 def _sweep(scenario: Scenario, rule: MatrixRule, scale_out: str) -> None:
     all_met = True
     for optimizer in OPTIMIZERS:
-        table, met = sweep.bound_table(make_rule(optimizer), scenario.settings)
+        each = make_rule(optimizer)
+        table, met = sweep.bound_table(each, rule_settings(scenario.settings, scenario.device, each))
         all_met &= met
         print(
             f"== {optimizer}: canzona / lpt / round_robin (whole matrices) ÷ lower bound, target canzona "
@@ -141,7 +150,7 @@ def _sweep(scenario: Scenario, rule: MatrixRule, scale_out: str) -> None:
     )
     dp, tp = sweep.SWEEP_MESHES[-1]
     print(f"\n== team bound ÷ ideal at dp {dp} × tp {tp}: what no plan with teams beats ==")
-    print(sweep.team_bound_table(scenario.settings))
+    print(sweep.team_bound_table(scenario.settings, scenario.device))
     print(f"\n== simulated on 256 × {scenario.device.name} (p = the paper's reported speed-up) ==")
     print(sweep.simulation_comparison(scenario, rule))
     print(tables.assumptions(scenario.device, scenario.workload, 256, scenario.compute_dtype))

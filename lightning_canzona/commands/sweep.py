@@ -9,7 +9,13 @@ from dataclasses import replace
 import torch
 
 from lightning_canzona.commands.analysis import Scenario, analyse
-from lightning_canzona.commands.model_matrices import OPTIMIZERS, compute_dtype, make_rule, preset_matrices
+from lightning_canzona.commands.model_matrices import (
+    OPTIMIZERS,
+    compute_dtype,
+    make_rule,
+    preset_matrices,
+    rule_settings,
+)
 from lightning_canzona.commands.tables import PAPER_ITERATION_SPEEDUP, PAPER_STEP_SPEEDUP
 from lightning_canzona.planning.plan import PlanSettings, build_plan, team_bound
 from lightning_canzona.planning.report import report
@@ -69,21 +75,25 @@ def bound_table(
 
 
 def team_bound_table(
-    settings: PlanSettings, presets: Sequence[str] = SWEEP_PRESETS, mesh: tuple[int, int] = SWEEP_MESHES[-1]
+    settings: PlanSettings,
+    device: DeviceModel,
+    presets: Sequence[str] = SWEEP_PRESETS,
+    mesh: tuple[int, int] = SWEEP_MESHES[-1],
 ) -> str:
     """What keeps teams from the ideal on ``mesh``: per optimizer and preset, the team bound
     (`lightning_canzona.planning.plan.team_bound`) ÷ the ideal with teams of up to the settings'
-    ``max_team``, of up to the largest team size, and of that size with collectives free."""
-    largest = replace(settings, max_team=TEAM_SIZES[-1])
-    free = replace(largest, flops_per_element=0.0, flops_per_message=0.0)
-    variants = (settings, largest, free)
+    ``max_team``, of up to the largest team size, and of that size with collectives free, at
+    ``device``'s prices in each rule's FLOPs."""
     num_ranks = mesh[0] * mesh[1]
     lines = [
         f"{'optimizer':<9} {'preset':<7} {f'max_team {settings.max_team}':>11} "
-        f"{f'max_team {largest.max_team}':>11} {'and free collectives':>20}"
+        f"{f'max_team {TEAM_SIZES[-1]}':>11} {'and free collectives':>20}"
     ]
     for optimizer in OPTIMIZERS:
         rule = make_rule(optimizer)
+        priced = rule_settings(settings, device, rule)
+        largest = replace(priced, max_team=TEAM_SIZES[-1])
+        variants = (priced, largest, replace(largest, flops_per_element=0.0, flops_per_message=0.0))
         for preset in presets:
             matrices, _ = preset_matrices(preset, rule)
             ideal = sum(m.load(settings.cost) for m in matrices) / num_ranks
@@ -108,7 +118,8 @@ def scale_curves(
         rule = make_rule(optimizer)
         element_bytes = rule.exchange_dtype(torch.bfloat16).itemsize
         matrices, _ = preset_matrices(preset, rule)
-        for label, variant in (("whole matrices", replace(settings, max_team=1)), ("teams", settings)):
+        priced = rule_settings(settings, device, rule)
+        for label, variant in (("whole matrices", replace(priced, max_team=1)), ("teams", priced)):
             curves.setdefault(optimizer, {})[label] = [
                 project_step(
                     build_plan(matrices, dp, tp, variant), device, element_bytes, compute_dtype(rule)

@@ -31,6 +31,7 @@ from lightning_canzona.distributed.clock import Clock, Intervals
 from lightning_canzona.planning import PlanSettings
 from lightning_canzona.planning.teams import long_dim, member_blocks
 from lightning_canzona.rules.base import FAILURES, State, TeamComputation, TeamRequest, TeamRows, TeamSum
+from lightning_canzona.simulation.device import H100
 
 Round = tuple[TeamRequest, ...]
 #: torch 2.13 renamed ``all_gather_into_tensor`` (same signature) and warns on the old name.
@@ -320,10 +321,12 @@ def check_team_prices(prices: TeamPrices) -> TeamPrices:
 def priced(
     settings: PlanSettings, prices: TeamPrices, group: dist.ProcessGroup, device: str, dtype: torch.dtype
 ) -> PlanSettings:
-    """``settings`` with the team prices ``prices`` (``"measure"``: collective over ``group``,
-    on ``device``, with the FLOPs of matrix products in ``dtype``, the rule's `matmul_dtype`)."""
+    """``settings`` with the team prices ``prices``, in FLOPs of matrix products in ``dtype``
+    (the rule's `matmul_dtype`): ``"h100"``, the settings' own (an H100's by default) turned into
+    FLOPs of ``dtype`` for elements of ``dtype`` (`DeviceModel.repriced`); ``"measure"``,
+    measured by collectives over ``group`` on ``device``; or the given pair."""
     if prices == "h100":
-        return settings
+        return H100.repriced(settings, str(dtype).removeprefix("torch."), dtype.itemsize)
     if prices == "measure":
         return replace(settings, **measure_team_costs(group, device, dtype))
     per_element, per_message = prices  # type: ignore[misc]

@@ -83,10 +83,11 @@ class MatrixOptimizer(Optimizer):
             teams where the rule allows (Muon, Shampoo and SOAP: any 2-D matrix) and its cost
             model says it pays.
         team_prices: What the cost model charges for a team's collectives: ``"h100"`` (H100s
-            on NVLink, see `PlanSettings`), ``"measure"`` (measured on the job's own devices
-            and links when the first plan is built, the gathers' and scatters' prices too:
-            `distributed.teams.measure_team_costs`), or ``(FLOPs per element sent, FLOPs per
-            collective)``.
+            on NVLink within a node and InfiniBand across, in FLOPs of the rule's matrix
+            products: `simulation.DeviceModel.plan_prices`), ``"measure"`` (measured on the
+            job's own devices and links when the first plan is built, the gathers' and
+            scatters' prices too: `distributed.teams.measure_team_costs`), or ``(FLOPs per
+            element sent, FLOPs per collective)``.
         overlap: Pipeline the micro-groups: gather the next and scatter the previous group while
             the current one computes.
     """

@@ -63,16 +63,16 @@ class PlanSettings:
             of two; 1 keeps every matrix whole). The default keeps a team within a node of 8.
         flops_per_element: What sending one element to another rank costs, in FLOPs of the same
             time (``flops`` cost only; it prices teams' collectives). Default: an H100's
-            effective bf16 matmul rate (594 TFLOP/s) over NVLink's 450 GB/s, at 2 bytes per
-            element.
+            effective bf16 matmul rate (593.6 TFLOP/s) over NVLink's 450 GB/s, at 2 bytes per
+            element (`simulation.DeviceModel.plan_prices` gives a device's, in a rule's dtype).
         flops_per_message: What one collective costs in latency, in FLOPs (default: 3 µs at
-            594 TFLOP/s; it prices teams' collectives and sets how many micro-groups pay).
+            593.6 TFLOP/s; it prices teams' collectives and sets how many micro-groups pay).
         exchange_flops_per_element: What a micro-group's gather or scatter costs per element
             that its busiest rank sends or receives, in FLOPs (``flops`` cost only). Default: an
-            H100's 594 TFLOP/s over InfiniBand's 50 GB/s, at 2 bytes per element (a mesh past
+            H100's 593.6 TFLOP/s over InfiniBand's 50 GB/s, at 2 bytes per element (a mesh past
             one node).
         exchange_flops_per_message: What a gather or scatter costs per peer a rank exchanges
-            with, in FLOPs (default: 6 µs at 594 TFLOP/s). With the element price, it decides
+            with, in FLOPs (default: 6 µs at 593.6 TFLOP/s). With the element price, it decides
             between the micro-groups that teams' smaller items allow and the fewer that whole
             matrices get (`estimated_step`).
     """
@@ -83,10 +83,10 @@ class PlanSettings:
     capacity: float | None = None
     locality: bool = True
     max_team: int = 8
-    flops_per_element: float = 2640.0
-    flops_per_message: float = 1.8e9
-    exchange_flops_per_element: float = 23760.0
-    exchange_flops_per_message: float = 3.6e9
+    flops_per_element: float = 2638.4
+    flops_per_message: float = 1.78092e9
+    exchange_flops_per_element: float = 23745.6
+    exchange_flops_per_message: float = 3.56184e9
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from lightning_canzona.planning.plan import PlanSettings
+
 _TERA = 1e12
 _GIGA = 1e9
 
@@ -64,6 +66,34 @@ class DeviceModel:
         if dtype not in peaks:
             raise ValueError(f"dtype must be one of {sorted(peaks)}, got {dtype!r}")
         return peaks[dtype] * self.achievable_fraction
+
+    def plan_prices(self, matmul_dtype: str, element_bytes: int) -> dict[str, float]:
+        """The planner's prices of collectives (`PlanSettings` ``flops_per_element``,
+        ``flops_per_message``, ``exchange_flops_per_element``, ``exchange_flops_per_message``) on
+        this device, in FLOPs of its matmuls in ``matmul_dtype`` (the rule's) for elements of
+        ``element_bytes``: a team's within a node, the gathers' and scatters' across nodes.
+
+        A float32 rule's FLOPs are slower than bf16's (67 against 989 TFLOP/s on an H100), so
+        the same collective costs it fewer of them; `PlanSettings`' defaults are bf16's."""
+        rate = self.matmul_flops(matmul_dtype)
+        _, team_bandwidth, team_latency = self.link(self.gpus_per_node)
+        _, mesh_bandwidth, mesh_latency = self.link(self.gpus_per_node + 1)
+        return {
+            "flops_per_element": rate * element_bytes / team_bandwidth,
+            "flops_per_message": rate * team_latency,
+            "exchange_flops_per_element": rate * element_bytes / mesh_bandwidth,
+            "exchange_flops_per_message": rate * mesh_latency,
+        }
+
+    def repriced(self, settings: PlanSettings, matmul_dtype: str, element_bytes: int) -> PlanSettings:
+        """``settings`` with its prices of collectives, given in this device's bf16 FLOPs of
+        2-byte elements (as `PlanSettings`' defaults are an H100's), turned into the FLOPs of the
+        same time in ``matmul_dtype`` for elements of ``element_bytes`` (`plan_prices`); prices
+        of zero stay zero."""
+        target, reference = self.plan_prices(matmul_dtype, element_bytes), self.plan_prices("bfloat16", 2)
+        return replace(
+            settings, **{key: getattr(settings, key) * target[key] / reference[key] for key in target}
+        )
 
     def link(self, num_ranks: int) -> tuple[str, float, float]:
         """``(name, bytes/s, seconds per message)`` of a collective among ``num_ranks`` GPUs.
