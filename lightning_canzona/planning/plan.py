@@ -37,7 +37,8 @@ POLICIES: tuple[str, ...] = ("canzona", "lpt", "round_robin", "sync")
 
 #: Teams cost more than their loads say (members wait for each other; smaller items make more
 #: micro-groups, each with a gather and a scatter): a plan with teams is kept only if its makespan
-#: is at most this fraction of the whole matrices' plan's (unless collectives are priced at zero).
+#: or its estimated step is at most this fraction of the whole matrices' plan's (unless
+#: collectives are priced at zero), and its estimated step no longer.
 TEAM_GAIN = 0.95
 
 #: The default capacity leaves about this many micro-groups per rank, so that gathers and
@@ -449,13 +450,12 @@ def build_plan(matrices: list[MatrixSpec], dp: int, tp: int, settings: PlanSetti
         free = settings.flops_per_element == settings.flops_per_message == 0
         gain = 1.0 if free else TEAM_GAIN
         packs = max(plan.rank_loads()) <= gain * max(whole.rank_loads())
-        # ...and shorten the step with its gathers and scatters, which teams change too.
+        # ...or shorten the step with its gathers and scatters, which teams change too (the
+        # busiest rank receives a slice of a matrix, not the whole), and never lengthen it.
         # (Whole, the plan keeps the settings it was asked for: its report's team bound too.)
-        plan = (
-            plan
-            if packs and estimated_step(plan) <= estimated_step(whole)
-            else replace(whole, settings=settings)
-        )
+        step, whole_step = estimated_step(plan), estimated_step(whole)
+        shortens = step <= gain * whole_step
+        plan = plan if (packs or shortens) and step <= whole_step else replace(whole, settings=settings)
     naive = _fixed_owner_plan(
         settings, matrices, dp, tp, partition.round_robin(loads, num_ranks), capacity, fell_back=True
     )
