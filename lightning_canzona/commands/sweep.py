@@ -17,7 +17,7 @@ from lightning_canzona.commands.model_matrices import (
     rule_settings,
 )
 from lightning_canzona.commands.tables import PAPER_ITERATION_SPEEDUP, PAPER_STEP_SPEEDUP
-from lightning_canzona.planning.plan import PlanSettings, build_plan, team_bound
+from lightning_canzona.planning.plan import PlanSettings, build_plan, ideal_load, team_bound
 from lightning_canzona.planning.report import report
 from lightning_canzona.planning.teams import TEAM_SIZES
 from lightning_canzona.rules import MatrixRule
@@ -96,7 +96,7 @@ def team_bound_table(
         variants = (priced, largest, replace(largest, flops_per_element=0.0, flops_per_message=0.0))
         for preset in presets:
             matrices, _ = preset_matrices(preset, rule)
-            ideal = sum(m.load(settings.cost) for m in matrices) / num_ranks
+            ideal = ideal_load(matrices, num_ranks, settings.cost)
             bounds = [team_bound(matrices, num_ranks, variant) / ideal for variant in variants]
             widths = (11, 11, 20)
             lines.append(

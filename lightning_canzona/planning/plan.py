@@ -24,7 +24,7 @@ settings: every rank builds the same plan alone.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from lightning_canzona.planning import partition
@@ -146,7 +146,7 @@ class Plan:
     @property
     def ideal(self) -> float:
         """The whole matrices' total cost over the ranks: what a perfectly divided step costs."""
-        return sum(m.load(self.settings.cost) for m in self.matrices) / self.num_ranks
+        return ideal_load(self.matrices, self.num_ranks, self.settings.cost)
 
     def split_matrices(self) -> dict[int, int]:
         """Team size → how many matrices teams of that size compute."""
@@ -172,6 +172,11 @@ class Plan:
             for rank in self.teams[index]:
                 totals[rank] += self.loads[index]
         return totals
+
+
+def ideal_load(matrices: Sequence[MatrixSpec], num_ranks: int, cost: CostKind) -> float:
+    """The whole matrices' total ``cost`` over ``num_ranks``: a perfectly divided step."""
+    return sum(m.load(cost) for m in matrices) / num_ranks
 
 
 def _capacity(settings: PlanSettings, loads: list[float], per_rank: float) -> float:
@@ -250,7 +255,7 @@ def overflow_sizes(matrices: list[MatrixSpec], num_ranks: int, settings: PlanSet
     blocks keep their share) go to teams of that size.
     """
     members, options, loads = _team_classes(matrices, num_ranks, settings)
-    ideal = sum(m.load(settings.cost) for m in matrices) / num_ranks
+    ideal = ideal_load(matrices, num_ranks, settings.cost)
     base = [
         next((k for k in sizes if load[k] <= ideal), min(sizes, key=load.__getitem__))
         for sizes, load in zip(options, loads)

@@ -62,10 +62,6 @@ class PlanReport:
         return self.makespan / self.ideal if self.ideal > 0 else 1.0
 
     @property
-    def makespan_over_team_bound(self) -> float:
-        return self.makespan / self.team_bound if self.team_bound > 0 else 1.0
-
-    @property
     def state_max_over_mean(self) -> float:
         mean = sum(self.rank_state_bytes) / len(self.rank_state_bytes)
         return max(self.rank_state_bytes) / mean if mean > 0 else 1.0

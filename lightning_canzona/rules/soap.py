@@ -101,15 +101,10 @@ def _reordered_basis(state: State, side: str) -> tuple[Tensor, Tensor]:
     factor, basis = state[side], state[f"{side}_basis"]
     estimated = torch.diagonal(basis.mT @ factor @ basis, dim1=-2, dim2=-1)
     order = estimated.argsort(dim=-1, descending=True)
-    _reorder_second_moment(state, side, order)
-    return basis.take_along_dim(order.unsqueeze(-2), dim=-1), order
-
-
-def _reorder_second_moment(state: State, side: str, order: Tensor) -> None:
-    """``exp_avg_sq``'s axis of ``side``'s basis put in ``order`` (the basis's new column order)."""
     axis = -2 if side == "left" else -1
     order_shape = order.unsqueeze(-1) if axis == -2 else order.unsqueeze(-2)
     state["exp_avg_sq"].copy_(state["exp_avg_sq"].take_along_dim(order_shape, dim=axis))
+    return basis.take_along_dim(order.unsqueeze(-2), dim=-1), order
 
 
 def _first_basis(state: State, side: str) -> None:
