@@ -80,9 +80,8 @@ class InProcessLauncher(_MultiProcessingLauncher):
     def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
         _die_with_launching_thread()
         super()._wrapping_function(*args, **kwargs)
-        # The rank's process ends here. Left to interpreter exit, the process group's teardown can
-        # race gloo's worker threads and abort the rank ("terminate called without an active
-        # exception") after a successful run.
+        # The rank's process ends here: its groups go while the interpreter is whole, not in its
+        # shutdown, where a gloo thread that still frees a tensor aborts the rank (`inflight`).
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 

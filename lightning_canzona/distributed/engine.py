@@ -611,7 +611,7 @@ class _GroupStep:
         computing = clock.mark()
         stats.wait.add(start, computing)
         full = self.exchange.assemble(self.gathered, self.engine.meter)
-        del self.gathered, self.gather_work  # the receive buffer, and the send buffer it holds
+        del self.gathered, self.gather_work  # the receive buffer (the send buffer went at wait)
         in_teams = {m: full.pop(m) for m in list(full) if len(self.engine.team(m) or ()) > 1}
         # Teams first: their members start together (the gather synchronised them), and none
         # waits in a team's collective for another's own matrices.

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_canzona.distributed.inflight import InFlight
 from lightning_canzona.distributed.layout import Block, LocalShard, MatrixLayout, Piece
 from lightning_canzona.distributed.memory import BufferMeter
 from lightning_canzona.planning.teams import member_blocks
@@ -102,15 +103,15 @@ class MicroGroupExchange:
         device: torch.device,
         group: dist.ProcessGroup,
         meter: BufferMeter,
-    ) -> tuple[Tensor, dist.Work | None]:
+    ) -> tuple[Tensor, InFlight]:
         """Start the gather of the ``prepared`` local shards; returns the receive buffer and handle."""
         pieces = [
             prepared[m][local.slices].reshape(-1).to(dtype) for ps in self.gather_send for m, local in ps
         ]
         send = meter.track(torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype, device=device))
         receive = meter.track(torch.empty(sum(self.gather_recv_sizes), dtype=dtype, device=device))
-        work = dist.all_to_all_single(
-            receive, send, self.gather_recv_sizes, self.gather_send_sizes, group=group, async_op=True
+        work = InFlight(
+            dist.all_to_all_single, receive, send, self.gather_recv_sizes, self.gather_send_sizes, group=group
         )
         return receive, work
 
@@ -132,7 +133,7 @@ class MicroGroupExchange:
         device: torch.device,
         group: dist.ProcessGroup,
         meter: BufferMeter,
-    ) -> tuple[Tensor, dist.Work | None]:
+    ) -> tuple[Tensor, InFlight]:
         """Start returning every rank's pieces of the computed ``directions`` (each of this rank's
         `regions`)."""
         pieces = [
@@ -140,8 +141,13 @@ class MicroGroupExchange:
         ]
         send = meter.track(torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype, device=device))
         receive = meter.track(torch.empty(sum(self.scatter_recv_sizes), dtype=dtype, device=device))
-        work = dist.all_to_all_single(
-            receive, send, self.scatter_recv_sizes, self.scatter_send_sizes, group=group, async_op=True
+        work = InFlight(
+            dist.all_to_all_single,
+            receive,
+            send,
+            self.scatter_recv_sizes,
+            self.scatter_send_sizes,
+            group=group,
         )
         return receive, work
 

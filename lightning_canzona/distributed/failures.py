@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from lightning_canzona.distributed.inflight import wait_for
+
 
 def raise_on_every_rank(failure: BaseException | None, device: torch.device, what: str) -> None:
     """Raise the same `RuntimeError` on every rank when ``failure`` happened on any (collective).
@@ -30,7 +32,7 @@ def raise_on_every_rank(failure: BaseException | None, device: torch.device, wha
             raise failure
         return
     failed = torch.tensor(float(failure is not None), device=device)
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    wait_for(dist.all_reduce, failed, op=dist.ReduceOp.MAX)
     if not failed.item():
         return
     messages: list[str | None] = [None] * dist.get_world_size()

@@ -29,6 +29,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from lightning_canzona.distributed.inflight import wait_for
 from lightning_canzona.rules.base import non_finite
 
 _PRESENT, _ABSENT, _NON_FINITE, _FOREIGN = range(4)
@@ -62,7 +63,7 @@ def agree_on_gradients(named: Sequence[tuple[str, Tensor]], check_finite: bool =
         local = [_local(named[index][1].grad) for index in held]
         flags[_NON_FINITE, held] = non_finite(local).to(flags)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        wait_for(dist.all_reduce, flags, op=dist.ReduceOp.MAX)
     present, absent, bad, foreign = (row.bool().tolist() for row in flags.cpu())
     for (name, param), is_bad in zip(named, bad):
         if is_bad:

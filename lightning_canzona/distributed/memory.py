@@ -6,10 +6,10 @@ creation until Python frees it (a ``weakref.finalize``), so the peak it reports 
 really held at once, whatever the device (no allocator statistics needed, so it is measured the
 same way on CPU and GPU).
 
-A buffer given to an asynchronous collective is freed when the backend lets go of it, which may
-be on the backend's own thread and a moment after ``wait()`` returned (gloo's worker threads do
-this for about one all-to-all in five): the counts are kept under a lock, and ``live`` reaches
-zero once the backend has dropped the step's last buffer.
+A buffer given to an asynchronous collective is kept until the backend has let go of it
+(`lightning_canzona.distributed.inflight`), so it is freed on the step's own thread; the counts
+are kept under a lock all the same (reentrant: a garbage collection inside `track` may free a
+tracked tensor).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ class BufferMeter:
 
     def __init__(self) -> None:
         self.live = self.peak = self.total = 0
-        # Reentrant: a garbage collection inside a locked block may free a tracked tensor.
         self._lock = threading.RLock()
 
     def restart(self) -> None:

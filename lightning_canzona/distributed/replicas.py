@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_canzona.distributed.inflight import wait_for
+
 #: How far two ranks' gradient checksums may differ, relative to their size, and still count as
 #: the same gradient (reductions in another order differ in the last bits).
 RELATIVE_TOLERANCE = 1e-4
@@ -35,7 +37,7 @@ def average_gradients(params: Sequence[Tensor], group: dist.ProcessGroup) -> Non
     pieces = [(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().float() for p in params]
     presence = torch.tensor([float(p.grad is not None) for p in params], device=device)
     flat = torch.cat([*pieces, presence])
-    dist.all_reduce(flat, group=group)
+    wait_for(dist.all_reduce, flat, group=group)
     flat /= dist.get_world_size(group)
     averaged = flat[: -len(params)].split([p.numel() for p in params])
     for param, value, present in zip(params, averaged, flat[-len(params) :].tolist()):
@@ -61,7 +63,7 @@ def check_gradients_agree(named: Sequence[tuple[str, Tensor]]) -> None:
             rows.append(torch.stack([torch.ones_like(wide.sum()), wide.sum(), wide.abs().sum()]))
     checksums = torch.stack(rows)
     extremes = torch.cat([checksums, -checksums])
-    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+    wait_for(dist.all_reduce, extremes, op=dist.ReduceOp.MAX)
     largest, smallest = extremes[: len(named)], -extremes[len(named) :]
     spread = largest - smallest
     scale = largest[:, 2:3]

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_canzona.distributed.clock import Clock, Intervals
+from lightning_canzona.distributed.inflight import InFlight
 from lightning_canzona.planning import PlanSettings
 from lightning_canzona.planning.teams import long_dim, member_blocks
 from lightning_canzona.rules.base import FAILURES, State, TeamComputation, TeamRequest, TeamRows, TeamSum
@@ -168,13 +169,13 @@ def _launch(
         if kind is TeamSum:
             buffer = torch.cat([request.tensor.reshape(-1) for request in requests])
             buffer = buffer.to(_summed_dtype(buffer.dtype, groups[team]))
-            work = dist.all_reduce(buffer, group=groups[team], async_op=True)
+            work = InFlight(dist.all_reduce, buffer, group=groups[team])
             shapes = None
         else:
             padded = [_padded_rows(request) for request in requests]
             local = torch.cat([tensor.reshape(-1) for tensor in padded])
             buffer = local.new_empty(len(team) * local.numel())
-            work = _all_gather(buffer, local, group=groups[team], async_op=True)
+            work = InFlight(_all_gather, buffer, local, group=groups[team])
             shapes = [tensor.shape for tensor in padded]  # each member's block, to unpack
         pending.append((kind, len(team), where, requests, shapes, buffer, work))
     return pending
