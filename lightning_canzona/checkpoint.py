@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from lightning_canzona.optim import MatrixOptimizer
+from lightning_canzona.rules.base import FAILURES
 
 #: Where a distributed checkpoint keeps the model's tensors (Lightning saves ``state_dict``).
 _MODEL_PREFIX = "state_dict."
@@ -44,9 +45,14 @@ def full_optimizer_state(module: nn.Module, optimizer: MatrixOptimizer) -> dict[
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     everyone: list[Any] = [None] * world if rank == 0 else []
     torch.distributed.gather_object(held, everyone if rank == 0 else None, dst=0)
+    counts: dict[str, torch.Tensor] = {}
     for owned in everyone:
         for name, matrix_state in owned.items():
             state_dict["state"].setdefault(name, {}).update(matrix_state)
+            if FAILURES in matrix_state:  # a stack's matrices' owners each count their own
+                counts[name] = counts.get(name, 0) + matrix_state[FAILURES]
+    for name, count in counts.items():
+        state_dict["state"][name][FAILURES] = count
     return state_dict
 
 

@@ -443,11 +443,20 @@ class MeshEngine:
 
     def drop_foreign_matrix_state(self, state: dict[Tensor, State], rules: Sequence[MatrixRule]) -> None:
         """Keep only the matrix state that this rank holds under the plan (a full, single-file
-        checkpoint loads every owner's state on every rank): a team member its slice of it."""
+        checkpoint loads every owner's state on every rank): a team member its slice of it.
+
+        A stack's failure count (one per parameter, its total in a checkpoint) stays with the
+        owner of the stack's first matrix only; the other owners count theirs from zero, and a
+        checkpoint adds them up (`owned_matrix_state`)."""
+        counted: set[int] = set()
         for index, item in enumerate(self._items):
             if self.owner(index) is None:
                 continue
             held = state.get(self._entries[item.entry].param, {})
+            if item.member is not None and item.entry not in counted:
+                counted.add(item.entry)
+                if self.owner(index) != self.rank:
+                    held.pop(FAILURES, None)
             keys = self._item_state_keys(index, rules, state)
             team = self.team(index) or ()
             if self.rank not in team:
@@ -492,7 +501,10 @@ class MeshEngine:
 
     def owned_matrix_state(self, state: dict[Tensor, State], rules: Sequence[MatrixRule]) -> dict[int, State]:
         """This rank's matrix state of the matrices it owns (a team's first member: its part, or
-        the whole after `gather_team_state`), by index of the parameter among the engine's entries."""
+        the whole after `gather_team_state`), by index of the parameter among the engine's entries.
+
+        A stack whose matrices several ranks own has a failure count on each: a checkpoint holds
+        their sum (`lightning_canzona.checkpoint.full_optimizer_state`)."""
         if self.plan is None or self.plan.owners is None:
             return {}
         owned: dict[int, State] = {}
@@ -500,6 +512,8 @@ class MeshEngine:
             if self.owner(index) == self.rank:
                 held = state.get(self._entries[item.entry].param, {})
                 part = {key: held[key] for key in self._item_state_keys(index, rules, state)}
+                if item.member is not None and FAILURES in held:
+                    part[FAILURES] = held[FAILURES]
                 owned.setdefault(item.entry, {}).update(part)
         return {entry: part for entry, part in owned.items() if part}
 

@@ -31,6 +31,7 @@ from lightning_canzona.planning import partition
 from lightning_canzona.planning.matrices import COST_KINDS, CostKind, MatrixSpec
 from lightning_canzona.planning.micro_groups import balanced_groups, sequential_groups
 from lightning_canzona.planning.pipeline import pipelined_time
+from lightning_canzona.planning.refine import refine
 from lightning_canzona.planning.teams import TEAM_SIZES
 
 POLICIES: tuple[str, ...] = ("canzona", "lpt", "round_robin", "sync")
@@ -377,7 +378,9 @@ def _team_plan(
         )
         owners = tuple(team[0] for team in teams)
         groups_ = tuple(map(tuple, groups))
-        plans.append(Plan(settings, tuple(matrices), dp, tp, owners, groups_, capacity, teams=tuple(teams)))
+        plans.append(
+            refine(Plan(settings, tuple(matrices), dp, tp, owners, groups_, capacity, teams=tuple(teams)))
+        )
     return plans[0] if len(plans) == 1 else min(plans, key=estimated_step)
 
 

@@ -1,0 +1,171 @@
+"""Swaps that finish a packed plan: a lower makespan first, then less optimizer state per rank.
+
+The packer (`micro_groups.balanced_groups`) places each matrix once, largest first, and never
+looks back: a few ranks may end above the rest (Qwen3 32B with SOAP at 256 ranks: two ranks at
+1.071 × the ideal, none other above 1.02), and it does not see state at all (Shampoo's factors
+grow with the square of a side, its FLOPs with the cube, so ranks of the same load hold up to
+1.49 × the mean state). `refine` moves matrices that one rank computes alone:
+
+1. while a swap (or a move) between the busiest rank and another brings both below the
+   makespan, it takes the one that leaves the lower of the two;
+2. then, loads kept within the new makespan, while a swap brings the rank with the most
+   matrix state and another below that, it takes the one that leaves the lower.
+
+No swap raises a micro-group's busiest load, the most that a rank receives in a micro-group's
+gather (so neither the synchronized makespan nor the estimated step grows) or the busiest load
+of a bucket (what α = 0 spreads), and a matrix that some ranks hold whole stays on one of them.
+Only the `CANDIDATES` least loaded (or least stateful) ranks are tried as partners, so that a
+swap costs little however many ranks there are. Pure and deterministic, like the rest of planning.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # plan.py calls refine
+    from lightning_canzona.planning.plan import Plan
+
+#: Partner ranks tried per swap: the least loaded (makespan) or least stateful (state).
+CANDIDATES = 8
+
+
+def refine(plan: Plan) -> Plan:
+    """``plan`` with its single-owner matrices swapped between ranks (see the module docstring)."""
+    if plan.teams is None:
+        return plan
+    swaps = _Swaps(plan)
+    swaps.lower(swaps.loads, swaps.cost, bound=None)
+    swaps.lower(swaps.states, swaps.state, bound=max(swaps.loads))
+    teams = tuple(swaps.teams)
+    if teams == plan.teams:
+        return plan
+    return replace(plan, owners=tuple(team[0] for team in teams), teams=teams)
+
+
+class _Swaps:
+    """The per-rank and per-micro-group sums that a swap must keep within bounds."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        ranks = plan.num_ranks
+        assert plan.teams is not None
+        self.teams = list(plan.teams)
+        matrices = plan.matrices
+        self.cost = list(plan.loads)
+        self.state = [m.member_cost(len(t)).matrix_state_bytes for m, t in zip(matrices, self.teams)]
+        self.received = [m.cost.numel / len(t) for m, t in zip(matrices, self.teams)]
+        locality = plan.settings.locality
+        self.allowed = [set(m.holders) if locality and m.holders else None for m in matrices]
+        self.group = [0] * len(matrices)
+        for g, members in enumerate(plan.micro_groups):
+            for index in members:
+                self.group[index] = g
+        self.loads = [0.0] * ranks
+        self.states = [0.0] * ranks
+        self.items: list[list[int]] = [[] for _ in range(ranks)]
+        self.group_loads = [[0.0] * ranks for _ in plan.micro_groups]
+        self.group_received = [[0.0] * ranks for _ in plan.micro_groups]
+        # As the packer counts them: a matrix updated where it lies is in no bucket's collectives.
+        self.bucket = [None if m.holders and locality else m.bucket for m in matrices]
+        self.bucket_loads = {bucket: [0.0] * ranks for bucket in self.bucket if bucket is not None}
+        for index, team in enumerate(self.teams):
+            for rank in team:
+                self._add(index, rank, 1)
+        self.group_load_limit = [max(loads) for loads in self.group_loads]
+        self.group_received_limit = [max(received) for received in self.group_received]
+        self.bucket_limit = {bucket: max(loads) for bucket, loads in self.bucket_loads.items()}
+
+    def _add(self, index: int, rank: int, sign: int) -> None:
+        g = self.group[index]
+        self.loads[rank] += sign * self.cost[index]
+        self.states[rank] += sign * self.state[index]
+        self.group_loads[g][rank] += sign * self.cost[index]
+        self.group_received[g][rank] += sign * self.received[index]
+        if self.bucket[index] is not None:
+            self.bucket_loads[self.bucket[index]][rank] += sign * self.cost[index]
+        if sign > 0:
+            self.items[rank].append(index)
+        else:
+            self.items[rank].remove(index)
+
+    def _move(self, index: int, source: int, target: int) -> None:
+        self._add(index, source, -1)
+        self._add(index, target, 1)
+        self.teams[index] = (target,)
+
+    def _fits(self, index: int, rank: int, leaving: int | None) -> bool:
+        """Whether matrix ``index`` may join ``rank``'s part of its micro-group, where matrix
+        ``leaving`` (or none) leaves it."""
+        if self.allowed[index] is not None and rank not in self.allowed[index]:
+            return False
+        g, bucket = self.group[index], self.bucket[index]
+        load, received, bucket_load = self.cost[index], self.received[index], self.cost[index]
+        if leaving is not None and self.group[leaving] == g:
+            load, received = load - self.cost[leaving], received - self.received[leaving]
+        if leaving is not None and self.bucket[leaving] == bucket:
+            bucket_load -= self.cost[leaving]
+        return (
+            self.group_loads[g][rank] + load <= self.group_load_limit[g]
+            and self.group_received[g][rank] + received <= self.group_received_limit[g]
+            and (bucket is None or self.bucket_loads[bucket][rank] + bucket_load <= self.bucket_limit[bucket])
+        )
+
+    def lower(self, totals: list[float], values: Sequence[float], bound: float | None) -> None:
+        """Swap while the rank with the largest of ``totals`` (loads or states, the sums of the
+        matrices' ``values``) can shed some to another with both ending below it; loads stay
+        within ``bound`` (if given)."""
+        for _ in range(len(self.teams)):  # each swap lowers the sorted totals: this bounds it loosely
+            top = max(range(len(totals)), key=lambda r: (totals[r], -r))
+            others = (r for r in range(len(totals)) if r != top)
+            partners = heapq.nsmallest(CANDIDATES, others, key=lambda r: (totals[r], r))
+            best = None
+            for given in self._single(top):
+                for partner in partners:
+                    for taken in (None, *self._single(partner)):
+                        outcome = self._outcome(totals, values, top, given, partner, taken, bound)
+                        if outcome is not None and (best is None or outcome < best[0]):
+                            best = (outcome, given, partner, taken)
+            if best is None:
+                return
+            _, given, partner, taken = best
+            self._move(given, top, partner)
+            if taken is not None:
+                self._move(taken, partner, top)
+
+    def _single(self, rank: int) -> list[int]:
+        return [index for index in self.items[rank] if len(self.teams[index]) == 1]
+
+    def _outcome(
+        self,
+        totals: Sequence[float],
+        values: Sequence[float],
+        top: int,
+        given: int,
+        partner: int,
+        taken: int | None,
+        bound: float | None,
+    ) -> float | None:
+        """The larger of the two ranks' new totals if the swap is allowed and lowers the top,
+        else ``None``."""
+        back = values[taken] if taken is not None else 0.0
+        if back >= values[given]:
+            return None
+        outcome = max(totals[top] - values[given] + back, totals[partner] - back + values[given])
+        if outcome >= totals[top]:
+            return None
+        if bound is not None:
+            back_load = self.cost[taken] if taken is not None else 0.0
+            loads = (
+                self.loads[top] - self.cost[given] + back_load,
+                self.loads[partner] - back_load + self.cost[given],
+            )
+            if max(loads) > bound:
+                return None
+        if not self._fits(given, partner, taken):
+            return None
+        if taken is not None and not self._fits(taken, top, given):
+            return None
+        return outcome
