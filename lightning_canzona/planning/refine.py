@@ -49,7 +49,6 @@ class _Swaps:
     """The per-rank and per-micro-group sums that a swap must keep within bounds."""
 
     def __init__(self, plan: Plan) -> None:
-        self.plan = plan
         ranks = plan.num_ranks
         assert plan.teams is not None
         self.teams = list(plan.teams)
