@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
+import torch.distributed as dist
 from lightning import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from multiprocess import run_on_ranks
+from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 import lightning_canzona as lc
 from lightning_canzona.checkpoint import check_compatible, full_optimizer_state, staging_path
@@ -293,3 +300,47 @@ def test_a_single_file_checkpoint_is_inspected_without_running_its_code(tmp_path
     # An explicit choice of the caller (Trainer.fit(weights_only=False)) is honoured.
     check_compatible(path, {"weight": (2,)}, weights_only=False)
     assert marker.exists()
+
+
+class Experts(nn.Module):
+    """A stack of four expert matrices: FSDP2 gives each of two ranks two of them whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 16, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("bi,eoi->beo", x, self.weight)
+
+
+def _stack_failure_counts_add_up(rank: int, world_size: int) -> None:
+    mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    torch.manual_seed(0)
+    model = Experts()
+    fully_shard(model, mesh=mesh["data_parallel"])
+    optimizer = lc.Shampoo(
+        lc.matrix_param_groups(model), precondition_frequency=1, start_preconditioning_step=1
+    )
+
+    def failing_eigh(*args, **kwargs):
+        raise torch.linalg.LinAlgError("a factor that does not converge")
+
+    with mock.patch("torch.linalg.eigh", failing_eigh), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for _ in range(2):
+            model(torch.randn(3, 8)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    mine = optimizer.state[model.weight].get("decomposition_failures", torch.zeros((), dtype=torch.int64))
+    counts = torch.zeros(world_size, dtype=torch.int64)
+    counts[rank] = mine
+    dist.all_reduce(counts)
+    assert (counts > 0).all(), counts  # both ranks own matrices of the stack, and counted
+    saved = full_optimizer_state(model, optimizer)
+    if rank == 0:
+        assert saved["state"]["weight"]["decomposition_failures"] == counts.sum()
+    dist.barrier()
+
+
+def test_a_checkpoint_holds_the_failures_of_every_owner_of_a_stack() -> None:
+    run_on_ranks(2, _stack_failure_counts_add_up)
