@@ -397,6 +397,8 @@ class MeshEngine:
             if old != self.team(index):
                 self._hand_over(index, old, self.team(index), rules, state)
         self.drop_foreign_matrix_state(state, rules)
+        if not previous_teams:  # the first plan: any state is a loaded checkpoint's
+            self.keep_loaded_stack_failures_on_one_owner(state)
 
     def _hand_over(
         self,
@@ -443,20 +445,11 @@ class MeshEngine:
 
     def drop_foreign_matrix_state(self, state: dict[Tensor, State], rules: Sequence[MatrixRule]) -> None:
         """Keep only the matrix state that this rank holds under the plan (a full, single-file
-        checkpoint loads every owner's state on every rank): a team member its slice of it.
-
-        A stack's failure count (one per parameter, its total in a checkpoint) stays with the
-        owner of the stack's first matrix only; the other owners count theirs from zero, and a
-        checkpoint adds them up (`owned_matrix_state`)."""
-        counted: set[int] = set()
+        checkpoint loads every owner's state on every rank): a team member its slice of it."""
         for index, item in enumerate(self._items):
             if self.owner(index) is None:
                 continue
             held = state.get(self._entries[item.entry].param, {})
-            if item.member is not None and item.entry not in counted:
-                counted.add(item.entry)
-                if self.owner(index) != self.rank:
-                    held.pop(FAILURES, None)
             keys = self._item_state_keys(index, rules, state)
             team = self.team(index) or ()
             if self.rank not in team:
@@ -471,6 +464,19 @@ class MeshEngine:
                     len(team),
                 )
                 held.update(member)
+
+    def keep_loaded_stack_failures_on_one_owner(self, state: dict[Tensor, State]) -> None:
+        """After a load, leave a stack's failure count (one per parameter, the total of its
+        owners' in a checkpoint) with the owner of the stack's first matrix only: the other
+        owners count theirs from zero, and the next checkpoint adds them up
+        (`owned_matrix_state`)."""
+        first_owner: dict[int, int | None] = {}
+        for index, item in enumerate(self._items):
+            if item.member is not None:
+                first_owner.setdefault(item.entry, self.owner(index))
+        for entry, owner in first_owner.items():
+            if owner is not None and owner != self.rank:
+                state.get(self._entries[entry].param, {}).pop(FAILURES, None)
 
     def _is_whole(self, index: int, rules: Sequence[MatrixRule], held: State) -> bool:
         """Whether ``held`` has item ``index``'s sliced state at the matrix's whole shape."""

@@ -361,6 +361,7 @@ class MatrixOptimizer(Optimizer):
                 rules = entry_rules(engine._entries, self.rule_of)
                 engine.scatter_team_state(self.state, rules)
                 engine.drop_foreign_matrix_state(self.state, rules)
+                engine.keep_loaded_stack_failures_on_one_owner(self.state)
         params = (param for group in self.param_groups for param in group["params"])
         for index, param in enumerate(params):
             for key, saved in state_dict["state"].get(index, {}).items():
