@@ -38,7 +38,7 @@ def compute_dtype(rule: MatrixRule) -> str:
 def rule_settings(settings: PlanSettings, device: DeviceModel, rule: MatrixRule) -> PlanSettings:
     """``settings`` with ``device``'s prices of collectives in FLOPs of ``rule``'s matmuls (what
     ``team_prices="h100"`` gives the optimizer on an H100)."""
-    return device.repriced(settings, compute_dtype(rule), rule.matmul_dtype().itemsize)
+    return device.repriced(settings, rule.matmul_dtype())
 
 
 @cache

@@ -327,7 +327,7 @@ def priced(
     FLOPs of ``dtype`` for elements of ``dtype`` (`DeviceModel.repriced`); ``"measure"``,
     measured by collectives over ``group`` on ``device``; or the given pair."""
     if prices == "h100":
-        return H100.repriced(settings, str(dtype).removeprefix("torch."), dtype.itemsize)
+        return H100.repriced(settings, dtype)
     if prices == "measure":
         return replace(settings, **measure_team_costs(group, device, dtype))
     per_element, per_message = prices  # type: ignore[misc]

@@ -37,8 +37,8 @@ def refine(plan: Plan) -> Plan:
     if plan.teams is None:
         return plan
     swaps = _Swaps(plan)
-    swaps.lower(swaps.loads, swaps.cost, bound=None)
-    swaps.lower(swaps.states, swaps.state, bound=max(swaps.loads))
+    swaps.lower(swaps.rank_loads, swaps.cost, bound=None)
+    swaps.lower(swaps.rank_states, swaps.state_bytes, bound=max(swaps.rank_loads))
     teams = tuple(swaps.teams)
     if teams == plan.teams:
         return plan
@@ -54,7 +54,7 @@ class _Swaps:
         self.teams = list(plan.teams)
         matrices = plan.matrices
         self.cost = list(plan.loads)
-        self.state = [m.member_cost(len(t)).matrix_state_bytes for m, t in zip(matrices, self.teams)]
+        self.state_bytes = [m.member_cost(len(t)).matrix_state_bytes for m, t in zip(matrices, self.teams)]
         self.received = [m.cost.numel / len(t) for m, t in zip(matrices, self.teams)]
         locality = plan.settings.locality
         self.allowed = [set(m.holders) if locality and m.holders else None for m in matrices]
@@ -62,8 +62,8 @@ class _Swaps:
         for g, members in enumerate(plan.micro_groups):
             for index in members:
                 self.group[index] = g
-        self.loads = [0.0] * ranks
-        self.states = [0.0] * ranks
+        self.rank_loads = [0.0] * ranks
+        self.rank_states = [0.0] * ranks
         self.items: list[list[int]] = [[] for _ in range(ranks)]
         self.group_loads = [[0.0] * ranks for _ in plan.micro_groups]
         self.group_received = [[0.0] * ranks for _ in plan.micro_groups]
@@ -79,8 +79,8 @@ class _Swaps:
 
     def _add(self, index: int, rank: int, sign: int) -> None:
         g = self.group[index]
-        self.loads[rank] += sign * self.cost[index]
-        self.states[rank] += sign * self.state[index]
+        self.rank_loads[rank] += sign * self.cost[index]
+        self.rank_states[rank] += sign * self.state_bytes[index]
         self.group_loads[g][rank] += sign * self.cost[index]
         self.group_received[g][rank] += sign * self.received[index]
         if self.bucket[index] is not None:
@@ -158,8 +158,8 @@ class _Swaps:
         if bound is not None:
             back_load = self.cost[taken] if taken is not None else 0.0
             loads = (
-                self.loads[top] - self.cost[given] + back_load,
-                self.loads[partner] - back_load + self.cost[given],
+                self.rank_loads[top] - self.cost[given] + back_load,
+                self.rank_loads[partner] - back_load + self.cost[given],
             )
             if max(loads) > bound:
                 return None

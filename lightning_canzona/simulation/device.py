@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import torch
+
 from lightning_canzona.planning.plan import PlanSettings
 
 _TERA = 1e12
@@ -85,12 +87,13 @@ class DeviceModel:
             "exchange_flops_per_message": rate * mesh_latency,
         }
 
-    def repriced(self, settings: PlanSettings, matmul_dtype: str, element_bytes: int) -> PlanSettings:
+    def repriced(self, settings: PlanSettings, matmul_dtype: torch.dtype) -> PlanSettings:
         """``settings`` with its prices of collectives, given in this device's bf16 FLOPs of
         2-byte elements (as `PlanSettings`' defaults are an H100's), turned into the FLOPs of the
-        same time in ``matmul_dtype`` for elements of ``element_bytes`` (`plan_prices`); prices
-        of zero stay zero."""
-        target, reference = self.plan_prices(matmul_dtype, element_bytes), self.plan_prices("bfloat16", 2)
+        same time in ``matmul_dtype`` (a rule's) for elements of that dtype (`plan_prices`);
+        prices of zero stay zero."""
+        name = str(matmul_dtype).removeprefix("torch.")
+        target, reference = self.plan_prices(name, matmul_dtype.itemsize), self.plan_prices("bfloat16", 2)
         return replace(
             settings, **{key: getattr(settings, key) * target[key] / reference[key] for key in target}
         )
