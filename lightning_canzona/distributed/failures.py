@@ -3,8 +3,9 @@
 A rank that raises alone leaves the others waiting in their next collective until the process
 group's timeout (30 minutes by default). Work that can fail on one rank only (an update rule, an
 allocation) therefore keeps its exception, finishes the step's collectives, and calls
-`raise_on_every_rank` with it: one one-element ``all_reduce`` tells every rank whether anyone
-failed, and only then are the messages exchanged.
+`raise_on_every_rank` with it: one agreement on a one-element maximum
+(`agreement.agree_on_maximum`) tells every rank whether anyone failed, and only then are the
+messages exchanged.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from lightning_canzona.distributed.inflight import wait_for
+from lightning_canzona.distributed.agreement import agree_on_maximum
 
 
 def raise_on_every_rank(failure: BaseException | None, device: torch.device, what: str) -> None:
@@ -32,7 +33,7 @@ def raise_on_every_rank(failure: BaseException | None, device: torch.device, wha
             raise failure
         return
     failed = torch.tensor(float(failure is not None), device=device)
-    wait_for(dist.all_reduce, failed, op=dist.ReduceOp.MAX)
+    agree_on_maximum(failed)
     if not failed.item():
         return
     messages: list[str | None] = [None] * dist.get_world_size()

@@ -4,9 +4,9 @@ An optimizer step on many ranks goes wrong in three ways when ranks see differen
 rank raises on a NaN that the others never saw and they wait in the next collective until the
 process-group timeout; a rank whose gradient is ``None`` skips a collective (a redistribution of a
 ``Partial`` gradient) that the others enter; replicas of a parameter step with different
-gradients and drift apart. `agree_on_gradients` removes all three with one ``MAX``
-``all_reduce`` of four flags per parameter (some rank holds a gradient, some rank lacks one, some
-rank's is non-finite, some rank's is laid out unlike its parameter):
+gradients and drift apart. `agree_on_gradients` removes all three with one agreement on the
+maximum (`agreement.agree_on_maximum`) of four flags per parameter (some rank holds a gradient,
+some rank lacks one, some rank's is non-finite, some rank's is laid out unlike its parameter):
 
 - a non-finite gradient anywhere raises `FloatingPointError` on every rank, naming the parameter;
 - a DTensor gradient laid out unlike its parameter is redistributed to the parameter's layout on
@@ -29,7 +29,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from lightning_canzona.distributed.inflight import wait_for
+from lightning_canzona.distributed.agreement import agree_on_maximum
 from lightning_canzona.rules.base import non_finite
 
 _PRESENT, _ABSENT, _NON_FINITE, _FOREIGN = range(4)
@@ -63,7 +63,7 @@ def agree_on_gradients(named: Sequence[tuple[str, Tensor]], check_finite: bool =
         local = [_local(named[index][1].grad) for index in held]
         flags[_NON_FINITE, held] = non_finite(local).to(flags)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        wait_for(dist.all_reduce, flags, op=dist.ReduceOp.MAX)
+        agree_on_maximum(flags)
     present, absent, bad, foreign = (row.bool().tolist() for row in flags.cpu())
     for (name, param), is_bad in zip(named, bad):
         if is_bad:

@@ -5,8 +5,8 @@ tensor (a layer that ``configure_model`` keeps unsharded, or a parameter set dir
 LightningModule, which FSDP2 cannot manage: Lightning calls ``training_step``, never the root
 module's ``forward`` that would run FSDP2's hooks) would otherwise step with each rank's own
 gradient, and its replicas would drift apart without a word. So, after each synchronising
-backward: its gradient is averaged over the data-parallel group, as FSDP2 does, and one ``MAX``
-``all_reduce`` over all ranks checks that every rank now holds the same gradient, which catches a
+backward: its gradient is averaged over the data-parallel group, as FSDP2 does, and one agreement
+on a maximum over all ranks checks that every rank now holds the same gradient, which catches a
 plain parameter whose gradient tensor parallelism splits across ranks.
 """
 
@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_canzona.distributed.agreement import agree_on_maximum
 from lightning_canzona.distributed.inflight import wait_for
 
 #: How far two ranks' gradient checksums may differ, relative to their size, and still count as
@@ -48,9 +49,9 @@ def average_gradients(params: Sequence[Tensor], group: dist.ProcessGroup) -> Non
 def check_gradients_agree(named: Sequence[tuple[str, Tensor]]) -> None:
     """Raise on every rank, naming them, when ranks hold different gradients of ``named``.
 
-    One ``MAX`` ``all_reduce`` over all ranks of each gradient's presence, sum and sum of
-    absolute values, and of their negatives. Sums may differ by `RELATIVE_TOLERANCE` of the
-    largest sum of absolute values.
+    One agreement on the maximum (`agreement.agree_on_maximum`) over all ranks of each
+    gradient's presence, sum and sum of absolute values, and of their negatives. Sums may
+    differ by `RELATIVE_TOLERANCE` of the largest sum of absolute values.
     """
     if not named:
         return
@@ -63,7 +64,7 @@ def check_gradients_agree(named: Sequence[tuple[str, Tensor]]) -> None:
             rows.append(torch.stack([torch.ones_like(wide.sum()), wide.sum(), wide.abs().sum()]))
     checksums = torch.stack(rows)
     extremes = torch.cat([checksums, -checksums])
-    wait_for(dist.all_reduce, extremes, op=dist.ReduceOp.MAX)
+    agree_on_maximum(extremes)
     largest, smallest = extremes[: len(named)], -extremes[len(named) :]
     spread = largest - smallest
     scale = largest[:, 2:3]
