@@ -86,9 +86,9 @@ def test_refine_raises_no_makespan_group_gather_or_bucket_and_keeps_held_matrice
     [
         # Two ranks above 1.02 × the ideal, each with a matrix another rank can take: the target.
         ("soap", "32B", 1.071, 1.020, 1.123, 1.024),
-        # Ranks of equal load, four k/v projections on some (their right factor is large for
-        # their FLOPs) against larger matrices on others: state evened at the same makespan.
-        ("shampoo", "14B", 1.171, 1.171, 1.261, 1.108),
+        # Ranks of equal load and unequal state (a matrix's factors grow with the square of its
+        # sides, its FLOPs with their cube): state evened at the same makespan.
+        ("soap", "4B", 1.3254, 1.3254, 1.1933, 1.0189),
     ],
 )
 def test_refine_on_qwen3_at_256_ranks(
