@@ -27,6 +27,7 @@ from lightning_canzona.distributed.teams import joined_state, measure_team_costs
 from lightning_canzona.planning import PlanSettings, build_plan, describe, report
 from lightning_canzona.planning.matrices import MatrixSpec
 from lightning_canzona.planning.plan import (
+    STEP_TOLERANCE,
     _greedy_makespan,
     _sizes_of,
     _team_plan,
@@ -263,13 +264,15 @@ def test_planner_splits_what_packs_badly_beside_matrices_it_cannot_split() -> No
     whole = build_plan(matrices, 4, 1, dataclasses.replace(prices, max_team=1))
     assert max(whole.rank_loads()) == 6.0
     # Split alike, the three pack into 4.53; the overflow's one team of 2 beside them, 3 + 1.51;
-    # one team of 4 beside a whole one, 4 + 0.76: the plan of the shortest estimated step is kept.
+    # one team of 4 beside a whole one, 4 + 0.76, has the shortest estimated step, but the team of
+    # 2's is within STEP_TOLERANCE of it and packs shorter: that one is kept.
     candidates = [*overflow_sizes(matrices, 4, prices), *searched_sizes(matrices, 4, prices)]
-    plan = build_plan(matrices, 4, 1, prices)
-    assert max(plan.rank_loads()) == pytest.approx(4.76) and plan.split_matrices() == {4: 1}
     others = [_team_plan(prices, matrices, 4, 1, sizes) for sizes in candidates]
-    assert min(max(other.rank_loads()) for other in others) == pytest.approx(4.51)
-    assert all(estimated_step(plan) <= estimated_step(other) for other in others)
+    shortest = min(others, key=estimated_step)
+    assert max(shortest.rank_loads()) == pytest.approx(4.76) and shortest.split_matrices() == {4: 1}
+    plan = build_plan(matrices, 4, 1, prices)
+    assert max(plan.rank_loads()) == pytest.approx(4.51) and plan.split_matrices() == {2: 1}
+    assert estimated_step(shortest) < estimated_step(plan) <= (1 + STEP_TOLERANCE) * estimated_step(shortest)
 
 
 def test_planner_keeps_teams_only_where_the_step_with_its_gathers_and_scatters_is_shorter() -> None:

@@ -44,6 +44,10 @@ POLICIES: tuple[str, ...] = ("canzona", "lpt", "round_robin", "sync")
 #: collectives are priced at zero), and its estimated step no longer.
 TEAM_GAIN = 0.95
 
+#: Plans whose estimated steps differ by less than this fraction are alike to the planner (an
+#: estimate: `estimated_step`); among them, the better balanced is kept.
+STEP_TOLERANCE = 0.02
+
 #: Most combinations of team sizes, one per class, that `searched_sizes` lists (beyond, it starts
 #: from `team_sizes`' choice) and packs (in the order of their bound).
 SEARCH_COMBINATIONS = 4096
@@ -540,10 +544,11 @@ def build_plan(matrices: list[MatrixSpec], dp: int, tp: int, settings: PlanSetti
         return _fixed_owner_plan(settings, matrices, dp, tp, owners, capacity)
     # The greedy choice of teams is myopic: with and without the pair bound it can take other
     # paths, and it splits classes alike; those, the overflow's splits and the searched sizes are
-    # planned (where they differ), and the plan of the shortest estimated step is kept (then the
-    # shorter makespan). By makespan alone, sizes that balance the compute better but make the
-    # busiest rank receive more were kept: Qwen3 14B with Muon at 256 ranks, a makespan of 1.30 ×
-    # the ideal against 1.42, and a simulated step of 26.2 ms against 20.2.
+    # planned (where they differ), and of the plans within `STEP_TOLERANCE` of the shortest
+    # estimated step the one of the shortest makespan is kept. By makespan alone, sizes that
+    # balance the compute better but make the busiest rank receive more were kept: Qwen3 14B
+    # with Muon at 256 ranks, a makespan of 1.30 × the ideal against 1.42, and a simulated step
+    # of 26.2 ms against 20.2.
     candidates = dict.fromkeys(
         [
             *(tuple(team_sizes(matrices, num_ranks, settings, pairs)) for pairs in (True, False)),
@@ -551,9 +556,11 @@ def build_plan(matrices: list[MatrixSpec], dp: int, tp: int, settings: PlanSetti
             *map(tuple, searched_sizes(matrices, num_ranks, settings)),
         ]
     )
+    plans = [_team_plan(settings, matrices, dp, tp, list(sizes)) for sizes in candidates]
+    shortest = min(map(estimated_step, plans))
     plan = min(
-        (_team_plan(settings, matrices, dp, tp, list(sizes)) for sizes in candidates),
-        key=lambda candidate: (estimated_step(candidate), max(candidate.rank_loads())),
+        (candidate for candidate in plans if estimated_step(candidate) <= (1 + STEP_TOLERANCE) * shortest),
+        key=lambda candidate: max(candidate.rank_loads()),
     )
     if plan.split_matrices():  # teams must pack better than whole matrices, not only bound better
         whole = build_plan(matrices, dp, tp, replace(settings, max_team=1))
