@@ -32,7 +32,7 @@ def test_bench_ns_compares_the_forms_on_time_and_accuracy(capsys) -> None:
     main(["bench", "ns", "--shapes", "32x96", "--dtypes", "float32", "--repeats", "1"])
     lines = capsys.readouterr().out.splitlines()
     rows = {line.split()[2]: line.split() for line in lines[2:]}
-    assert set(rows) == {"standard", "gram"}
+    assert set(rows) == {"standard", "gram", "standard-symmetric", "gram-symmetric"}
     for form, row in rows.items():
         # Rounding alone is float32's; the quintic schedule leaves the polar factor ~15 % away.
         assert float(row[-1]) < 1e-5, form

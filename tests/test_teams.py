@@ -42,6 +42,7 @@ from lightning_canzona.rules.base import TeamSum, UpdateCost
 from lightning_canzona.rules.blocks import RowBlockRule
 from lightning_canzona.rules.muon import MuonRule
 from lightning_canzona.rules.newton_schulz import (
+    FORMS,
     PRESETS,
     newton_schulz,
     splits_polynomial,
@@ -102,7 +103,7 @@ def _newton_schulz_in_lockstep(full: torch.Tensor, size: int, form: str) -> torc
     return _in_lockstep(runs, full.shape)
 
 
-@pytest.mark.parametrize("form", ["standard", "gram"])
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("shape", [(6, 50), (50, 6), (33, 33), (3, 7, 20)])
 @pytest.mark.parametrize("size", [2, 3, 4])
 def test_team_newton_schulz_equals_one_rank(shape, size, form) -> None:
@@ -470,8 +471,8 @@ CREATED: list[lc.MatrixOptimizer] = []
 RUNS_ON_MESH = {
     "dp2": (("standard", True),),
     "tp2": (("standard", True),),
-    "dp4": (("standard", True), ("gram", True)),
-    "dp2xtp2": (("standard", True), ("standard", False), ("gram", False)),
+    "dp4": (("standard", True), ("gram", True), ("gram-symmetric", True)),
+    "dp2xtp2": (("standard", True), ("standard", False), ("gram", False), ("standard-symmetric", True)),
 }
 
 

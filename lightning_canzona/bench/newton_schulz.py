@@ -95,13 +95,13 @@ def measure(
 def format_table(rows: list[FormRow]) -> str:
     """A plain-text table of the rows."""
     lines = [
-        f"{'shape':>11} {'dtype':>9} {'form':>9} {'ms':>9} {'÷ standard':>10} {'GFLOP/s':>8} "
+        f"{'shape':>11} {'dtype':>9} {'form':>18} {'ms':>9} {'÷ standard':>10} {'GFLOP/s':>8} "
         f"{'÷ matmul':>8} {'from polar':>10} {'from f64':>9}"
     ]
     for row in rows:
         shape = f"{row.shape[0]}x{row.shape[1]}"
         lines.append(
-            f"{shape:>11} {row.dtype:>9} {row.form:>9} {row.milliseconds:9.2f} "
+            f"{shape:>11} {row.dtype:>9} {row.form:>18} {row.milliseconds:9.2f} "
             f"{row.milliseconds / row.standard_milliseconds:10.2f} {row.gflops:8.1f} {row.ratio:8.2f} "
             f"{row.from_polar:10.2e} {row.from_float64:9.2e}"
         )

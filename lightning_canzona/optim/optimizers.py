@@ -57,7 +57,9 @@ class Muon(MatrixOptimizer):
             or ``"float32"``.
         ns_form: ``"standard"`` (as ``torch.optim.Muon``) or ``"gram"``: the same polynomial
             iterated on ``XXᵀ``, fewer FLOPs for matrices more than about 1.5 times as long as
-            wide (see `lightning_canzona.rules.newton_schulz`).
+            wide; ``"standard-symmetric"`` or ``"gram-symmetric"``: either with its symmetric
+            products (``XXᵀ`` and its square) computed by blocks, 5/8 of their FLOPs (see
+            `lightning_canzona.rules.newton_schulz`).
         **kwargs: AdamW-group settings (``adamw_lr``, ``adamw_betas``, ``adamw_eps``,
             ``adamw_weight_decay``), ``check_finite``, and the distributed plan (``policy``,
             ``alpha``, ``cost``, ``micro_group_capacity``, ``max_team``, ``overlap``): see

@@ -16,7 +16,7 @@ sum ``a × a`` Gram matrices (once per step in the standard form, once per resta
 form); `newton_schulz.team_work` counts the FLOPs and collectives.
 
 Cost per step: ``k·(4a²b + 2a³)`` FLOPs with ``a = min(m, n)``, ``b = max(m, n)``, ``k`` = ns_steps
-(the standard form; ``ns_form="gram"`` costs `newton_schulz.flops`);
+(the standard form; the others cost `newton_schulz.flops`);
 ``m·n`` elements moved; the momentum buffer (``m·n`` parameter-dtype elements) is elementwise state.
 """
 
