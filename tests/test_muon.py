@@ -118,5 +118,5 @@ def test_the_gram_form_updates_as_the_standard_form() -> None:
     }
     flops = {form: opt.rule_of(opt.param_groups[0]).cost((32, 96)).flops for form, opt in costs.items()}
     assert flops["gram"] < flops["standard"]
-    with pytest.raises(ValueError, match=r"ns_form must be one of \('standard', 'gram'\), got 'fast'"):
+    with pytest.raises(ValueError, match=r"ns_form must be one of \('standard', 'gram', .*\), got 'fast'"):
         lc.Muon([torch.nn.Parameter(torch.zeros(4, 4))], ns_form="fast").step()

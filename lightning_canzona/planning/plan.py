@@ -49,8 +49,9 @@ TEAM_GAIN = 0.95
 STEP_TOLERANCE = 0.02
 
 #: Most combinations of team sizes, one per class, that `searched_sizes` lists (beyond, it starts
-#: from `team_sizes`' choice) and packs (in the order of their bound).
+#: from `team_sizes`' choice).
 SEARCH_COMBINATIONS = 4096
+#: Most combinations that `searched_sizes` packs (in the order of their bound), and most moves.
 SEARCH_LIMIT = 64
 
 #: The default capacity leaves about this many micro-groups per rank, so that gathers and
@@ -353,16 +354,15 @@ def searched_sizes(matrices: list[MatrixSpec], num_ranks: int, settings: PlanSet
 
 
 def _sizes_of(members: list[list[int]], counts: list[dict[int, int]], num_matrices: int) -> list[int]:
-    """Each matrix's team size, with ``counts[c][size]`` of class ``c``'s matrices at ``size``:
-    the sizes in ascending order over the class, interleaved evenly in model order."""
+    """Each matrix's team size, with ``counts[c][size]`` of class ``c``'s matrices at ``size``,
+    the sizes interleaved evenly over the class in model order: each matrix takes the size whose
+    share of the class so far is furthest behind (the smaller on a tie)."""
     sizes = [1] * num_matrices
     for group, by_size in zip(members, counts):
-        pending = sorted((size, n) for size, n in by_size.items() if n)
-        # Evenly spread: each matrix takes the size whose share of the class is furthest behind.
         taken = dict.fromkeys(by_size, 0)
         for position, index in enumerate(group):
             size = max(
-                (size for size, n in pending if taken[size] < n),
+                (size for size, n in by_size.items() if taken[size] < n),
                 key=lambda size: (by_size[size] * (position + 1) / len(group) - taken[size], -size),
             )
             taken[size] += 1
@@ -557,9 +557,9 @@ def build_plan(matrices: list[MatrixSpec], dp: int, tp: int, settings: PlanSetti
         ]
     )
     plans = [_team_plan(settings, matrices, dp, tp, list(sizes)) for sizes in candidates]
-    shortest = min(map(estimated_step, plans))
+    steps = [estimated_step(candidate) for candidate in plans]
     plan = min(
-        (candidate for candidate in plans if estimated_step(candidate) <= (1 + STEP_TOLERANCE) * shortest),
+        (candidate for candidate, step in zip(plans, steps) if step <= (1 + STEP_TOLERANCE) * min(steps)),
         key=lambda candidate: max(candidate.rank_loads()),
     )
     if plan.split_matrices():  # teams must pack better than whole matrices, not only bound better
