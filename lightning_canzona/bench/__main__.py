@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> None:
         "--optimizer",
         choices=sorted(step.OPTIMIZERS),
         default="muon",
-        help="the optimizer of every variant (muon-gram: Muon with ns_form='gram')",
+        help="the optimizer of every variant (muon-gram, muon-symmetric: Muon with ns_form='gram', "
+        "'standard-symmetric')",
     )
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
