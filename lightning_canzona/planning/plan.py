@@ -339,9 +339,9 @@ def searched_sizes(matrices: list[MatrixSpec], num_ranks: int, settings: PlanSet
             for source, count in sizes.items():
                 at = options[c].index(source)
                 for target in options[c][max(at - 1, 0) : at + 2]:
+                    if target == source:
+                        continue
                     for moved in sorted({*(1 << p for p in range(count.bit_length())), count} - {0}):
-                        if target == source or moved > count:
-                            continue
                         counts = [dict(s) for s in best[1]]
                         counts[c][source] -= moved
                         counts[c][target] = counts[c].get(target, 0) + moved
@@ -557,10 +557,11 @@ def build_plan(matrices: list[MatrixSpec], dp: int, tp: int, settings: PlanSetti
         ]
     )
     plans = [_team_plan(settings, matrices, dp, tp, list(sizes)) for sizes in candidates]
-    steps = [estimated_step(candidate) for candidate in plans]
-    plan = min(
-        (candidate for candidate, step in zip(plans, steps) if step <= (1 + STEP_TOLERANCE) * min(steps)),
-        key=lambda candidate: max(candidate.rank_loads()),
+    scored = [(estimated_step(plan), plan) for plan in plans]
+    shortest = min(step for step, _ in scored)
+    step, plan = min(
+        ((step, plan) for step, plan in scored if step <= (1 + STEP_TOLERANCE) * shortest),
+        key=lambda scored_plan: max(scored_plan[1].rank_loads()),
     )
     if plan.split_matrices():  # teams must pack better than whole matrices, not only bound better
         whole = build_plan(matrices, dp, tp, replace(settings, max_team=1))
@@ -570,7 +571,7 @@ def build_plan(matrices: list[MatrixSpec], dp: int, tp: int, settings: PlanSetti
         # ...or shorten the step with its gathers and scatters, which teams change too (the
         # busiest rank receives a slice of a matrix, not the whole), and never lengthen it.
         # (Whole, the plan keeps the settings it was asked for: its report's team bound too.)
-        step, whole_step = estimated_step(plan), estimated_step(whole)
+        whole_step = estimated_step(whole)
         shortens = step <= gain * whole_step
         plan = plan if (packs or shortens) and step <= whole_step else replace(whole, settings=settings)
     naive = _fixed_owner_plan(

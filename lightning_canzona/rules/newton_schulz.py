@@ -79,7 +79,6 @@ def symmetric_product(
     parts = x.split(sizes, dim=-2)
     starts = list(itertools.accumulate(sizes, initial=0))
     product = x.new_empty(*x.shape[:-1], x.size(-2))
-    add_product = torch.addmm if x.ndim == 2 else torch.baddbmm
     for i, rows in enumerate(parts):
         below = slice(starts[i], starts[i + 1])
         for j in range(i + 1):
@@ -87,11 +86,17 @@ def symmetric_product(
             if added is None:
                 block = rows @ parts[j].mT
             else:
-                block = add_product(added[..., below, right], rows, parts[j].mT, beta=beta, alpha=alpha)
+                block = _add_product(added[..., below, right], rows, parts[j].mT, beta, alpha)
             product[..., below, right] = block
             if i != j:
                 product[..., right, below] = block.mT
     return product
+
+
+def _add_product(added: Tensor, left: Tensor, right: Tensor, beta: float = 1.0, alpha: float = 1.0) -> Tensor:
+    """``beta·added + alpha·left @ right``, fused, for matrices or stacks of them."""
+    fused = torch.addmm if left.ndim == 2 else torch.baddbmm
+    return fused(added, left, right, beta=beta, alpha=alpha)
 
 
 def _split_form(form: str) -> tuple[str, bool]:
@@ -110,8 +115,7 @@ def _polynomial(gram: Tensor, b: float, c: float, symmetric: bool) -> Tensor:
     """``b·A + c·A²`` of a symmetric ``A``."""
     if symmetric:
         return symmetric_product(gram, gram, beta=b, alpha=c)
-    add_product = torch.addmm if gram.ndim == 2 else torch.baddbmm
-    return add_product(gram, gram, gram, beta=b, alpha=c)
+    return _add_product(gram, gram, gram, beta=b, alpha=c)
 
 
 def _gram_flops(rows: int, cols: int, symmetric: bool) -> int:
@@ -377,7 +381,6 @@ def team_newton_schulz(
     if x.ndim > 3:
         x = x.reshape(-1, *x.shape[-2:])
     iteration, symmetric = _split_form(form)
-    add_product = torch.addmm if x.ndim == 2 else torch.baddbmm
     squares = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=torch.float32).square()
     squares, gram = yield (TeamSum(squares), TeamSum(_gram(x, symmetric)))
     scale = (squares.sqrt().to(dtype) * schedule.norm_safety).clamp_min(eps)
@@ -405,19 +408,18 @@ def team_newton_schulz(
                 (gram,) = yield (TeamSum(_gram(x, symmetric)),)
             if split:
                 part = gram[..., mine, :]
-                (polynomial,) = yield (TeamRows(add_product(part, part, gram, beta=b, alpha=c), rows),)
+                (polynomial,) = yield (TeamRows(_add_product(part, part, gram, beta=b, alpha=c), rows),)
             else:
                 polynomial = _polynomial(gram, b, c, symmetric)
-            x = add_product(x, polynomial, x, beta=a)
+            x = _add_product(x, polynomial, x, beta=a)
     x = x.reshape(*batch_shape, *x.shape[-2:])
     return x.mT if transposed else x
 
 
 def _standard_steps(x: Tensor, steps: list[Coefficients], symmetric: bool) -> Tensor:
-    add_product = torch.addmm if x.ndim == 2 else torch.baddbmm
     for a, b, c in steps:
         polynomial = _polynomial(_gram(x, symmetric), b, c, symmetric)
-        x = add_product(x, polynomial, x, beta=a)
+        x = _add_product(x, polynomial, x, beta=a)
     return x
 
 
