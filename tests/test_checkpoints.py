@@ -103,15 +103,18 @@ class CountTeams(Callback):
         assert any(plan.split_matrices() for plan in plans), [plan.split_matrices() for plan in plans]
 
 
-#: Optimizers whose plans split matrices over teams (collectives priced at zero): Muon's state is
-#: momentum, sharded like the weights whoever computes the update; SOAP's moments are in slices on
-#: a team's members (at max_precond_dim 100, the 128-long sides of the attention and the MLP have no
-#: factor, the key and value projections' 64-long side has), and a checkpoint holds them whole;
-#: Shampoo's have factors on both sides, the long side's in rows on the members.
+#: Optimizers whose plans split matrices over teams (collectives priced at zero) on both meshes:
+#: Muon's state is momentum, sharded like the weights whoever computes the update; SOAP's moments
+#: are in slices on a team's members (at max_precond_dim 100, the 128-long sides of the attention
+#: and the MLP have no factor, the key and value projections' 64-long side has), and a checkpoint
+#: holds them whole; Shampoo's attention matrices have factors on both sides, the long side's in
+#: rows on the members. Every third step a decomposition: after the checkpoint too.
 TEAM_OPTIMIZERS = {
     "muon": functools.partial(lc.Muon, lr=0.02, compute_dtype="float32"),
-    "soap": functools.partial(lc.SOAP, lr=3e-3, precondition_frequency=2, max_precond_dim=100),
-    "shampoo": functools.partial(lc.Shampoo, lr=3e-3, precondition_frequency=2, start_preconditioning_step=2),
+    "soap": functools.partial(lc.SOAP, lr=3e-3, precondition_frequency=3, max_precond_dim=100),
+    "shampoo": functools.partial(
+        lc.Shampoo, lr=3e-3, precondition_frequency=3, start_preconditioning_step=2, max_precond_dim=128
+    ),
 }
 
 

@@ -49,7 +49,7 @@ from lightning_canzona.distributed.layout import (
     stack_member,
 )
 from lightning_canzona.distributed.memory import BufferMeter
-from lightning_canzona.distributed.teams import TeamRun, joined_state, member_state, run_teams
+from lightning_canzona.distributed.teams import TeamGroup, TeamRun, joined_state, member_state, run_teams
 from lightning_canzona.distributed.updates import (
     apply_matrices,
     member_direction,
@@ -230,8 +230,8 @@ class MeshEngine:
         self.failure: Exception | None = None
         self.clock = Clock(torch.device(mesh.device_type))
         self.meter = BufferMeter()
-        #: The process group of every team that a plan had.
-        self.team_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        #: The process group of every team that a plan had, by its ranks in member order.
+        self.team_groups: dict[tuple[int, ...], TeamGroup] = {}
 
     def owner(self, index: int) -> int | None:
         """Owner group-rank of plan item ``index`` (``None`` under ``sync``)."""
@@ -357,13 +357,17 @@ class MeshEngine:
         self._move_matrix_state(previous_teams, rules, state)
 
     def _create_team_groups(self) -> None:
-        """A process group for every team of the plan (collective: every rank of the job creates
-        every group, in the same order; kept across plans)."""
+        """A process group for every set of ranks that forms a team of the plan (collective:
+        every rank of the job creates every group, in the same order; kept across plans)."""
         assert self.plan is not None
+        groups = {frozenset(team): group.group for team, group in self.team_groups.items()}
         for team in sorted({team for team in self.plan.teams or () if len(team) > 1}):
-            if team not in self.team_groups:
-                ranks = [dist.get_global_rank(self.group, rank) for rank in team]
-                self.team_groups[team] = dist.new_group(ranks)
+            members = [dist.get_global_rank(self.group, rank) for rank in team]
+            if frozenset(team) not in groups:
+                groups[frozenset(team)] = dist.new_group(sorted(members))
+            # A new group numbers its ranks in the order of their global ranks.
+            ranks_in_group = tuple(sorted(members).index(rank) for rank in members)
+            self.team_groups[team] = TeamGroup(groups[frozenset(team)], ranks_in_group)
 
     def team(self, index: int) -> tuple[int, ...] | None:
         """The ranks that compute plan item ``index`` (``None`` under ``sync``)."""

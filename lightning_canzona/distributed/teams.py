@@ -39,6 +39,15 @@ Round = tuple[TeamRequest, ...]
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+@dataclass(frozen=True)
+class TeamGroup:
+    """A team's process group and each member's rank in it, in member order (a plan may list a
+    team's ranks out of rank order: `planning.micro_groups.balanced_groups`)."""
+
+    group: dist.ProcessGroup
+    ranks: tuple[int, ...]
+
+
 @dataclass
 class TeamRun:
     """One computation of this rank within a team.
@@ -67,7 +76,7 @@ class TeamRun:
 
 def run_teams(
     runs: Sequence[TeamRun],
-    groups: dict[tuple[int, ...], dist.ProcessGroup],
+    groups: dict[tuple[int, ...], TeamGroup],
     attempt: Callable[[Callable[[], object]], object],
     failed: Callable[[], bool],
 ) -> tuple[list[Tensor], int]:
@@ -152,7 +161,7 @@ def _placeholder(request: TeamRequest) -> Tensor:
 
 
 def _launch(
-    rounds: Sequence[tuple[tuple[int, ...], Round]], groups: dict[tuple[int, ...], dist.ProcessGroup]
+    rounds: Sequence[tuple[tuple[int, ...], Round]], groups: dict[tuple[int, ...], TeamGroup]
 ) -> list[tuple]:
     """Launch the packed collectives that combine every round over its team.
 
@@ -165,32 +174,36 @@ def _launch(
             packs.setdefault((team, type(request), request.tensor.dtype), []).append((i, j))
     pending = []
     for (team, kind, _), where in packs.items():
-        requests = [rounds[i][1][j] for i, j in where]
+        requests, group = [rounds[i][1][j] for i, j in where], groups[team]
         if kind is TeamSum:
             buffer = torch.cat([request.tensor.reshape(-1) for request in requests])
-            buffer = buffer.to(_summed_dtype(buffer.dtype, groups[team]))
-            work = InFlight(dist.all_reduce, buffer, group=groups[team])
+            buffer = buffer.to(_summed_dtype(buffer.dtype, group.group))
+            work = InFlight(dist.all_reduce, buffer, group=group.group)
             shapes = None
         else:
             padded = [_padded_rows(request) for request in requests]
             local = torch.cat([tensor.reshape(-1) for tensor in padded])
             buffer = local.new_empty(len(team) * local.numel())
-            work = InFlight(_all_gather, buffer, local, group=groups[team])
+            work = InFlight(_all_gather, buffer, local, group=group.group)
             shapes = [tensor.shape for tensor in padded]  # each member's block, to unpack
-        pending.append((kind, len(team), where, requests, shapes, buffer, work))
+        pending.append((kind, group.ranks, where, requests, shapes, buffer, work))
     return pending
 
 
 def _finish(pending: list[tuple], rounds: Sequence[Round]) -> list[tuple[Tensor, ...]]:
     """Wait for `_launch`'s collectives; each round's combinations."""
     replies: list[list[Tensor | None]] = [[None] * len(round_) for round_ in rounds]
-    for kind, size, where, requests, shapes, buffer, work in pending:
+    for kind, ranks, where, requests, shapes, buffer, work in pending:
         work.wait()
         if kind is TeamSum:
             chunks = buffer.split([request.tensor.numel() for request in requests])
             combined = [chunk.view_as(r.tensor).to(r.tensor.dtype) for chunk, r in zip(chunks, requests)]
         else:
-            members = buffer.view(size, -1).split([shape.numel() for shape in shapes], dim=1)
+            size = len(ranks)
+            gathered = buffer.view(size, -1)  # in the group's rank order
+            if list(ranks) != sorted(ranks):
+                gathered = gathered[list(ranks)]  # in member order
+            members = gathered.split([shape.numel() for shape in shapes], dim=1)
             combined = [
                 torch.cat(
                     [block[..., :rows, :] for block, rows in zip(part.reshape(size, *shape), request.sizes)],

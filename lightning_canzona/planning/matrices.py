@@ -50,13 +50,18 @@ class MatrixSpec:
         return tuple(size for size, cost in zip(TEAM_SIZES, self.team_costs) if cost is not None)
 
     def load(self, kind: CostKind, team: int = 1) -> float:
-        """The cost the planner balances, to each member of a team of ``team``: FLOPs of the
-        update, or elements of the matrix."""
+        """The cost the planner balances, to the busiest member of a team of ``team``: FLOPs of
+        the update, or elements of the matrix."""
+        return max(self.member_loads(kind, team))
+
+    def member_loads(self, kind: CostKind, team: int = 1) -> tuple[float, ...]:
+        """The cost to each member of a team of ``team``, in member order (members differ in
+        FLOPs where single members carry a decomposition: `UpdateCost.member_flops`)."""
         cost = self.member_cost(team)
         if kind == "flops":
-            return cost.flops
+            return tuple(cost.member_flops_of(member) for member in range(team))
         if kind == "numel":
-            return float(cost.numel)
+            return (float(cost.numel),) * team
         raise ValueError(f"cost must be one of {COST_KINDS}, got {kind!r}")
 
 

@@ -25,7 +25,9 @@ A micro-group's step takes as long as its busiest host, so the pipeline's latenc
 
 A matrix that a team of ranks computes together (`teams`) goes to the aligned block of ranks
 whose busiest member scores lowest, into the first group where every member has room, and adds
-its per-member cost to each member.
+each member's cost to its rank. Where members cost differently (one carries a factor's
+decomposition), the busier members go to the block's less loaded ranks: the team's ranks are
+then listed in member order, not in rank order.
 
 In both, a matrix costlier than the capacity on its own forms its own group. A group's average
 host load never exceeds its largest, so bounding the largest bounds both.
@@ -62,38 +64,37 @@ def sequential_groups(owners: Sequence[int], loads: Sequence[float], capacity: f
 
 
 def balanced_groups(
-    loads: Sequence[float],
+    loads: Sequence[Sequence[float]],
     buckets: Sequence[str],
     num_ranks: int,
     alpha: float,
     capacity: float,
     holders: Sequence[Sequence[int]] | None = None,
-    team_sizes: Sequence[int] | None = None,
 ) -> tuple[list[list[int]], list[tuple[int, ...]]]:
     """Canzona's joint choice of owners and micro-groups (see the module docstring).
 
     Args:
-        loads: Cost of each matrix to each rank that computes it.
+        loads: Cost of each matrix to each rank that computes it, in member order: one load for
+            a matrix that one rank computes, one per member for a team's.
         buckets: Bucket of each matrix.
         num_ranks: Number of hosts ``R``.
         alpha: Balance between per-bucket uniformity (0) and global balance (1).
         capacity: Largest load a host may take within one group.
         holders: For each matrix, the ranks that hold it whole (empty: any rank); ``None``
             ignores locality.
-        team_sizes: How many ranks compute each matrix together; ``None``: one each.
 
     Returns:
         The groups (matrix indices in model order within each group) and the ranks that compute
-        each matrix (its owner alone, or its team).
+        each matrix, in member order (its owner alone, or its team).
     """
     _check_capacity(capacity)
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must lie in [0, 1], got {alpha}")
     held = [tuple(h) for h in holders] if holders else [()] * len(loads)
-    sizes = list(team_sizes) if team_sizes else [1] * len(loads)
-    place = functools.partial(_place, loads, buckets, held, sizes, num_ranks, alpha, capacity)
-    pinned = sorted((i for i in range(len(loads)) if held[i]), key=lambda i: (-loads[i], i))
-    free = sorted((i for i in range(len(loads)) if not held[i]), key=lambda i: (-loads[i], i))
+    loads = [tuple(load) for load in loads]
+    place = functools.partial(_place, loads, buckets, held, num_ranks, alpha, capacity)
+    pinned = sorted((i for i in range(len(loads)) if held[i]), key=lambda i: (-max(loads[i]), i))
+    free = sorted((i for i in range(len(loads)) if not held[i]), key=lambda i: (-max(loads[i]), i))
     if not (pinned and free):
         return place(pinned + free, {})
     # The held matrices first, so that the free ones, placed largest first around them, even out
@@ -104,10 +105,9 @@ def balanced_groups(
 
 
 def _place(
-    loads: Sequence[float],
+    loads: Sequence[tuple[float, ...]],
     buckets: Sequence[str],
     held: Sequence[tuple[int, ...]],
-    sizes: Sequence[int],
     num_ranks: int,
     alpha: float,
     capacity: float,
@@ -121,7 +121,7 @@ def _place(
     group_loads: list[list[float]] = []
     members: list[list[int]] = []
     owners: list[tuple[int, ...]] = [(0,)] * len(loads)
-    teams = {size: candidate_teams(num_ranks, size) for size in set(sizes) if size > 1}
+    teams = {len(load): candidate_teams(num_ranks, len(load)) for load in loads if len(load) > 1}
     # Ranks that hold matrices together (a data-parallel row holding the same experts) share
     # those matrices' load: a free matrix prefers, among equally loaded ranks, the least
     # loaded such group, which can still move its held matrices to even itself out.
@@ -144,18 +144,26 @@ def _place(
             rank,
         )
 
+    def busiest(team: tuple[int, ...], load: tuple[float, ...]) -> float:
+        return max(rank_loads[rank] + member for rank, member in zip(team, load))
+
     for index in order:
         load, bucket = loads[index], buckets[index]
         bucket_loads.setdefault(bucket, [0.0] * num_ranks)
         if index in fixed:
             team = fixed[index]
-        elif sizes[index] > 1:
+        elif len(load) > 1:
             # A team spreads its bucket's share over its members already: placed by load alone.
-            team = min(teams[sizes[index]], key=lambda t: (max(rank_loads[r] for r in t), t))
+            blocks = (_members_on(block, load, rank_loads) for block in teams[len(load)])
+            team = min(blocks, key=lambda t: (busiest(t, load), sorted(t)))
         else:
             team = (min(held[index] or range(num_ranks), key=lambda r: score(r, bucket)),)
         group = next(
-            (g for g, hosts in enumerate(group_loads) if all(hosts[r] + load <= capacity for r in team)),
+            (
+                g
+                for g, hosts in enumerate(group_loads)
+                if all(hosts[rank] + member <= capacity for rank, member in zip(team, load))
+            ),
             None,
         )
         if group is None:
@@ -164,15 +172,32 @@ def _place(
             members.append([])
         owners[index] = team
         members[group].append(index)
-        for rank in team:
-            group_loads[group][rank] += load
-            rank_loads[rank] += load
-            group_totals[group_of[rank]] += load
+        for rank, member in zip(team, load):
+            group_loads[group][rank] += member
+            rank_loads[rank] += member
+            group_totals[group_of[rank]] += member
             if not held[index]:  # updated where it lies, it takes no part in its bucket's collectives
-                bucket_loads[bucket][rank] += load
-        if load > capacity:  # an oversize matrix keeps its group to itself
+                bucket_loads[bucket][rank] += member
+        if max(load) > capacity:  # an oversize matrix keeps its group to itself
             group_loads[group] = [math.inf] * num_ranks
     return [sorted(group) for group in members], owners
+
+
+def _members_on(
+    block: tuple[int, ...], load: tuple[float, ...], rank_loads: Sequence[float]
+) -> tuple[int, ...]:
+    """The ranks of ``block`` in member order: the busier members on the less loaded ranks where
+    that lowers the busiest rank, else in rank order."""
+    ranks = sorted(block, key=lambda rank: (rank_loads[rank], rank))
+    members = sorted(range(len(load)), key=lambda member: (-load[member], member))
+    team = [0] * len(load)
+    for member, rank in zip(members, ranks):
+        team[member] = rank
+
+    def busiest(order: Sequence[int]) -> float:
+        return max(rank_loads[rank] + member for rank, member in zip(order, load))
+
+    return tuple(team) if busiest(team) < busiest(block) else block
 
 
 def _check_capacity(capacity: float) -> None:

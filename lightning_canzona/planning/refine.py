@@ -53,7 +53,8 @@ class _Swaps:
         assert plan.teams is not None
         self.teams = list(plan.teams)
         matrices = plan.matrices
-        self.cost = list(plan.loads)
+        self.loads = plan.loads
+        self.cost = [loads[0] for loads in plan.loads]  # what a matrix that one rank computes costs
         self.state_bytes = [m.member_cost(len(t)).matrix_state_bytes for m, t in zip(matrices, self.teams)]
         self.received = [m.cost.numel / len(t) for m, t in zip(matrices, self.teams)]
         locality = plan.settings.locality
@@ -71,20 +72,20 @@ class _Swaps:
         self.bucket = [None if m.holders and locality else m.bucket for m in matrices]
         self.bucket_loads = {bucket: [0.0] * ranks for bucket in self.bucket if bucket is not None}
         for index, team in enumerate(self.teams):
-            for rank in team:
-                self._add(index, rank, 1)
+            for member, rank in enumerate(team):
+                self._add(index, rank, 1, member)
         self.group_load_limit = [max(loads) for loads in self.group_loads]
         self.group_received_limit = [max(received) for received in self.group_received]
         self.bucket_limit = {bucket: max(loads) for bucket, loads in self.bucket_loads.items()}
 
-    def _add(self, index: int, rank: int, sign: int) -> None:
-        g = self.group[index]
-        self.rank_loads[rank] += sign * self.cost[index]
+    def _add(self, index: int, rank: int, sign: int, member: int = 0) -> None:
+        g, load = self.group[index], sign * self.loads[index][member]
+        self.rank_loads[rank] += load
         self.rank_states[rank] += sign * self.state_bytes[index]
-        self.group_loads[g][rank] += sign * self.cost[index]
+        self.group_loads[g][rank] += load
         self.group_received[g][rank] += sign * self.received[index]
         if self.bucket[index] is not None:
-            self.bucket_loads[self.bucket[index]][rank] += sign * self.cost[index]
+            self.bucket_loads[self.bucket[index]][rank] += load
         if sign > 0:
             self.items[rank].append(index)
         else:

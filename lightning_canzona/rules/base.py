@@ -85,6 +85,9 @@ class UpdateCost:
         team_messages: Collectives among a team's members per step (0 for a whole matrix; see
             `MatrixRule.team_cost`).
         team_numel: Elements each member of a team sends to the others per step.
+        member_flops: A team's FLOPs that single members carry on top of ``flops``, in member
+            order (each factor's decomposition falls to one member); empty: none. The busiest
+            member's FLOPs are ``flops + max(member_flops)``.
     """
 
     flops: float
@@ -93,6 +96,16 @@ class UpdateCost:
     elementwise_state_bytes: int
     team_messages: int = 0
     team_numel: int = 0
+    member_flops: tuple[float, ...] = ()
+
+    def member_flops_of(self, member: int) -> float:
+        """FLOPs of team member ``member``: ``flops`` and its own share of `member_flops`."""
+        return self.flops + (self.member_flops[member] if member < len(self.member_flops) else 0.0)
+
+    @property
+    def busiest_flops(self) -> float:
+        """FLOPs of the busiest team member (of the one rank, for a whole matrix)."""
+        return self.flops + max(self.member_flops, default=0.0)
 
 
 def matrix_dims(shape: Sequence[int]) -> tuple[int, int, int]:

@@ -155,9 +155,9 @@ def team_cost(
     ``shape`` together, or ``None`` where it cannot exactly: a stack, more members than the long
     side has slices, or a long side with a factor where the rule has no ``gathers`` for it.
 
-    Per member: its share of the one-sided products, and the decompositions, each factor's on
-    one member (the long side's on member 0, the short side's on the last; the busiest member
-    carries the larger). ``rounds``: the team's collectives per step; the elements a member sends
+    Per member: its share of the one-sided products (``flops``), and the decompositions, each
+    factor's on one member (``member_flops``: the long side's on member 0, the short side's on
+    the last). ``rounds``: the team's collectives per step; the elements a member sends
     count, as a ring does, the factor's sum, the decompositions' sharing amortised over
     ``frequency``, the ``gathers`` of whole matrices per step that a long side's factor needs
     (with two slices' worth before a decomposition), and two norms. The long side's companion is
@@ -178,18 +178,19 @@ def team_cost(
         sent += 2 * share * short * short  # the short side's factor, summed
     if long in sides:
         sent += (size - 1) * (gathers * numel + 2 * rows * long / frequency)
+    decompositions = [0.0] * size
+    for member, dim in ((0, long), (size - 1, short)):
+        if dim in sides:
+            decompositions[member] += 10 * dim**3 / frequency
     return UpdateCost(
-        flops=float(
-            sum(products * 2 * dim * numel for dim in sides)
-            + 10 * max(sides, default=0) ** 3 / frequency
-            + 10 * numel
-        ),
+        flops=float(sum(products * 2 * dim * numel for dim in sides) + 10 * numel),
         numel=numel,
         matrix_state_bytes=4
         * (2 * numel + sum(_factor_numel(dim, dim == long, rows, sliced_companion) for dim in sides)),
         elementwise_state_bytes=0,
         team_messages=rounds,
         team_numel=round(sent) + 2,
+        member_flops=tuple(decompositions),
     )
 
 

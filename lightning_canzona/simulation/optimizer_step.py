@@ -6,8 +6,9 @@ Per micro-group:
   within a node, InfiniBand once the mesh spans nodes), plus one message latency per peer;
 - **compute**: the group's busiest host's FLOPs (the rule's ``cost.flops``, whatever cost the plan
   balanced) at the device's effective matmul rate; under ``sync`` every rank computes the whole
-  group; a team's member adds the team's collectives (``team_messages`` latencies and
-  ``team_numel`` elements over the link the team spans);
+  group; a team's member computes its own FLOPs (`UpdateCost.member_flops_of`) and adds the
+  team's collectives (``team_messages`` latencies and ``team_numel`` elements over the link the
+  team spans);
 - **scatter**: like the gather; none under ``sync``.
 
 Matrix-rule work only: the elementwise parts (momentum, the AdamW group) are accounted for by
@@ -72,11 +73,11 @@ def collective_time(exchange: Exchange, bandwidth: float, latency: float) -> flo
 
 
 def _member_seconds(
-    cost: UpdateCost, team: int, device: DeviceModel, flops_per_second: float, element_bytes: int
+    cost: UpdateCost, team: int, member: int, device: DeviceModel, flops_per_second: float, element_bytes: int
 ) -> float:
-    """A team member's time on one matrix: its FLOPs, then (teams only) the team's collectives,
-    which it waits for (not overlapped, a conservative projection)."""
-    seconds = cost.flops / flops_per_second
+    """Team member ``member``'s time on one matrix: its FLOPs, then (teams only) the team's
+    collectives, which it waits for (not overlapped, a conservative projection)."""
+    seconds = cost.member_flops_of(member) / flops_per_second
     if team > 1:
         _, bandwidth, latency = device.link(team)
         seconds += cost.team_messages * latency + cost.team_numel * element_bytes / bandwidth
@@ -110,14 +111,11 @@ def project_step(
             per_host: dict[int, float] = {}
             for index in group:
                 team = plan.teams[index]
-                seconds = _member_seconds(
-                    plan.matrices[index].member_cost(len(team)),
-                    len(team),
-                    device,
-                    flops_per_second,
-                    element_bytes,
-                )
-                for rank in team:
+                cost = plan.matrices[index].member_cost(len(team))
+                for member, rank in enumerate(team):
+                    seconds = _member_seconds(
+                        cost, len(team), member, device, flops_per_second, element_bytes
+                    )
                     per_host[rank] = per_host.get(rank, 0.0) + seconds
             host_time = max(per_host.values(), default=0.0)
         computes.append(host_time)
