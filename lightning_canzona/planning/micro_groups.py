@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import functools
 import math
+import operator
 from collections.abc import Sequence
 
 from lightning_canzona.planning.teams import candidate_teams
@@ -144,8 +145,10 @@ def _place(
             rank,
         )
 
-    def busiest(team: tuple[int, ...], load: tuple[float, ...]) -> float:
-        return max(rank_loads[rank] + member for rank, member in zip(team, load))
+    def busiest(block: tuple[int, ...], heaviest_first: list[float]) -> float:
+        """The busiest rank of ``block`` with the busier members on its less loaded ranks (no
+        other order of the members makes it less busy)."""
+        return max(map(operator.add, sorted(rank_loads[rank] for rank in block), heaviest_first))
 
     for index in order:
         load, bucket = loads[index], buckets[index]
@@ -154,8 +157,9 @@ def _place(
             team = fixed[index]
         elif len(load) > 1:
             # A team spreads its bucket's share over its members already: placed by load alone.
-            blocks = (_members_on(block, load, rank_loads) for block in teams[len(load)])
-            team = min(blocks, key=lambda t: (busiest(t, load), sorted(t)))
+            heaviest_first = sorted(load, reverse=True)
+            block = min(teams[len(load)], key=lambda block: (busiest(block, heaviest_first), block))
+            team = _members_on(block, load, rank_loads)
         else:
             team = (min(held[index] or range(num_ranks), key=lambda r: score(r, bucket)),)
         group = next(
@@ -188,6 +192,8 @@ def _members_on(
 ) -> tuple[int, ...]:
     """The ranks of ``block`` in member order: the busier members on the less loaded ranks where
     that lowers the busiest rank, else in rank order."""
+    if min(load) == max(load):
+        return block
     ranks = sorted(block, key=lambda rank: (rank_loads[rank], rank))
     members = sorted(range(len(load)), key=lambda member: (-load[member], member))
     team = [0] * len(load)
