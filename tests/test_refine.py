@@ -84,10 +84,8 @@ def test_refine_raises_no_makespan_group_gather_or_bucket_and_keeps_held_matrice
 @pytest.mark.parametrize(
     ("optimizer", "preset", "mesh", "makespan_before", "makespan_after", "state_before", "state_after"),
     [
-        # Ranks above 1.02 × the ideal, with matrices that others can take: below the target,
-        # state even (refined, the planner keeps other team sizes: 192 matrices in teams of 2,
-        # against 64 unrefined).
-        ("shampoo", "32B", (16, 8), 1.0280, 1.0133, 1.0780, 1.0000),
+        # A rank above the rest with a matrix that another can take: the makespan lowered.
+        ("shampoo", "4B", (8, 1), 1.0108, 1.0034, 1.0067, 1.0057),
         # Ranks of equal load and unequal state (a matrix's factors grow with the square of its
         # sides, its FLOPs with their cube): state evened at the same makespan.
         ("soap", "4B", (32, 8), 1.3254, 1.3254, 1.1933, 1.0189),
