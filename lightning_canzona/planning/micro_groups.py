@@ -134,20 +134,26 @@ def _place(
     group_size = [holder_counts[group] for group in group_of]
     group_totals = [0.0] * num_ranks  # by the group's lowest rank
 
-    def score(rank: int, bucket: str) -> tuple[float, float, float, int]:
-        spread = bucket_loads.setdefault(bucket, [0.0] * num_ranks)[rank]
-        # Ties (always, at α = 0, between ranks without a share of this bucket) go to the rank
-        # with the least total load, then the least loaded group, then the lowest rank.
-        return (
-            alpha * rank_loads[rank] + (1.0 - alpha) * num_ranks * spread,
-            rank_loads[rank],
-            group_totals[group_of[rank]] / group_size[rank],
-            rank,
+    spread_weight = (1.0 - alpha) * num_ranks
+
+    def best_rank(candidates: Sequence[int], bucket: str) -> int:
+        """The candidate of the least ``α·load + (1 − α)·R·bucket load``. Ties (always, at
+        α = 0, between ranks without a share of this bucket) go to the rank with the least total
+        load, then the least loaded group, then the lowest rank."""
+        spread = bucket_loads[bucket]
+        scores = [alpha * rank_loads[rank] + spread_weight * spread[rank] for rank in candidates]
+        least = min(scores)
+        tied = [rank for rank, score in zip(candidates, scores) if score == least]
+        return min(
+            tied, key=lambda rank: (rank_loads[rank], group_totals[group_of[rank]] / group_size[rank], rank)
         )
 
     def busiest(block: tuple[int, ...], heaviest_first: list[float]) -> float:
         """The busiest rank of ``block`` with the busier members on its less loaded ranks (no
-        other order of the members makes it less busy)."""
+        other order of the members makes it less busy); members that cost alike: its busiest
+        rank before it."""
+        if heaviest_first[0] == heaviest_first[-1]:
+            return max(rank_loads[rank] for rank in block)
         return max(map(operator.add, sorted(rank_loads[rank] for rank in block), heaviest_first))
 
     for index in order:
@@ -161,7 +167,7 @@ def _place(
             block = min(teams[len(load)], key=lambda block: (busiest(block, heaviest_first), block))
             team = _members_on(block, load, rank_loads)
         else:
-            team = (min(held[index] or range(num_ranks), key=lambda r: score(r, bucket)),)
+            team = (best_rank(held[index] or range(num_ranks), bucket),)
         group = next(
             (
                 g
