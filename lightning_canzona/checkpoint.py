@@ -1,6 +1,8 @@
 """Checkpoint pieces of `CanzonaStrategy` that Lightning's `ModelParallelStrategy` lacks.
 
-- every owner's matrix state in a single-file checkpoint (`full_optimizer_state`);
+- every owner's matrix state in a single-file checkpoint (`full_optimizer_state`), and in a
+  distributed one teams' state whole and a stack's failure count whole
+  (`distributed_optimizer_state`);
 - saves that never destroy the last good checkpoint: written beside it, swapped in when every
   rank is done (`staging_path`, `replace_with`);
 - a clear error, before any state is touched, for a checkpoint of another model
@@ -53,6 +55,32 @@ def full_optimizer_state(module: nn.Module, optimizer: MatrixOptimizer) -> dict[
                 counts[name] = counts.get(name, 0) + matrix_state[FAILURES]
     for name, count in counts.items():
         state_dict["state"][name][FAILURES] = count
+    return state_dict
+
+
+def distributed_optimizer_state(module: nn.Module, optimizer: MatrixOptimizer) -> dict[str, Any]:
+    """This rank's part of the optimizer state for a distributed checkpoint (collective).
+
+    Each rank's part holds the matrix state of the matrices it owns, a team's whole on its first
+    member (loadable at any mesh and plan). A stack's matrices have owners on several ranks,
+    each counting its own failed decompositions under the stack's one key, which the checkpoint
+    saves once: each owner's part holds the total (as `full_optimizer_state` does), and a load
+    leaves it with one owner (`MeshEngine.keep_loaded_stack_failures_on_one_owner`).
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=False, cpu_offload=True)
+    with optimizer.whole_team_state():
+        state_dict = get_optimizer_state_dict(module, optimizer, options=options)
+    stacks = [name for name, param in module.named_parameters() if param.ndim == 3]
+    if stacks:  # the same on every rank: the model's
+        counts = torch.tensor(
+            [int(state_dict["state"].get(name, {}).get(FAILURES, 0)) for name in stacks], dtype=torch.int64
+        )
+        torch.distributed.all_reduce(counts)
+        for name, count in zip(stacks, counts):
+            if FAILURES in state_dict["state"].get(name, {}):
+                state_dict["state"][name][FAILURES] = count.clone()
     return state_dict
 
 

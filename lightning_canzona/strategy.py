@@ -50,6 +50,7 @@ from torch.optim import Optimizer
 
 from lightning_canzona.checkpoint import (
     check_compatible,
+    distributed_optimizer_state,
     full_optimizer_state,
     remove,
     replace_with,
@@ -310,14 +311,11 @@ class CanzonaStrategy(ModelParallelStrategy):
         inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         if not isinstance(inner, MatrixOptimizer):
             return super().optimizer_state(optimizer)
+        assert self.model is not None
         if self._save_distributed_checkpoint:
-            # A team's state, whole, saved by the team's first member (as an owner saves its
-            # matrices'): loadable at any mesh and plan.
-            with inner.whole_team_state():
-                return super().optimizer_state(optimizer)
+            return distributed_optimizer_state(self.model, inner)
         from torch.distributed.fsdp import FullyShardedDataParallel, OptimStateKeyType
 
-        assert self.model is not None
         state_dict = full_optimizer_state(self.model, inner)
         if self.global_rank != 0:
             return state_dict

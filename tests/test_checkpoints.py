@@ -10,6 +10,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from lightning import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from multiprocess import run_on_ranks
@@ -19,7 +20,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import lightning_canzona as lc
-from lightning_canzona.checkpoint import check_compatible, full_optimizer_state, staging_path
+from lightning_canzona.checkpoint import (
+    check_compatible,
+    distributed_optimizer_state,
+    full_optimizer_state,
+    staging_path,
+)
 from lightning_canzona.data import ByteTextDataModule
 from lightning_canzona.models import CausalLanguageModel, Qwen3
 
@@ -316,7 +322,7 @@ class Experts(nn.Module):
         return torch.einsum("bi,eoi->beo", x, self.weight)
 
 
-def _stack_failure_counts_add_up(rank: int, world_size: int) -> None:
+def _stack_failure_counts_add_up(rank: int, world_size: int, folder: str) -> None:
     mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
     torch.manual_seed(0)
     model = Experts()
@@ -342,8 +348,17 @@ def _stack_failure_counts_add_up(rank: int, world_size: int) -> None:
     saved = full_optimizer_state(model, optimizer)
     if rank == 0:
         assert saved["state"]["weight"]["decomposition_failures"] == counts.sum()
+    # A distributed checkpoint saves the stack's one count once: the total, from any owner.
+    part = distributed_optimizer_state(model, optimizer)
+    assert part["state"]["weight"]["decomposition_failures"] == counts.sum()
+    assert optimizer.state[model.weight]["decomposition_failures"] == mine  # the live count stays
+    dcp.save({"optimizer": part}, checkpoint_id=folder)
+    loaded = {"optimizer": distributed_optimizer_state(model, optimizer)}
+    loaded["optimizer"]["state"]["weight"]["decomposition_failures"] = torch.zeros((), dtype=torch.int64)
+    dcp.load(loaded, checkpoint_id=folder)
+    assert loaded["optimizer"]["state"]["weight"]["decomposition_failures"] == counts.sum()
     dist.barrier()
 
 
-def test_a_checkpoint_holds_the_failures_of_every_owner_of_a_stack() -> None:
-    run_on_ranks(2, _stack_failure_counts_add_up)
+def test_a_checkpoint_holds_the_failures_of_every_owner_of_a_stack(tmp_path) -> None:
+    run_on_ranks(2, _stack_failure_counts_add_up, str(tmp_path / "distributed"))
