@@ -457,6 +457,25 @@ def test_prices_are_measured_in_the_dtype_of_the_rules_matrix_products() -> None
     assert RowBlockRule(MuonRule(quintic), 2).matmul_dtype() == torch.bfloat16
 
 
+def _mixed_compute_dtypes(rank: int, world_size: int) -> None:
+    mesh = init_device_mesh("cpu", (world_size,))
+    weights = [
+        nn.Parameter(distribute_tensor(torch.randn(8, 16), mesh, [Shard(0)], src_data_rank=None))
+        for _ in range(2)
+    ]
+    groups = [{"params": [weights[0]]}, {"params": [weights[1]], "compute_dtype": "float32"}]
+    optimizer = lc.Muon(groups, lr=0.02)
+    for weight in weights:
+        weight.grad = distribute_tensor(torch.randn(8, 16), mesh, [Shard(0)], src_data_rank=None)
+    with pytest.warns(UserWarning, match=r"multiply in bfloat16, float32: .* same compute_dtype"):
+        optimizer.step()
+
+
+def test_param_groups_that_multiply_in_different_dtypes_are_named() -> None:
+    # One plan weighs every matrix's FLOPs alike, and prices teams in one dtype's FLOPs.
+    run_on_ranks(2, _mixed_compute_dtypes)
+
+
 def _with_free_teams(optimizer_class):
     """``optimizer_class`` whose plan uses teams wherever they lower the bound (collectives
     priced at zero); each instance is kept in `CREATED`."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from abc import abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar
@@ -343,6 +344,18 @@ class MatrixOptimizer(Optimizer):
             group = mesh_process_group(mesh)
             rules = [self.rule_of(g) for g in self.param_groups if g["algorithm"] != ADAMW]
             dtype = rules[0].matmul_dtype() if rules else torch.float32
+            dtypes = sorted({str(rule.matmul_dtype()).removeprefix("torch.") for rule in rules})
+            if len(dtypes) > 1:
+                # Matmul FLOPs of different dtypes take different times (float32 about 15× bf16's
+                # on an H100): one plan cannot weigh them alike.
+                warnings.warn(
+                    f"The param groups of this {type(self).__name__} multiply in {', '.join(dtypes)}: "
+                    "the plan balances their FLOPs as if equally fast and prices teams' collectives in "
+                    f"FLOPs of {str(dtype).removeprefix('torch.')} (the first group's). Give every param "
+                    "group the same compute_dtype for a balanced plan.",
+                    UserWarning,
+                    stacklevel=3,
+                )
             settings = priced(self.plan_settings, self.team_prices, group, mesh.device_type, dtype)
             self.engines[mesh] = MeshEngine(mesh, settings, self.overlap, self.batch_matrices)
         return self.engines[mesh]
