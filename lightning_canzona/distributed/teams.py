@@ -201,7 +201,7 @@ def _finish(pending: list[tuple], rounds: Sequence[Round]) -> list[tuple[Tensor,
         else:
             size = len(ranks)
             gathered = buffer.view(size, -1)  # in the group's rank order
-            if list(ranks) != sorted(ranks):
+            if ranks != tuple(range(size)):
                 gathered = gathered[list(ranks)]  # in member order
             members = gathered.split([shape.numel() for shape in shapes], dim=1)
             combined = [

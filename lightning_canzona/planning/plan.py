@@ -577,10 +577,9 @@ def build_plan(matrices: list[MatrixSpec], dp: int, tp: int, settings: PlanSetti
     # paths, and it splits classes alike; those, the overflow's splits and the searched sizes
     # (members priced as they are, and each as the busiest) are planned (where they differ), and
     # of the plans within `STEP_TOLERANCE` of the shortest estimated step the one of the
-    # shortest makespan is kept. By makespan alone, sizes that
-    # balance the compute better but make the busiest rank receive more were kept: Qwen3 14B
-    # with Muon at 256 ranks, a makespan of 1.30 × the ideal against 1.42, and a simulated step
-    # of 26.2 ms against 20.2.
+    # shortest makespan is kept. By makespan alone, sizes that balance the compute better but
+    # make the busiest rank receive more were kept: Qwen3 14B with Muon at 256 ranks, a makespan
+    # of 1.30 × the ideal against 1.42, and a simulated step of 26.2 ms against 20.2.
     candidates = dict.fromkeys(
         [
             *(tuple(team_sizes(matrices, num_ranks, settings, pairs)) for pairs in (True, False)),
