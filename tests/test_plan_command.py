@@ -147,6 +147,20 @@ def test_more_bandwidth_or_flops_is_never_slower() -> None:
     assert project_step(build_plan(base.matrices, 8, 1), H100, 2, "bfloat16").link == "NVLink"
 
 
+def test_the_projected_step_averages_the_decomposition_step_over_its_period() -> None:
+    rule = make_rule("shampoo")
+    matrices, _ = preset_matrices("0.6B", rule)
+    step = project_step(build_plan(matrices, 4, 2), H100, 4, compute_dtype(rule))
+    assert step.period == rule.precondition_frequency == 10
+    assert all(peak > steady for peak, steady in zip(step.peak_computes, step.computes))
+    steady = pipelined_time(step.gathers, step.computes, step.scatters)
+    assert step.pipelined == pytest.approx((9 * steady + step.peak_pipelined) / 10)
+    assert steady < step.pipelined < step.peak_pipelined
+    muon = _scenario("0.6B", 4, 2)
+    plain = project_step(build_plan(muon.matrices, 4, 2), H100, 2, "bfloat16")
+    assert (plain.period, plain.peak_computes, plain.peak_pipelined) == (1, (), plain.pipelined)
+
+
 def test_the_balance_target_holds_on_a_small_sweep() -> None:
     table, met = bound_table(make_rule("muon"), PlanSettings(), presets=("0.6B",), meshes=((8, 1), (64, 4)))
     assert met and table.count("met") == 2

@@ -10,6 +10,7 @@ from lightning_canzona.optim import PRESETS, matrix_param_groups
 from lightning_canzona.planning import (
     POLICIES,
     MatrixSpec,
+    Plan,
     PlanSettings,
     block_of,
     build_plan,
@@ -17,6 +18,7 @@ from lightning_canzona.planning import (
     report,
 )
 from lightning_canzona.rules import MuonRule, SOAPRule
+from lightning_canzona.rules.base import UpdateCost
 
 
 def _spec(index: int, rows: int, cols: int, bucket: int) -> MatrixSpec:
@@ -125,6 +127,28 @@ def test_report_accounts_state_on_owners_only() -> None:
         m.cost.matrix_state_bytes for m in matrices
     )
     assert "max/mean" in summary.table() and summary.num_micro_groups >= 1
+
+
+def _periodic(name: str, steady: float, periodic: float) -> MatrixSpec:
+    """A matrix of ``steady`` FLOPs per step and ``periodic`` more every 10th step."""
+    cost = UpdateCost(steady + periodic / 10, 100, 0, 0, period=10, periodic_flops=(periodic,))
+    return MatrixSpec(name, (10, 10), "layers.0", cost)
+
+
+def test_the_average_makespan_pays_the_decomposition_step_on_the_busiest_rank() -> None:
+    # Amortised, both ranks cost 19 per step; rank 0 decomposes 90 FLOPs every 10th step.
+    matrices = (_periodic("layers.0.a", 10, 90), _periodic("layers.0.b", 19, 0))
+    plan = Plan(PlanSettings(), matrices, 2, 1, owners=(0, 1), micro_groups=((0, 1),), capacity=100.0)
+    assert plan.period == 10 and plan.rank_loads() == [19.0, 19.0] and plan.rank_peaks() == [100.0, 19.0]
+    assert plan.steady == ((10.0,), (19.0,))
+    summary = report(plan)
+    assert (summary.makespan, summary.peak_makespan) == (19.0, 100.0)
+    # Nine steps wait for rank 1 (19), the tenth for rank 0 (100).
+    assert summary.average_makespan == pytest.approx((9 * 19 + 100) / 10)
+    assert summary.average_over_ideal == pytest.approx(27.1 / 19)
+    assert "the average step's 1.426" in summary.table()
+    muon = build_plan([_spec(i, 30 + i, 20, 0) for i in range(5)], 2, 1)  # no periodic work: all alike
+    assert muon.period == 1 and muon.average_makespan() == max(muon.rank_loads()) == max(muon.rank_peaks())
 
 
 def test_buckets_are_transformer_blocks() -> None:

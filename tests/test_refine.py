@@ -11,6 +11,7 @@ from lightning_canzona.commands.model_matrices import make_rule, preset_matrices
 from lightning_canzona.planning import MatrixSpec, Plan, PlanSettings, build_plan, report
 from lightning_canzona.planning.refine import refine
 from lightning_canzona.rules import ShampooRule
+from lightning_canzona.rules.base import UpdateCost
 from lightning_canzona.simulation.device import H100
 
 
@@ -106,3 +107,20 @@ def test_refine_on_qwen3(
     ):
         assert max(p.rank_loads()) / p.ideal == pytest.approx(makespan, abs=5e-4)
         assert report(p).state_max_over_mean == pytest.approx(state, abs=5e-4)
+
+
+def test_refine_spreads_the_decompositions_that_crowd_a_rank() -> None:
+    # Every rank costs 38 amortised, but rank 0 holds both matrices that decompose (10 FLOPs a
+    # step, 90 more every 10th): its decomposition step costs 200, the other rank's steps 38.
+    def matrix(name: str, steady: float, periodic: float) -> MatrixSpec:
+        cost = UpdateCost(steady + periodic / 10, 100, 0, 0, period=10, periodic_flops=(periodic,))
+        return MatrixSpec(name, (10, 10), "layers.0", cost)
+
+    matrices = (matrix("a", 10, 90), matrix("b", 10, 90), matrix("c", 19, 0), matrix("d", 19, 0))
+    plan = Plan(PlanSettings(), matrices, 2, 1, (0, 0, 1, 1), ((0, 1, 2, 3),), capacity=100.0)
+    assert plan.average_makespan() == pytest.approx((9 * 38 + 200) / 10)
+    refined = refine(plan)
+    # One decomposing matrix per rank: steady steps of 29, decomposition steps of 119.
+    assert sorted(refined.teams) == [(0,), (0,), (1,), (1,)] and refined.teams != plan.teams
+    assert refined.rank_loads() == plan.rank_loads()
+    assert refined.average_makespan() == pytest.approx((9 * 29 + 119) / 10)

@@ -171,6 +171,11 @@ def test_kronecker_team_costs_count_the_members_work_and_what_they_send() -> Non
     # decomposition on the last member only.
     assert cost.flops == 4 * 2 * 40 * 33 * 40 + 10 * 33 * 40
     assert cost.member_flops == (0.0, 0.0, 0.0, 10 * 40**3 / 4)
+    # On a step that decomposes, the last member pays the whole decomposition; on others, none.
+    assert (cost.period, cost.periodic_flops) == (4, (0.0, 0.0, 0.0, 10 * 40**3))
+    assert cost.step_flops_of(3, periodic=True) == cost.flops + 10 * 40**3
+    assert cost.step_flops_of(3, periodic=False) == cost.step_flops_of(0, periodic=True) == cost.flops
+    assert whole.step_flops_of(0, periodic=True) - whole.step_flops_of(0, periodic=False) == 10 * 40**3
     assert cost.busiest_flops < whole.flops and cost.numel == 33 * 40
     assert (cost.team_messages, soap.team_cost((130, 70), 4).team_messages) == (1, 0)
     assert shampoo.team_cost((130, 40), 4).team_messages == 2

@@ -11,6 +11,8 @@ from lightning_canzona.rules.base import MatrixRule, UpdateCost
 
 CostKind = Literal["flops", "numel"]
 COST_KINDS: tuple[str, ...] = ("flops", "numel")
+#: Which step a load is of (`MatrixSpec.member_loads`).
+Step = Literal["amortised", "steady", "peak"]
 
 
 @dataclass(frozen=True)
@@ -54,12 +56,16 @@ class MatrixSpec:
         the update, or elements of the matrix."""
         return max(self.member_loads(kind, team))
 
-    def member_loads(self, kind: CostKind, team: int = 1) -> tuple[float, ...]:
+    def member_loads(self, kind: CostKind, team: int = 1, step: Step = "amortised") -> tuple[float, ...]:
         """The cost to each member of a team of ``team``, in member order (members differ in
-        FLOPs where single members carry a decomposition: `UpdateCost.member_flops`)."""
+        FLOPs where single members carry a decomposition: `UpdateCost.member_flops`), on the
+        ``step``: any, with the periodic work amortised, one that runs it (``"peak"``), or one
+        that does not (``"steady"``)."""
         cost = self.member_cost(team)
         if kind == "flops":
-            return tuple(cost.member_flops_of(member) for member in range(team))
+            if step == "amortised":
+                return tuple(cost.member_flops_of(member) for member in range(team))
+            return tuple(cost.step_flops_of(member, step == "peak") for member in range(team))
         if kind == "numel":
             return (float(cost.numel),) * team
         raise ValueError(f"cost must be one of {COST_KINDS}, got {kind!r}")

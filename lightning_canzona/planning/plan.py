@@ -23,14 +23,15 @@ settings: every rank builds the same plan alone.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from lightning_canzona.planning import partition
-from lightning_canzona.planning.matrices import COST_KINDS, CostKind, MatrixSpec
+from lightning_canzona.planning.matrices import COST_KINDS, CostKind, MatrixSpec, Step
 from lightning_canzona.planning.micro_groups import balanced_groups, sequential_groups
 from lightning_canzona.planning.pipeline import pipelined_time
 from lightning_canzona.planning.refine import refine
@@ -134,7 +135,8 @@ class Plan:
         fell_back: ``canzona`` did not beat round-robin and took its owners.
         teams: The ranks that compute each matrix, in member order; ``None`` under ``sync``.
             Defaults to each owner alone.
-        loads: Each matrix's cost to each rank that computes it, in member order.
+        loads: Each matrix's cost to each rank that computes it, in member order, per step
+            (periodic work amortised; `steady` and `peaks`: on a step without it, with it).
     """
 
     settings: PlanSettings
@@ -151,9 +153,21 @@ class Plan:
     def __post_init__(self) -> None:
         if self.teams is None and self.owners is not None:
             object.__setattr__(self, "teams", tuple((owner,) for owner in self.owners))
-        sizes = [1] * len(self.matrices) if self.teams is None else map(len, self.teams)
-        loads = tuple(member_loads(m, size, self.settings) for m, size in zip(self.matrices, sizes))
-        object.__setattr__(self, "loads", loads)
+        object.__setattr__(self, "loads", self._member_loads("amortised"))
+
+    @functools.cached_property
+    def steady(self) -> tuple[tuple[float, ...], ...]:
+        """`loads` on a step without the periodic work."""
+        return self._member_loads("steady")
+
+    @functools.cached_property
+    def peaks(self) -> tuple[tuple[float, ...], ...]:
+        """`loads` on a step that runs the periodic work (decompositions)."""
+        return self._member_loads("peak")
+
+    def _member_loads(self, step: Step) -> tuple[tuple[float, ...], ...]:
+        sizes = [1] * len(self.matrices) if self.teams is None else [len(team) for team in self.teams]
+        return tuple(member_loads(m, size, self.settings, step) for m, size in zip(self.matrices, sizes))
 
     @property
     def num_ranks(self) -> int:
@@ -172,20 +186,49 @@ class Plan:
                 sizes[len(team)] = sizes.get(len(team), 0) + 1
         return dict(sorted(sizes.items()))
 
+    @property
+    def period(self) -> int:
+        """Steps between the periodic work of the matrices' rules (the shortest; 1: none)."""
+        return min((m.cost.period for m in self.matrices if any(m.cost.periodic_flops)), default=1)
+
     def rank_loads(self) -> list[float]:
-        """Total cost each rank computes."""
-        return self._host_loads(range(len(self.matrices)))
+        """Total cost each rank computes per step (periodic work amortised)."""
+        return self._host_loads(range(len(self.matrices)), self.loads)
 
-    def group_host_loads(self, group: tuple[int, ...]) -> list[float]:
-        """Cost each rank computes within one micro-group."""
-        return self._host_loads(group)
+    def rank_peaks(self) -> list[float]:
+        """Total cost each rank computes on a step that runs the periodic work."""
+        return self._host_loads(range(len(self.matrices)), self.peaks)
 
-    def _host_loads(self, indices: Iterable[int]) -> list[float]:
+    def average_makespan(self) -> float:
+        """The busiest rank's cost averaged over a period of the periodic work: ``p − 1`` steps
+        of the busiest rank without it and one of the busiest with it. Every rank waits for the
+        busiest at each step, so a plan balanced only in amortised loads takes longer where the
+        decompositions crowd onto a few ranks."""
+        return self.averaged(
+            lambda loads: max(self._host_loads(range(len(self.matrices)), loads), default=0.0)
+        )
+
+    def averaged(self, time: Callable[[Sequence[Sequence[float]]], float]) -> float:
+        """``time`` of member loads averaged over a `period`: of the `steady` loads on all steps
+        but one, of the `peaks` on that one (where rules differ in period, as if all had the
+        shortest)."""
+        period = self.period
+        if period == 1:
+            return time(self.loads)
+        return ((period - 1) * time(self.steady) + time(self.peaks)) / period
+
+    def group_host_loads(
+        self, group: tuple[int, ...], loads: Sequence[Sequence[float]] | None = None
+    ) -> list[float]:
+        """Cost each rank computes within one micro-group (of ``loads``, by default `loads`)."""
+        return self._host_loads(group, self.loads if loads is None else loads)
+
+    def _host_loads(self, indices: Iterable[int], loads: Sequence[Sequence[float]]) -> list[float]:
         if self.teams is None:
-            return [sum(self.loads[i][0] for i in indices)] * self.num_ranks
+            return [sum(loads[i][0] for i in indices)] * self.num_ranks
         totals = [0.0] * self.num_ranks
         for index in indices:
-            for rank, load in zip(self.teams[index], self.loads[index]):
+            for rank, load in zip(self.teams[index], loads[index]):
                 totals[rank] += load
         return totals
 
@@ -209,11 +252,13 @@ def _capacity(settings: PlanSettings, loads: list[float], per_rank: float) -> fl
     return max(largest, 1.25 * per_rank / groups, 1e-30)
 
 
-def member_loads(matrix: MatrixSpec, team: int, settings: PlanSettings) -> tuple[float, ...]:
-    """What ``matrix`` costs each member of a team of ``team`` ranks, in member order and the
-    cost's unit: under ``flops``, its FLOPs plus the team's collectives at the settings'
-    exchange rates."""
-    loads = matrix.member_loads(settings.cost, team)
+def member_loads(
+    matrix: MatrixSpec, team: int, settings: PlanSettings, step: Step = "amortised"
+) -> tuple[float, ...]:
+    """What ``matrix`` costs each member of a team of ``team`` ranks on the ``step``
+    (`MatrixSpec.member_loads`), in member order and the cost's unit: under ``flops``, its FLOPs
+    plus the team's collectives at the settings' exchange rates."""
+    loads = matrix.member_loads(settings.cost, team, step)
     if team > 1 and settings.cost == "flops":
         cost = matrix.member_cost(team)
         collectives = (
@@ -518,7 +563,8 @@ def _team_plan(
 
 
 def estimated_step(plan: Plan) -> float:
-    """The plan's pipelined optimizer step in the cost's unit (`pipeline.pipelined_time`).
+    """The plan's pipelined optimizer step in the cost's unit (`pipeline.pipelined_time`),
+    averaged over a period of the periodic work (`Plan.averaged`).
 
     A micro-group computes as long as its busiest rank; under ``flops`` its gather and its
     scatter each cost the busiest rank's elements (what it receives of the slices it computes,
@@ -528,9 +574,12 @@ def estimated_step(plan: Plan) -> float:
     simulator's projection.
     """
     settings = plan.settings
-    computes = [max(plan.group_host_loads(group)) for group in plan.micro_groups]
+
+    def computes(loads: Sequence[Sequence[float]]) -> list[float]:
+        return [max(plan.group_host_loads(group, loads)) for group in plan.micro_groups]
+
     if settings.cost != "flops" or plan.teams is None:
-        return sum(computes)
+        return plan.averaged(lambda loads: sum(computes(loads)))
     messages = (plan.num_ranks - 1) * settings.exchange_flops_per_message  # one to every peer
     exchanges = []
     for group in plan.micro_groups:
@@ -541,7 +590,7 @@ def estimated_step(plan: Plan) -> float:
                 received[rank] += plan.matrices[index].cost.numel / len(team)
         sent = sum(plan.matrices[index].cost.numel for index in group) / plan.num_ranks
         exchanges.append(max(*received, sent) * settings.exchange_flops_per_element + messages)
-    return pipelined_time(exchanges, computes, exchanges)
+    return plan.averaged(lambda loads: pipelined_time(exchanges, computes(loads), exchanges))
 
 
 def build_plan(matrices: list[MatrixSpec], dp: int, tp: int, settings: PlanSettings | None = None) -> Plan:
@@ -596,13 +645,13 @@ def build_plan(matrices: list[MatrixSpec], dp: int, tp: int, settings: PlanSetti
     shortest = min(step for step, _ in scored)
     step, plan = min(
         ((step, plan) for step, plan in scored if step <= (1 + STEP_TOLERANCE) * shortest),
-        key=lambda scored_plan: max(scored_plan[1].rank_loads()),
+        key=lambda scored_plan: scored_plan[1].average_makespan(),
     )
     if plan.split_matrices():  # teams must pack better than whole matrices, not only bound better
         whole = build_plan(matrices, dp, tp, replace(settings, max_team=1))
         free = settings.flops_per_element == settings.flops_per_message == 0
         gain = 1.0 if free else TEAM_GAIN
-        packs = max(plan.rank_loads()) <= gain * max(whole.rank_loads())
+        packs = plan.average_makespan() <= gain * whole.average_makespan()
         # ...or shorten the step with its gathers and scatters, which teams change too (the
         # busiest rank receives a slice of a matrix, not the whole), and never lengthen it.
         # (Whole, the plan keeps the settings it was asked for: its report's team bound too.)
@@ -612,4 +661,4 @@ def build_plan(matrices: list[MatrixSpec], dp: int, tp: int, settings: PlanSetti
     naive = _fixed_owner_plan(
         settings, matrices, dp, tp, partition.round_robin(loads, num_ranks), capacity, fell_back=True
     )
-    return plan if max(plan.rank_loads()) <= max(naive.rank_loads()) else naive
+    return plan if plan.average_makespan() <= naive.average_makespan() else naive

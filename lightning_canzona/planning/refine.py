@@ -2,13 +2,19 @@
 
 The packer (`micro_groups.balanced_groups`) places each matrix once, largest first, and never
 looks back: a few ranks may end above the rest (Qwen3 32B with SOAP at 256 ranks: two ranks at
-1.071 × the ideal, none other above 1.02), and it does not see state at all (Shampoo's factors
-grow with the square of a side, its FLOPs with the cube, so ranks of the same load hold up to
-1.49 × the mean state). `refine` moves matrices that one rank computes alone:
+1.071 × the ideal, none other above 1.02), and it sees neither state (Shampoo's factors grow
+with the square of a side, its FLOPs with the cube, so ranks of the same load hold up to 1.49 ×
+the mean state) nor the steps that decompose (it balances their work amortised, so that
+decompositions can crowd onto a few ranks, which every rank waits for on those steps).
+`refine` moves matrices that one rank computes alone:
 
 1. while a swap (or a move) between the busiest rank and another brings both below the
    makespan, it takes the one that leaves the lower of the two;
-2. then, loads kept within the new makespan, while a swap brings the rank with the most
+2. where rules decompose periodically, the same for the loads of the steps without
+   decompositions (``Plan.steady``), then of the steps with them (``Plan.peaks``), the
+   makespan and the other's maximum kept; this, or skipping it, whichever plan is shorter on
+   average (``Plan.average_makespan``; state swaps alone can happen to lower it more);
+3. then, those loads kept within their maxima, while a swap brings the rank with the most
    matrix state and another below that, it takes the one that leaves the lower.
 
 No swap raises a micro-group's busiest load, the most that a rank receives in a micro-group's
@@ -31,14 +37,37 @@ if TYPE_CHECKING:  # plan.py calls refine
 #: Partner ranks tried per swap: the least loaded (makespan) or least stateful (state).
 CANDIDATES = 8
 
+#: A bound that a swap keeps: per-rank totals, each matrix's value in them, and the bound.
+Limit = tuple[Sequence[float], Sequence[float], float]
+
 
 def refine(plan: Plan) -> Plan:
     """``plan`` with its single-owner matrices swapped between ranks (see the module docstring)."""
     if plan.teams is None:
         return plan
+    refined = _swapped(plan, periodic=False)
+    if plan.peaks != plan.loads:
+        # Either can end shorter on average: lowering the steady and peak loads first, or the
+        # state swaps, free to raise either within the makespan (ties: the latter).
+        refined = min(refined, _swapped(plan, periodic=True), key=lambda p: p.average_makespan())
+    return refined
+
+
+def _swapped(plan: Plan, periodic: bool) -> Plan:
+    """``plan`` after the makespan's swaps, then if ``periodic`` those of the steady and the peak
+    loads, each kept within the other's maximum, then the state's, every load kept within its
+    maximum so far."""
     swaps = _Swaps(plan)
-    swaps.lower(swaps.rank_loads, swaps.cost, bound=None)
-    swaps.lower(swaps.rank_states, swaps.state_bytes, bound=max(swaps.rank_loads))
+    swaps.lower(swaps.rank_loads, swaps.cost, limits=())
+    makespan: Limit = (swaps.rank_loads, swaps.cost, max(swaps.rank_loads))
+    limits = [makespan]
+    if periodic:
+        steady = (swaps.rank_steady, swaps.steady)
+        peaks = (swaps.rank_peaks, swaps.peak)
+        for lowered, kept in ((steady, peaks), (peaks, steady)):
+            swaps.lower(*lowered, [makespan, (*kept, max(kept[0]))])
+        limits += [(*steady, max(steady[0])), (*peaks, max(peaks[0]))]
+    swaps.lower(swaps.rank_states, swaps.state_bytes, limits)
     teams = tuple(swaps.teams)
     if teams == plan.teams:
         return plan
@@ -55,6 +84,9 @@ class _Swaps:
         matrices = plan.matrices
         self.loads = plan.loads
         self.cost = [loads[0] for loads in plan.loads]  # what a matrix that one rank computes costs
+        self.steady = [loads[0] for loads in plan.steady]
+        self.peak = [loads[0] for loads in plan.peaks]
+        self.step_loads = (plan.steady, plan.peaks)
         self.state_bytes = [m.member_cost(len(t)).matrix_state_bytes for m, t in zip(matrices, self.teams)]
         self.received = [m.cost.numel / len(t) for m, t in zip(matrices, self.teams)]
         locality = plan.settings.locality
@@ -64,6 +96,8 @@ class _Swaps:
             for index in members:
                 self.group[index] = g
         self.rank_loads = [0.0] * ranks
+        self.rank_steady = [0.0] * ranks
+        self.rank_peaks = [0.0] * ranks
         self.rank_states = [0.0] * ranks
         self.items: list[list[int]] = [[] for _ in range(ranks)]
         self.group_loads = [[0.0] * ranks for _ in plan.micro_groups]
@@ -81,6 +115,8 @@ class _Swaps:
     def _add(self, index: int, rank: int, sign: int, member: int = 0) -> None:
         g, load = self.group[index], sign * self.loads[index][member]
         self.rank_loads[rank] += load
+        self.rank_steady[rank] += sign * self.step_loads[0][index][member]
+        self.rank_peaks[rank] += sign * self.step_loads[1][index][member]
         self.rank_states[rank] += sign * self.state_bytes[index]
         self.group_loads[g][rank] += load
         self.group_received[g][rank] += sign * self.received[index]
@@ -113,19 +149,26 @@ class _Swaps:
             and (bucket is None or self.bucket_loads[bucket][rank] + bucket_load <= self.bucket_limit[bucket])
         )
 
-    def lower(self, totals: list[float], values: Sequence[float], bound: float | None) -> None:
-        """Swap while the rank with the largest of ``totals`` (loads or states, the sums of the
-        matrices' ``values``) can shed some to another with both ending below it; loads stay
-        within ``bound`` (if given)."""
+    def lower(self, totals: list[float], values: Sequence[float], limits: Sequence[Limit]) -> None:
+        """Swap while the rank with the largest of ``totals`` (loads, peaks or states, the sums
+        of the matrices' ``values``) can shed some to another with both ending below it; the
+        ``limits`` (other totals, their values, their bound) hold."""
         for _ in range(len(self.teams)):  # each swap lowers the sorted totals: this bounds it loosely
             top = max(range(len(totals)), key=lambda r: (totals[r], -r))
-            others = (r for r in range(len(totals)) if r != top)
-            partners = heapq.nsmallest(CANDIDATES, others, key=lambda r: (totals[r], r))
+            others = [r for r in range(len(totals)) if r != top]
+            # The least loaded, and the least loaded with room under every limit (the least
+            # loaded may be full in another).
+            roomy = [r for r in others if all(limited[r] < bound for limited, _, bound in limits)]
+            partners = dict.fromkeys(
+                rank
+                for ranks in (others, roomy)
+                for rank in heapq.nsmallest(CANDIDATES, ranks, key=lambda r: (totals[r], r))
+            )
             best = None
             for given in self._single(top):
                 for partner in partners:
                     for taken in (None, *self._single(partner)):
-                        outcome = self._outcome(totals, values, top, given, partner, taken, bound)
+                        outcome = self._outcome(totals, values, top, given, partner, taken, limits)
                         if outcome is not None and (best is None or outcome < best[0]):
                             best = (outcome, given, partner, taken)
             if best is None:
@@ -146,24 +189,22 @@ class _Swaps:
         given: int,
         partner: int,
         taken: int | None,
-        bound: float | None,
+        limits: Sequence[Limit],
     ) -> float | None:
         """The larger of the two ranks' new totals if the swap is allowed and lowers the top,
         else ``None``."""
-        back = values[taken] if taken is not None else 0.0
-        if back >= values[given]:
+
+        def after(totals: Sequence[float], values: Sequence[float]) -> float:
+            back = values[taken] if taken is not None else 0.0
+            return max(totals[top] - values[given] + back, totals[partner] - back + values[given])
+
+        if taken is not None and values[taken] >= values[given]:
             return None
-        outcome = max(totals[top] - values[given] + back, totals[partner] - back + values[given])
+        outcome = after(totals, values)
         if outcome >= totals[top]:
             return None
-        if bound is not None:
-            back_load = self.cost[taken] if taken is not None else 0.0
-            loads = (
-                self.rank_loads[top] - self.cost[given] + back_load,
-                self.rank_loads[partner] - back_load + self.cost[given],
-            )
-            if max(loads) > bound:
-                return None
+        if any(after(limited, limited_values) > bound for limited, limited_values, bound in limits):
+            return None
         if not self._fits(given, partner, taken):
             return None
         if taken is not None and not self._fits(taken, top, given):

@@ -28,7 +28,11 @@ class PlanReport:
         team_bound: No plan whose teams have at most the settings' ``max_team`` ranks does
             better, at the settings' prices of their collectives
             (`lightning_canzona.planning.plan.team_bound`); at least the ideal.
-        makespan: The largest rank load.
+        makespan: The largest rank load (periodic work amortised).
+        average_makespan: The busiest rank's load averaged over a period of the rules' periodic
+            work (`Plan.average_makespan`): what a step takes on average where every step waits
+            for its busiest rank.
+        peak_makespan: The largest rank load on a step that runs the periodic work.
         synchronized_makespan: Σ over micro-groups of the group's largest host load: the makespan
             when every group waits for its slowest host.
         num_micro_groups: Number of micro-groups.
@@ -44,6 +48,8 @@ class PlanReport:
     ideal: float
     team_bound: float
     makespan: float
+    average_makespan: float
+    peak_makespan: float
     synchronized_makespan: float
     num_micro_groups: int
     split_matrices: dict[int, int]
@@ -60,6 +66,10 @@ class PlanReport:
     @property
     def makespan_over_ideal(self) -> float:
         return self.makespan / self.ideal if self.ideal > 0 else 1.0
+
+    @property
+    def average_over_ideal(self) -> float:
+        return self.average_makespan / self.ideal if self.ideal > 0 else 1.0
 
     @property
     def state_max_over_mean(self) -> float:
@@ -83,6 +93,11 @@ class PlanReport:
             if self.lower_bound > 0
             else f"policy {self.policy}: nothing to plan"
         )
+        if self.peak_makespan > self.makespan:
+            lines.append(
+                f"decompositions every few steps: those steps' makespan/ideal "
+                f"{self.peak_makespan / self.ideal:.3f}, the average step's {self.average_over_ideal:.3f}"
+            )
         if self.split_matrices:
             teams = ", ".join(f"{count} by {size} ranks" for size, count in self.split_matrices.items())
             lines.append(f"computed by teams: {teams}")
@@ -113,6 +128,8 @@ def report(plan: Plan) -> PlanReport:
         ideal=plan.ideal,
         team_bound=team_bound(list(matrices), num_ranks, plan.settings),
         makespan=max(loads, default=0.0),
+        average_makespan=plan.average_makespan(),
+        peak_makespan=max(plan.rank_peaks(), default=0.0),
         synchronized_makespan=sum(max(plan.group_host_loads(group)) for group in plan.micro_groups),
         num_micro_groups=len(plan.micro_groups),
         split_matrices=plan.split_matrices(),

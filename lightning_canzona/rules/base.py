@@ -88,6 +88,11 @@ class UpdateCost:
         member_flops: A team's FLOPs that single members carry on top of ``flops``, in member
             order (each factor's decomposition falls to one member); empty: none. The busiest
             member's FLOPs are ``flops + max(member_flops)``.
+        period: Steps between runs of the rule's periodic work (decompositions); 1: none.
+        periodic_flops: Each member's FLOPs of that work (one entry for a whole matrix) on a
+            step that runs it, which ``flops`` and ``member_flops`` count amortised, over
+            ``period``. Every matrix of a rule runs it on the same steps: those steps take
+            longer (`step_flops_of`).
     """
 
     flops: float
@@ -97,10 +102,19 @@ class UpdateCost:
     team_messages: int = 0
     team_numel: int = 0
     member_flops: tuple[float, ...] = ()
+    period: int = 1
+    periodic_flops: tuple[float, ...] = ()
 
     def member_flops_of(self, member: int) -> float:
-        """FLOPs of team member ``member``: ``flops`` and its own share of `member_flops`."""
+        """FLOPs of team member ``member`` per step, amortised: ``flops`` and its own share of
+        `member_flops`."""
         return self.flops + (self.member_flops[member] if member < len(self.member_flops) else 0.0)
+
+    def step_flops_of(self, member: int, periodic: bool) -> float:
+        """FLOPs of team member ``member`` on a step that runs the periodic work, or on one
+        that does not."""
+        work = self.periodic_flops[member] if member < len(self.periodic_flops) else 0.0
+        return self.member_flops_of(member) + work * ((1 if periodic else 0) - 1 / self.period)
 
     @property
     def busiest_flops(self) -> float:

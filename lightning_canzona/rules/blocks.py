@@ -182,4 +182,6 @@ class RowBlockRule(MatrixRule):
             numel=sum(cost.numel for cost in costs),
             matrix_state_bytes=sum(cost.matrix_state_bytes for cost in costs),
             elementwise_state_bytes=sum(cost.elementwise_state_bytes for cost in costs),
+            period=costs[0].period,
+            periodic_flops=(sum(sum(cost.periodic_flops) for cost in costs),),
         )

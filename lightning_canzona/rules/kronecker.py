@@ -112,20 +112,23 @@ def cost(shape: Sequence[int], max_precond_dim: int, frequency: int, products: i
 
     Per step and preconditioned side ``d ∈ {m, n}``: ``products`` one-sided ``d × d`` by ``m × n``
     products (``2d·mn`` FLOPs each, the factor update among them) and a ``≈ 10d³`` eigensolve or
-    refresh every ``frequency`` steps; plus ``≈ 10·mn`` elementwise. State: both moments, and a
-    factor and its companion per side, in float32.
+    refresh every ``frequency`` steps (the periodic work); plus ``≈ 10·mn`` elementwise. State:
+    both moments, and a factor and its companion per side, in float32.
     """
     batch, rows, cols = matrix_dims(shape)
     sides = preconditioned_sides(rows, cols, max_precond_dim).values()
     flops = (
         sum(products * 2 * dim * rows * cols + 10 * dim**3 / frequency for dim in sides) + 10 * rows * cols
     )
+    decompositions = batch * sum(10 * dim**3 for dim in sides)
     numel = batch * rows * cols
     return UpdateCost(
         flops=float(batch * flops),
         numel=numel,
         matrix_state_bytes=4 * (2 * numel + batch * sum(2 * dim * dim for dim in sides)),
         elementwise_state_bytes=0,
+        period=frequency,
+        periodic_flops=(float(decompositions),),
     )
 
 
@@ -181,7 +184,7 @@ def team_cost(
     decompositions = [0.0] * size
     for member, dim in ((0, long), (size - 1, short)):
         if dim in sides:
-            decompositions[member] += 10 * dim**3 / frequency
+            decompositions[member] += 10 * dim**3
     return UpdateCost(
         flops=float(sum(products * 2 * dim * numel for dim in sides) + 10 * numel),
         numel=numel,
@@ -190,7 +193,9 @@ def team_cost(
         elementwise_state_bytes=0,
         team_messages=rounds,
         team_numel=round(sent) + 2,
-        member_flops=tuple(decompositions),
+        member_flops=tuple(flops / frequency for flops in decompositions),
+        period=frequency,
+        periodic_flops=tuple(decompositions),
     )
 
 

@@ -4,12 +4,17 @@ Per micro-group:
 
 - **gather**: the busiest rank's one-directional volume over the link the mesh needs (NVLink
   within a node, InfiniBand once the mesh spans nodes), plus one message latency per peer;
-- **compute**: the group's busiest host's FLOPs (the rule's ``cost.flops``, whatever cost the plan
+- **compute**: the group's busiest host's FLOPs (the rule's cost, whatever cost the plan
   balanced) at the device's effective matmul rate; under ``sync`` every rank computes the whole
   group; a team's member computes its own FLOPs (`UpdateCost.member_flops_of`) and adds the
   team's collectives (``team_messages`` latencies and ``team_numel`` elements over the link the
   team spans);
 - **scatter**: like the gather; none under ``sync``.
+
+Every matrix of a rule runs its periodic work (Shampoo's and SOAP's decompositions) on the same
+steps, one in ``period`` (`UpdateCost.periodic_flops`): the step is projected without it and with
+it, and the times are averaged over the period (a step waits for its busiest host, so the
+decompositions that crowd onto a few ranks are paid on those steps in full).
 
 Matrix-rule work only: the elementwise parts (momentum, the AdamW group) are accounted for by
 `lightning_canzona.simulation.iteration`.
@@ -17,6 +22,7 @@ Matrix-rule work only: the elementwise parts (momentum, the AdamW group) are acc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from lightning_canzona.planning.pipeline import pipelined_time, sequential_time
@@ -34,8 +40,10 @@ class StepProjection:
         policy: The plan's policy.
         link: The link the collectives cross (``NVLink`` or ``InfiniBand``).
         gathers: Gather time of each micro-group.
-        computes: Host compute time of each micro-group.
+        computes: Host compute time of each micro-group on a step without periodic work.
         scatters: Scatter time of each micro-group.
+        peak_computes: The same on a step with it (empty: none).
+        period: Steps between runs of the periodic work.
     """
 
     policy: str
@@ -43,6 +51,8 @@ class StepProjection:
     gathers: tuple[float, ...]
     computes: tuple[float, ...]
     scatters: tuple[float, ...]
+    peak_computes: tuple[float, ...] = ()
+    period: int = 1
 
     @property
     def communication(self) -> float:
@@ -51,18 +61,28 @@ class StepProjection:
 
     @property
     def compute(self) -> float:
-        """Total host compute time."""
-        return sum(self.computes)
+        """Total host compute time, averaged over the period."""
+        return self._averaged(sum)
 
     @property
     def sequential(self) -> float:
-        """Step time without overlap."""
-        return sequential_time(self.gathers, self.computes, self.scatters)
+        """Step time without overlap, averaged over the period."""
+        return self._averaged(lambda computes: sequential_time(self.gathers, computes, self.scatters))
 
     @property
     def pipelined(self) -> float:
-        """Step time with the gather/compute/scatter pipeline."""
-        return pipelined_time(self.gathers, self.computes, self.scatters)
+        """Step time with the gather/compute/scatter pipeline, averaged over the period."""
+        return self._averaged(lambda computes: pipelined_time(self.gathers, computes, self.scatters))
+
+    @property
+    def peak_pipelined(self) -> float:
+        """Pipelined time of a step that runs the periodic work."""
+        return pipelined_time(self.gathers, self.peak_computes or self.computes, self.scatters)
+
+    def _averaged(self, time: Callable[[tuple[float, ...]], float]) -> float:
+        if not self.peak_computes:
+            return time(self.computes)
+        return ((self.period - 1) * time(self.computes) + time(self.peak_computes)) / self.period
 
 
 def collective_time(exchange: Exchange, bandwidth: float, latency: float) -> float:
@@ -73,11 +93,18 @@ def collective_time(exchange: Exchange, bandwidth: float, latency: float) -> flo
 
 
 def _member_seconds(
-    cost: UpdateCost, team: int, member: int, device: DeviceModel, flops_per_second: float, element_bytes: int
+    cost: UpdateCost,
+    team: int,
+    member: int,
+    device: DeviceModel,
+    flops_per_second: float,
+    element_bytes: int,
+    peak: bool,
 ) -> float:
-    """Team member ``member``'s time on one matrix: its FLOPs, then (teams only) the team's
-    collectives, which it waits for (not overlapped, a conservative projection)."""
-    seconds = cost.member_flops_of(member) / flops_per_second
+    """Team member ``member``'s time on one matrix, on a step with the periodic work if
+    ``peak``, else without it: its FLOPs, then (teams only) the team's collectives, which it
+    waits for (not overlapped, a conservative projection)."""
+    seconds = cost.step_flops_of(member, peak) / flops_per_second
     if team > 1:
         _, bandwidth, latency = device.link(team)
         seconds += cost.team_messages * latency + cost.team_numel * element_bytes / bandwidth
@@ -103,26 +130,32 @@ def project_step(
     link, bandwidth, latency = device.link(plan.num_ranks)
     flops_per_second = device.matmul_flops(compute_dtype)
     moved = moved or traffic(plan, element_bytes)
-    computes = []
-    for group in plan.micro_groups:
-        if plan.teams is None:
-            host_time = sum(plan.matrices[i].cost.flops for i in group) / flops_per_second
-        else:
+
+    def seconds(index: int, team: int, member: int, peak: bool) -> float:
+        cost = plan.matrices[index].member_cost(team)
+        return _member_seconds(cost, team, member, device, flops_per_second, element_bytes, peak)
+
+    def computes(peak: bool) -> tuple[float, ...]:
+        times = []
+        for group in plan.micro_groups:
+            if plan.teams is None:  # every rank computes every matrix
+                times.append(sum(seconds(index, 1, 0, peak) for index in group))
+                continue
             per_host: dict[int, float] = {}
             for index in group:
                 team = plan.teams[index]
-                cost = plan.matrices[index].member_cost(len(team))
                 for member, rank in enumerate(team):
-                    seconds = _member_seconds(
-                        cost, len(team), member, device, flops_per_second, element_bytes
-                    )
-                    per_host[rank] = per_host.get(rank, 0.0) + seconds
-            host_time = max(per_host.values(), default=0.0)
-        computes.append(host_time)
+                    per_host[rank] = per_host.get(rank, 0.0) + seconds(index, len(team), member, peak)
+            times.append(max(per_host.values(), default=0.0))
+        return tuple(times)
+
+    periodic = plan.period > 1
     return StepProjection(
         policy=plan.settings.policy,
         link=link,
         gathers=tuple(collective_time(e, bandwidth, latency) for e in moved.gathers),
-        computes=tuple(computes),
+        computes=computes(peak=False),
         scatters=tuple(collective_time(e, bandwidth, latency) for e in moved.scatters),
+        peak_computes=computes(peak=True) if periodic else (),
+        period=plan.period,
     )
