@@ -8,7 +8,7 @@ import pytest
 
 from lightning_canzona.cli import main
 from lightning_canzona.commands.analysis import Scenario, analyse
-from lightning_canzona.commands.model_matrices import compute_dtype, make_rule, preset_matrices
+from lightning_canzona.commands.model_matrices import compute_dtype, make_rule, preset_matrices, rule_settings
 from lightning_canzona.commands.sweep import bound_table
 from lightning_canzona.planning import POLICIES, PlanSettings, build_plan, describe, report, traffic
 from lightning_canzona.rules import MuonRule
@@ -70,6 +70,23 @@ def test_float32_soap_exchanges_four_bytes_per_element_and_numel_cost_is_used(ca
     )
     assert "exchange float32 (4 B/element)" in out and "load [M elements]" in out
     assert "float32 matmul" in out
+
+
+def test_shampoo_plans_print_the_step_that_decomposes(capsys, tmp_path) -> None:
+    out, _ = _plan_output(
+        capsys, tmp_path, "--preset", "tiny", "--optimizer", "shampoo", "--dp", "2", "--tp", "2"
+    )
+    rule = make_rule("shampoo")
+    matrices, _ = preset_matrices("tiny", rule)
+    assert "average/ideal" in _summary_header(out) and "decomposing" in out
+    for policy in POLICIES:
+        plan = build_plan(matrices, 2, 2, rule_settings(PlanSettings(policy), H100, rule))
+        assert _summary_row(out, policy)[8] == f"{report(plan).average_over_ideal:.3f}"
+    assert "every matrix's factors at once every 10 steps" in out
+
+
+def _summary_header(out: str) -> str:
+    return out.split("== summary ==")[1].splitlines()[1]
 
 
 def _two_matrices():
