@@ -105,10 +105,8 @@ class MicroGroupExchange:
         meter: BufferMeter,
     ) -> tuple[Tensor, InFlight]:
         """Start the gather of the ``prepared`` local shards; returns the receive buffer and handle."""
-        pieces = [
-            prepared[m][local.slices].reshape(-1).to(dtype) for ps in self.gather_send for m, local in ps
-        ]
-        send = meter.track(torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype, device=device))
+        pieces = (prepared[m][local.slices] for ps in self.gather_send for m, local in ps)
+        send = meter.track(_packed(pieces, sum(self.gather_send_sizes), dtype, device))
         receive = meter.track(torch.empty(sum(self.gather_recv_sizes), dtype=dtype, device=device))
         work = InFlight(
             dist.all_to_all_single, receive, send, self.gather_recv_sizes, self.gather_send_sizes, group=group
@@ -136,10 +134,8 @@ class MicroGroupExchange:
     ) -> tuple[Tensor, InFlight]:
         """Start returning every rank's pieces of the computed ``directions`` (each of this rank's
         `regions`)."""
-        pieces = [
-            directions[m][block.slices].reshape(-1).to(dtype) for ps in self.scatter_send for m, block in ps
-        ]
-        send = meter.track(torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype, device=device))
+        pieces = (directions[m][block.slices] for ps in self.scatter_send for m, block in ps)
+        send = meter.track(_packed(pieces, sum(self.scatter_send_sizes), dtype, device))
         receive = meter.track(torch.empty(sum(self.scatter_recv_sizes), dtype=dtype, device=device))
         work = InFlight(
             dist.all_to_all_single,
@@ -164,6 +160,18 @@ class MicroGroupExchange:
         for m, local, chunk in _chunks(received, self.scatter_recv):
             pieces.setdefault(m, []).append((local, chunk.view(local.shape)))
         return {m: _local(self.my_shards[m], values) for m, values in pieces.items()}
+
+
+def _packed(pieces: Iterable[Tensor], numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """One flat buffer of ``numel`` elements of ``dtype`` holding ``pieces`` in order, each
+    copied once (the copy converts the dtype and gathers a strided block alike)."""
+    buffer = torch.empty(numel, dtype=dtype, device=device)
+    offset = 0
+    for piece in pieces:
+        buffer[offset : offset + piece.numel()].view(piece.shape).copy_(piece)
+        offset += piece.numel()
+    assert offset == numel, f"packed {offset} elements into a buffer of {numel}"
+    return buffer
 
 
 def _chunks(buffer: Tensor, lists: list[list[tuple[int, Block]]]) -> Iterator[tuple[int, Block, Tensor]]:
