@@ -46,7 +46,7 @@ def refine(plan: Plan) -> Plan:
     if plan.teams is None:
         return plan
     refined = _swapped(plan, periodic=False)
-    if plan.peaks != plan.loads:
+    if plan.period > 1:
         # Either can end shorter on average: lowering the steady and peak loads first, or the
         # state swaps, free to raise either within the makespan (ties: the latter).
         refined = min(refined, _swapped(plan, periodic=True), key=lambda p: p.average_makespan())

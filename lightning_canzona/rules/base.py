@@ -114,7 +114,8 @@ class UpdateCost:
         """FLOPs of team member ``member`` on a step that runs the periodic work, or on one
         that does not."""
         work = self.periodic_flops[member] if member < len(self.periodic_flops) else 0.0
-        return self.member_flops_of(member) + work * ((1 if periodic else 0) - 1 / self.period)
+        steady = self.member_flops_of(member) - work / self.period
+        return steady + work if periodic else steady
 
     @property
     def busiest_flops(self) -> float:
