@@ -33,6 +33,7 @@ class PlanReport:
             work (`Plan.average_makespan`): what a step takes on average where every step waits
             for its busiest rank.
         peak_makespan: The largest rank load on a step that runs the periodic work.
+        period: Steps between runs of the periodic work (1: none).
         synchronized_makespan: Σ over micro-groups of the group's largest host load: the makespan
             when every group waits for its slowest host.
         num_micro_groups: Number of micro-groups.
@@ -50,6 +51,7 @@ class PlanReport:
     makespan: float
     average_makespan: float
     peak_makespan: float
+    period: int
     synchronized_makespan: float
     num_micro_groups: int
     split_matrices: dict[int, int]
@@ -95,7 +97,7 @@ class PlanReport:
         )
         if self.peak_makespan > self.makespan:
             lines.append(
-                f"decompositions every few steps: those steps' makespan/ideal "
+                f"decompositions every {self.period} steps: those steps' makespan/ideal "
                 f"{self.peak_makespan / self.ideal:.3f}, the average step's {self.average_over_ideal:.3f}"
             )
         if self.split_matrices:
@@ -130,6 +132,7 @@ def report(plan: Plan) -> PlanReport:
         makespan=max(loads, default=0.0),
         average_makespan=plan.average_makespan(),
         peak_makespan=max(plan.rank_peaks(), default=0.0),
+        period=plan.period,
         synchronized_makespan=sum(max(plan.group_host_loads(group)) for group in plan.micro_groups),
         num_micro_groups=len(plan.micro_groups),
         split_matrices=plan.split_matrices(),
