@@ -80,6 +80,9 @@ def test_refine_raises_no_makespan_group_gather_or_bucket_and_keeps_held_matrice
         holders = matrices[index].holders
         assert new == old or not holders or new[0] in holders
     assert refine(packed) == refined  # deterministic
+    # No plan, refined or not, beats the bound on the average over the decomposition period.
+    bound = report(refined).average_bound
+    assert bound <= min(packed.average_makespan(), refined.average_makespan()) * (1 + 1e-9)
 
 
 @pytest.mark.parametrize(

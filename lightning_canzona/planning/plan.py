@@ -188,8 +188,8 @@ class Plan:
 
     @property
     def period(self) -> int:
-        """Steps between the periodic work of the matrices' rules (the shortest; 1: none)."""
-        return min((m.cost.period for m in self.matrices if any(m.cost.periodic_flops)), default=1)
+        """Steps between the periodic work of the matrices' rules (`shortest_period`)."""
+        return shortest_period(self.matrices)
 
     def rank_loads(self) -> list[float]:
         """Total cost each rank computes per step (periodic work amortised)."""
@@ -452,11 +452,15 @@ def _greedy_makespan(classes: Classes, num_ranks: int) -> float:
 
 
 def _team_classes(
-    matrices: list[MatrixSpec], num_ranks: int, settings: PlanSettings, busiest: bool = False
+    matrices: list[MatrixSpec],
+    num_ranks: int,
+    settings: PlanSettings,
+    busiest: bool = False,
+    step: Step = "amortised",
 ) -> tuple[list[list[int]], list[list[int]], list[dict[int, tuple[float, ...]]]]:
     """The matrices of equal cost as classes: each class's indices, its team sizes (1 only for a
-    matrix that some ranks hold whole) and its member loads at each size (each the busiest
-    member's if ``busiest``)."""
+    matrix that some ranks hold whole) and its member loads on the ``step`` at each size (each
+    the busiest member's if ``busiest``)."""
     classes: dict[tuple, list[int]] = {}
     for index, matrix in enumerate(matrices):
         key = (matrix.cost, matrix.team_costs, bool(matrix.holders))
@@ -469,7 +473,7 @@ def _team_classes(
         for group in members
     ]
     loads = [
-        {size: member_loads(matrices[group[0]], size, settings) for size in sizes}
+        {size: member_loads(matrices[group[0]], size, settings, step) for size in sizes}
         for group, sizes in zip(members, options)
     ]
     if busiest:
@@ -477,9 +481,11 @@ def _team_classes(
     return members, options, loads
 
 
-def team_bound(matrices: list[MatrixSpec], num_ranks: int, settings: PlanSettings) -> float:
+def team_bound(
+    matrices: list[MatrixSpec], num_ranks: int, settings: PlanSettings, step: Step = "amortised"
+) -> float:
     """A lower bound on the makespan of every plan whose teams have at most ``settings.max_team``
-    ranks, at the settings' prices of their collectives (`member_loads`).
+    ranks, at the settings' prices of their collectives (`member_loads`), on the ``step``.
 
     Whatever the team sizes, the makespan is at least the largest member load and the mean
     member load over the ranks. For each limit on the former, each matrix takes the size within
@@ -487,7 +493,7 @@ def team_bound(matrices: list[MatrixSpec], num_ranks: int, settings: PlanSetting
     limits. Unlike the ideal ``total / ranks``, no plan beats it: where it exceeds the ideal, the
     excess is what teams' collectives cost at the least to bring every item under the ideal.
     """
-    classes = list(zip(*_team_classes(matrices, num_ranks, settings)))
+    classes = list(zip(*_team_classes(matrices, num_ranks, settings, step=step)))
     best = math.inf
     for limit in sorted({max(load) for _, _, loads in classes for load in loads.values()}):
         total = 0.0
@@ -499,6 +505,23 @@ def team_bound(matrices: list[MatrixSpec], num_ranks: int, settings: PlanSetting
         else:
             best = min(best, max(limit, total / num_ranks))
     return 0.0 if best == math.inf else best
+
+
+def average_bound(matrices: list[MatrixSpec], num_ranks: int, settings: PlanSettings) -> float:
+    """A lower bound on `Plan.average_makespan` of every plan whose teams have at most
+    ``settings.max_team`` ranks: `team_bound` of the steps without the periodic work and of the
+    step with it, averaged over the period. Where one decomposition outweighs a rank's share of
+    that step, no placement of it does better."""
+    period = shortest_period(matrices)
+    if period == 1:
+        return team_bound(matrices, num_ranks, settings)
+    steady = team_bound(matrices, num_ranks, settings, "steady")
+    return ((period - 1) * steady + team_bound(matrices, num_ranks, settings, "peak")) / period
+
+
+def shortest_period(matrices: Iterable[MatrixSpec]) -> int:
+    """Steps between the periodic work of the matrices' rules (the shortest; 1: none)."""
+    return min((m.cost.period for m in matrices if any(m.cost.periodic_flops)), default=1)
 
 
 def _packing_bound(classes: Classes, num_ranks: int, pairs: bool = True) -> float:

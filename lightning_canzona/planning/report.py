@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_canzona.planning.plan import Plan, team_bound
+from lightning_canzona.planning.plan import Plan, average_bound, team_bound
 
 #: How each cost kind is printed: ``(divisor, unit)``.
 COST_UNITS = {"flops": (1e9, "GFLOP"), "numel": (1e6, "M elements")}
@@ -33,6 +33,8 @@ class PlanReport:
             work (`Plan.average_makespan`): what a step takes on average where every step waits
             for its busiest rank.
         peak_makespan: The largest rank load on a step that runs the periodic work.
+        average_bound: No plan whose teams have at most ``max_team`` ranks has a shorter
+            average makespan (`lightning_canzona.planning.plan.average_bound`).
         period: Steps between runs of the periodic work (1: none).
         synchronized_makespan: Σ over micro-groups of the group's largest host load: the makespan
             when every group waits for its slowest host.
@@ -51,6 +53,7 @@ class PlanReport:
     makespan: float
     average_makespan: float
     peak_makespan: float
+    average_bound: float
     period: int
     synchronized_makespan: float
     num_micro_groups: int
@@ -98,7 +101,8 @@ class PlanReport:
         if self.peak_makespan > self.makespan:
             lines.append(
                 f"decompositions every {self.period} steps: those steps' makespan/ideal "
-                f"{self.peak_makespan / self.ideal:.3f}, the average step's {self.average_over_ideal:.3f}"
+                f"{self.peak_makespan / self.ideal:.3f}, the average step's {self.average_over_ideal:.3f} "
+                f"(its bound {self.average_bound / self.ideal:.3f})"
             )
         if self.split_matrices:
             teams = ", ".join(f"{count} by {size} ranks" for size, count in self.split_matrices.items())
@@ -119,6 +123,7 @@ def report(plan: Plan) -> PlanReport:
             counts[rank] += 1
             state[rank] += member_cost.matrix_state_bytes
     loads = plan.rank_loads()
+    bound = team_bound(list(matrices), num_ranks, plan.settings)
     policy = plan.settings.policy + (" (round-robin owners)" if plan.fell_back else "")
     return PlanReport(
         policy=policy,
@@ -128,10 +133,11 @@ def report(plan: Plan) -> PlanReport:
         rank_state_bytes=state,
         lower_bound=max(max((m.load(plan.settings.cost) for m in matrices), default=0.0), plan.ideal),
         ideal=plan.ideal,
-        team_bound=team_bound(list(matrices), num_ranks, plan.settings),
+        team_bound=bound,
         makespan=max(loads, default=0.0),
         average_makespan=plan.average_makespan(),
         peak_makespan=max(plan.rank_peaks(), default=0.0),
+        average_bound=average_bound(list(matrices), num_ranks, plan.settings) if plan.period > 1 else bound,
         period=plan.period,
         synchronized_makespan=sum(max(plan.group_host_loads(group)) for group in plan.micro_groups),
         num_micro_groups=len(plan.micro_groups),
