@@ -4,8 +4,8 @@ Defaults are datasheet peaks scaled by an achievable fraction, never measurement
 
 - **H100 SXM5** (NVIDIA H100 Tensor Core GPU datasheet): dense BF16 tensor-core matmul
   989.4 TFLOP/s (1,979 with 2:4 sparsity), FP32 (CUDA cores, what ``torch`` uses for float32 matmul
-  unless TF32 is enabled) 67 TFLOP/s, HBM3 3.35 TB/s, NVLink 4 900 GB/s per GPU in total, i.e.
-  450 GB/s per direction.
+  unless TF32 is enabled) 67 TFLOP/s, FP64 (tensor cores) 67 TFLOP/s, HBM3 3.35 TB/s, NVLink 4
+  900 GB/s per GPU in total, i.e. 450 GB/s per direction.
 - **H200 SXM** (NVIDIA H200 datasheet): the same GH100 compute (989 / 67 TFLOP/s) and NVLink 4,
   with HBM3e at 4.8 TB/s.
 - **Between nodes**: one ConnectX-7 InfiniBand NDR port per GPU (DGX/HGX H100 and H200
@@ -36,6 +36,7 @@ class DeviceModel:
         name: Label for reports.
         bf16_flops: Peak dense BF16 matmul FLOP/s.
         fp32_flops: Peak FP32 matmul FLOP/s (no TF32).
+        fp64_flops: Peak FP64 matmul FLOP/s.
         achievable_fraction: Fraction of peak the optimizer's matmuls reach.
         hbm_bandwidth: Memory bandwidth in bytes/s (elementwise work is bound by it).
         intra_node_bandwidth: NVLink bytes/s per GPU per direction.
@@ -48,6 +49,7 @@ class DeviceModel:
     name: str
     bf16_flops: float
     fp32_flops: float
+    fp64_flops: float
     achievable_fraction: float
     hbm_bandwidth: float
     intra_node_bandwidth: float
@@ -63,8 +65,8 @@ class DeviceModel:
             raise ValueError(f"gpus_per_node must be >= 1, got {self.gpus_per_node}")
 
     def matmul_flops(self, dtype: str) -> float:
-        """Effective FLOP/s of matmuls in ``dtype`` (``bfloat16`` or ``float32``)."""
-        peaks = {"bfloat16": self.bf16_flops, "float32": self.fp32_flops}
+        """Effective FLOP/s of matmuls in ``dtype`` (``bfloat16``, ``float32`` or ``float64``)."""
+        peaks = {"bfloat16": self.bf16_flops, "float32": self.fp32_flops, "float64": self.fp64_flops}
         if dtype not in peaks:
             raise ValueError(f"dtype must be one of {sorted(peaks)}, got {dtype!r}")
         return peaks[dtype] * self.achievable_fraction
@@ -113,6 +115,7 @@ H100 = DeviceModel(
     name="H100 SXM",
     bf16_flops=989.4 * _TERA,
     fp32_flops=67 * _TERA,
+    fp64_flops=67 * _TERA,
     achievable_fraction=0.6,
     hbm_bandwidth=3350 * _GIGA,
     intra_node_bandwidth=450 * _GIGA,
