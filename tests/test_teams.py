@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ import lightning_canzona as lc
 from lightning_canzona.commands.model_matrices import make_rule, preset_matrices
 from lightning_canzona.distributed import engine as engine_module
 from lightning_canzona.distributed.teams import joined_state, measure_team_costs, member_state, priced
+from lightning_canzona.optim.optimizer import DTYPES
 from lightning_canzona.planning import PlanSettings, build_plan, describe, report
 from lightning_canzona.planning.matrices import MatrixSpec
 from lightning_canzona.planning.plan import (
@@ -464,21 +466,69 @@ def test_prices_are_measured_in_the_dtype_of_the_rules_matrix_products() -> None
 
 def _mixed_compute_dtypes(rank: int, world_size: int) -> None:
     mesh = init_device_mesh("cpu", (world_size,))
+    shapes = [(8, 16), (12, 10), (8, 16)]
     weights = [
-        nn.Parameter(distribute_tensor(torch.randn(8, 16), mesh, [Shard(0)], src_data_rank=None))
-        for _ in range(2)
+        nn.Parameter(distribute_tensor(torch.randn(shape), mesh, [Shard(0)], src_data_rank=None))
+        for shape in shapes
     ]
-    groups = [{"params": [weights[0]]}, {"params": [weights[1]], "compute_dtype": "float32"}]
-    optimizer = lc.Muon(groups, lr=0.02)
+
+    def muon(team_prices):
+        groups = [
+            {"params": weights[:1]},
+            {"params": weights[1:2], "compute_dtype": "float32"},
+            {"params": weights[2:], "compute_dtype": "float64"},
+        ]
+        return lc.Muon(groups, lr=0.02, team_prices=team_prices)
+
     for weight in weights:
-        weight.grad = distribute_tensor(torch.randn(8, 16), mesh, [Shard(0)], src_data_rank=None)
-    with pytest.warns(UserWarning, match=r"multiply in bfloat16, float32: .* same compute_dtype"):
+        weight.grad = distribute_tensor(torch.randn(weight.shape), mesh, [Shard(0)], src_data_rank=None)
+    # At H100 rates each matrix's FLOPs are weighed by the time of its dtype's: float32 and
+    # float64 products are 14.8× slower than bf16's there. No warning.
+    optimizer = muon("h100")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         optimizer.step()
+    (engine,) = optimizer.engines.values()
+    ratio = H100.matmul_flops("bfloat16") / H100.matmul_flops("float32")
+    rules = [MuonRule(PRESETS["quintic"], compute_dtype=dtype) for dtype in DTYPES.values()]
+    for spec, rule, weight in zip(engine.plan.matrices, rules, (1.0, ratio, ratio)):
+        assert spec.cost.flops == pytest.approx(rule.cost(spec.shape).flops * weight)
+    # Measured rates weigh them too (the ranks agree on one figure per dtype).
+    measured = muon("measure")
+    measured.step()
+    (engine,) = measured.engines.values()
+    assert set(engine.flops_weights) == set(DTYPES.values()) and engine.flops_weights[torch.bfloat16] == 1.0
+    assert all(weight > 0 for weight in engine.flops_weights.values())
+    # Prices given as figures say nothing of the dtypes' rates: named, and weighed alike.
+    figures = muon((100.0, 1e6))
+    with pytest.warns(
+        UserWarning, match=r"multiply in bfloat16, float32, float64, and team_prices are given"
+    ):
+        figures.step()
 
 
-def test_param_groups_that_multiply_in_different_dtypes_are_named() -> None:
-    # One plan weighs every matrix's FLOPs alike, and prices teams in one dtype's FLOPs.
+def test_param_groups_that_multiply_in_different_dtypes_are_weighed_by_time() -> None:
     run_on_ranks(2, _mixed_compute_dtypes)
+
+
+def _float64_muon(rank: int, world_size: int) -> None:
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    initial, grads = torch.randn(12, 20), [torch.randn(12, 20) for _ in range(3)]
+    sharded = nn.Parameter(distribute_tensor(initial, mesh, [Shard(0)], src_data_rank=None))
+    whole = nn.Parameter(initial.clone())
+    optimizers = [lc.Muon([param], lr=0.02, compute_dtype="float64") for param in (sharded, whole)]
+    for grad in grads:
+        sharded.grad = distribute_tensor(grad, mesh, [Shard(0)], src_data_rank=None)
+        whole.grad = grad.clone()
+        for optimizer in optimizers:
+            optimizer.step()
+    torch.testing.assert_close(sharded.full_tensor(), whole.detach(), rtol=1e-12, atol=1e-12)
+
+
+def test_float64_muon_on_a_mesh_equals_one_device() -> None:
+    # The default team prices are an H100's in FLOPs of the rule's dtype: float64 has its rate.
+    run_on_ranks(2, _float64_muon)
 
 
 def _with_free_teams(optimizer_class):

@@ -202,13 +202,22 @@ class MeshEngine:
         batch_matrices: Update an owner's same-shape matrices of a micro-group in one call of
             their rule where it allows (`MatrixRule.batches_matrices`); ``False`` calls it once per
             matrix (the baseline that ``canzona bench step`` compares with).
+        flops_weights: What a FLOP of each matmul dtype costs in FLOPs of the plan's unit
+            (`distributed.teams.flops_weights`): each matrix's FLOPs are weighted by its rule's
+            dtype, so that one plan balances rules that multiply in different dtypes by time.
     """
 
     def __init__(
-        self, mesh: DeviceMesh, settings: PlanSettings, overlap: bool, batch_matrices: bool = True
+        self,
+        mesh: DeviceMesh,
+        settings: PlanSettings,
+        overlap: bool,
+        batch_matrices: bool = True,
+        flops_weights: dict[torch.dtype, float] | None = None,
     ) -> None:
         self.mesh, self.settings, self.overlap = mesh, settings, overlap
         self.batch_matrices = batch_matrices
+        self.flops_weights = flops_weights or {}
         self.group = mesh_process_group(mesh)
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
@@ -332,7 +341,7 @@ class MeshEngine:
                 rules[item.entry],
                 block_of(matrices[item.entry].name),
                 holders(item.layout),
-            )
+            ).weighted(self.flops_weights.get(rules[item.entry].matmul_dtype(), 1.0))
             for item in self._items
         ]
         self.plan = build_plan(specs, *mesh_sizes(self.mesh), self.settings)

@@ -285,27 +285,15 @@ def measure_team_costs(
     slowest figures, so that all plan alike.
     """
     device = torch.device(device)
-    clock = Clock(device)
-
-    def seconds(work: Callable[[], object], repeats: int) -> float:
-        work()  # warm-up
-        interval = Intervals()
-        start = clock.mark()
-        for _ in range(repeats):
-            work()
-        interval.add(start, clock.mark())
-        return interval.seconds / repeats
-
-    matrix = torch.randn(size, size, device=device).to(dtype)
-    flops_per_second = 2 * size**3 / seconds(lambda: matrix @ matrix, 5)
+    matmul = _seconds_per_flop(device, dtype, size)
     summed = _summed_dtype(dtype, group)
     one, many = torch.zeros(1, dtype=summed, device=device), torch.zeros(2**20, dtype=summed, device=device)
-    latency = seconds(lambda: dist.all_reduce(one, group=group), 20)
+    latency = _seconds(lambda: dist.all_reduce(one, group=group), 20, device)
     # A ring all-reduce sends 2·(w − 1)/w elements per element reduced (what `team_numel` counts).
     world = dist.get_world_size(group)
     sent = 2 * (world - 1) / world * many.numel() if world > 1 else many.numel()
-    per_element = max(seconds(lambda: dist.all_reduce(many, group=group), 3) - latency, 0.0) / sent
-    figures = torch.tensor([latency, per_element, 1.0 / flops_per_second], dtype=torch.float64, device=device)
+    per_element = max(_seconds(lambda: dist.all_reduce(many, group=group), 3, device) - latency, 0.0) / sent
+    figures = torch.tensor([latency, per_element, matmul], dtype=torch.float64, device=device)
     dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=group)
     latency, per_element, seconds_per_flop = figures.tolist()
     return {
@@ -314,6 +302,46 @@ def measure_team_costs(
         "exchange_flops_per_element": per_element / seconds_per_flop,
         "exchange_flops_per_message": latency / seconds_per_flop / max(world - 1, 1),
     }
+
+
+def _seconds(work: Callable[[], object], repeats: int, device: torch.device) -> float:
+    """Seconds of one call of ``work`` on ``device``, after a warm-up call."""
+    clock = Clock(device)
+    work()
+    interval = Intervals()
+    start = clock.mark()
+    for _ in range(repeats):
+        work()
+    interval.add(start, clock.mark())
+    return interval.seconds / repeats
+
+
+def _seconds_per_flop(device: torch.device, dtype: torch.dtype, size: int = 1024) -> float:
+    """Seconds per FLOP of a ``size × size`` matmul in ``dtype`` on ``device``."""
+    matrix = torch.randn(size, size, device=device).to(dtype)
+    return _seconds(lambda: matrix @ matrix, 5, device) / (2 * size**3)
+
+
+def flops_weights(
+    prices: TeamPrices, group: dist.ProcessGroup, device: str, dtypes: Sequence[torch.dtype]
+) -> dict[torch.dtype, float] | None:
+    """What one FLOP of each of ``dtypes`` (the rules' matmul dtypes) costs in FLOPs of the first
+    one's time: so that one plan weighs param groups that multiply in different dtypes by time
+    (float32 products are 14.8× slower than bf16's on an H100). From an H100's rates (``"h100"``),
+    measured on ``device`` (``"measure"``; collective: the ranks agree on the slowest rates), or
+    ``None`` where ``prices`` are given as figures, which say nothing of the dtypes' rates."""
+    if len(set(dtypes)) <= 1:
+        return dict.fromkeys(dtypes, 1.0)
+    if prices == "h100":
+        seconds = [1.0 / H100.matmul_flops(str(dtype).removeprefix("torch.")) for dtype in dtypes]
+    elif prices == "measure":
+        measured = [_seconds_per_flop(torch.device(device), dtype) for dtype in dtypes]
+        agreed = torch.tensor(measured, dtype=torch.float64, device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+        seconds = agreed.tolist()
+    else:
+        return None
+    return {dtype: each / seconds[0] for dtype, each in zip(dtypes, seconds)}
 
 
 #: What the planner charges for collectives (see `MatrixOptimizer`'s ``team_prices``).

@@ -26,7 +26,7 @@ from lightning_canzona.distributed.engine import Entry, MeshEngine, entry_rules,
 from lightning_canzona.distributed.failures import raise_on_every_rank
 from lightning_canzona.distributed.gradients import agree_on_gradients
 from lightning_canzona.distributed.layout import local_tensor, planning_mesh
-from lightning_canzona.distributed.teams import TeamPrices, check_team_prices, priced
+from lightning_canzona.distributed.teams import TeamPrices, check_team_prices, flops_weights, priced
 from lightning_canzona.distributed.updates import apply_matrices, full_direction, prepare_matrices, step_adamw
 from lightning_canzona.planning import Plan, PlanSettings
 from lightning_canzona.rules.adamw import ALGORITHM as ADAMW
@@ -343,21 +343,23 @@ class MatrixOptimizer(Optimizer):
         if mesh not in self.engines:
             group = mesh_process_group(mesh)
             rules = [self.rule_of(g) for g in self.param_groups if g["algorithm"] != ADAMW]
-            dtype = rules[0].matmul_dtype() if rules else torch.float32
-            dtypes = sorted({str(rule.matmul_dtype()).removeprefix("torch.") for rule in rules})
-            if len(dtypes) > 1:
+            dtypes = list(dict.fromkeys(rule.matmul_dtype() for rule in rules)) or [torch.float32]
+            weights = flops_weights(self.team_prices, group, mesh.device_type, dtypes)
+            if weights is None:
                 # Matmul FLOPs of different dtypes take different times (float32 about 15× bf16's
-                # on an H100): one plan cannot weigh them alike.
+                # on an H100), and prices given as figures say nothing of the dtypes' rates.
                 warnings.warn(
-                    f"The param groups of this {type(self).__name__} multiply in {', '.join(dtypes)}: "
-                    "the plan balances their FLOPs as if equally fast and prices teams' collectives in "
-                    f"FLOPs of {str(dtype).removeprefix('torch.')} (the first group's). Give every param "
-                    "group the same compute_dtype for a balanced plan.",
+                    f"The param groups of this {type(self).__name__} multiply in "
+                    f"{', '.join(str(d).removeprefix('torch.') for d in dtypes)}, and team_prices are "
+                    "given as figures: the plan balances their FLOPs as if equally fast and prices "
+                    f"teams' collectives in FLOPs of {str(dtypes[0]).removeprefix('torch.')} (the first "
+                    "group's). Use team_prices='h100' or 'measure', or the same compute_dtype in every "
+                    "param group, for a balanced plan.",
                     UserWarning,
                     stacklevel=3,
                 )
-            settings = priced(self.plan_settings, self.team_prices, group, mesh.device_type, dtype)
-            self.engines[mesh] = MeshEngine(mesh, settings, self.overlap, self.batch_matrices)
+            settings = priced(self.plan_settings, self.team_prices, group, mesh.device_type, dtypes[0])
+            self.engines[mesh] = MeshEngine(mesh, settings, self.overlap, self.batch_matrices, weights or {})
         return self.engines[mesh]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

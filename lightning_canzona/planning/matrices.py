@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from lightning_canzona.planning.teams import TEAM_SIZES
@@ -37,6 +37,12 @@ class MatrixSpec:
     cost: UpdateCost
     holders: tuple[int, ...] = ()
     team_costs: tuple[UpdateCost | None, ...] = ()
+
+    def weighted(self, factor: float) -> MatrixSpec:
+        """This spec with its FLOPs, alone and in teams, counted ``factor`` times
+        (`UpdateCost.weighted`)."""
+        teams = tuple(cost.weighted(factor) if cost is not None else None for cost in self.team_costs)
+        return replace(self, cost=self.cost.weighted(factor), team_costs=teams)
 
     def member_cost(self, team: int = 1) -> UpdateCost:
         """The cost to each member of a team of ``team`` ranks (the whole cost for one)."""

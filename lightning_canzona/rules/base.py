@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -116,6 +116,16 @@ class UpdateCost:
         work = self.periodic_flops[member] if member < len(self.periodic_flops) else 0.0
         steady = self.member_flops_of(member) - work / self.period
         return steady + work if periodic else steady
+
+    def weighted(self, factor: float) -> UpdateCost:
+        """This cost with every FLOP counted ``factor`` times (FLOPs of a slower dtype, in
+        FLOPs of a faster one's time)."""
+        return replace(
+            self,
+            flops=self.flops * factor,
+            member_flops=tuple(flops * factor for flops in self.member_flops),
+            periodic_flops=tuple(flops * factor for flops in self.periodic_flops),
+        )
 
     @property
     def busiest_flops(self) -> float:
