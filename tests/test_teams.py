@@ -731,6 +731,23 @@ def test_teams_that_form_the_polynomial_whole_equal_single_process() -> None:
     run_on_ranks(4, _wide_matrices)
 
 
+def _one_sum_per_round(rank: int, world_size: int) -> None:
+    mesh = init_device_mesh("cpu", (world_size,))
+    weight = nn.Parameter(distribute_tensor(torch.randn(12, 200), mesh, [Shard(1)], src_data_rank=None))
+    optimizer = TeamMuon([("weight", weight)], lr=0.02, ns_steps=5)  # bf16 Gram matrices
+    weight.grad = torch.ones_like(weight)
+    optimizer.step()
+    (engine,) = optimizer.engines.values()
+    assert engine.plan.teams == ((0, 1, 2, 3),)
+    assert engine.stats.team_collectives == 5
+
+
+def test_a_team_round_is_one_collective_on_gloo() -> None:
+    # A round's float32 norm and bf16 Gram matrix are both added in float32 on gloo: one sum per
+    # Newton–Schulz iteration, not two in the first.
+    run_on_ranks(4, _one_sum_per_round)
+
+
 #: A team's rule and its optimizer: SOAP's rounds depend on its step count (a basis refresh every
 #: second step), which the failing member had counted before it failed; Shampoo's too (factors on
 #: both sides of the ``12 × 200`` weight: its gathers, and a decomposition in the failed step).

@@ -3,7 +3,7 @@
 A team computes a matrix's update together (`lightning_canzona.planning.teams`): each member runs
 the rule's generator on its slice (`MatrixRule.team_direction`), which yields what the team must
 combine. Per round, every computation of this rank yields its requests; the requests of one team
-travel packed — one all-reduce for its sums, one all-gather for its rows, per dtype — and every
+travel packed — one sum (`agreement.Reduction`) and one all-gather of rows, per dtype — and every
 team's collectives are in flight together, so that teams on other ranks never wait for each
 other. Every member of a team runs the same computations in the same order (the plan and the
 micro-group fix them), so their packed buffers match.
@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_canzona.distributed.agreement import Reduction
 from lightning_canzona.distributed.clock import Clock, Intervals
 from lightning_canzona.distributed.inflight import InFlight
 from lightning_canzona.planning import PlanSettings
@@ -165,20 +166,24 @@ def _launch(
 ) -> list[tuple]:
     """Launch the packed collectives that combine every round over its team.
 
-    Requests are packed per team, kind and dtype, in the order of ``rounds`` and of each round's
-    requests, which every member of a team shares.
+    Requests are packed per team, kind and the dtype they travel in (sums in the dtype the
+    backend adds them in: on gloo a round's float32 norm and bf16 Gram matrix take one
+    collective), in the order of ``rounds`` and of each round's requests, which every member of
+    a team shares.
     """
     packs: dict[tuple, list[tuple[int, int]]] = {}
     for i, (team, round_) in enumerate(rounds):
         for j, request in enumerate(round_):
-            packs.setdefault((team, type(request), request.tensor.dtype), []).append((i, j))
+            dtype = request.tensor.dtype
+            if isinstance(request, TeamSum):
+                dtype = _summed_dtype(dtype, groups[team].group)
+            packs.setdefault((team, type(request), dtype), []).append((i, j))
     pending = []
-    for (team, kind, _), where in packs.items():
+    for (team, kind, dtype), where in packs.items():
         requests, group = [rounds[i][1][j] for i, j in where], groups[team]
         if kind is TeamSum:
-            buffer = torch.cat([request.tensor.reshape(-1) for request in requests])
-            buffer = buffer.to(_summed_dtype(buffer.dtype, group.group))
-            work = InFlight(dist.all_reduce, buffer, group=group.group)
+            buffer = torch.cat([request.tensor.reshape(-1).to(dtype) for request in requests])
+            work = Reduction(buffer, dist.ReduceOp.SUM, group.group)
             shapes = None
         else:
             padded = [_padded_rows(request) for request in requests]
