@@ -20,7 +20,9 @@ from multiprocess import run_on_ranks
 from test_engine_exactness import MESHES, OPTIMIZERS, _run_combination
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
 import lightning_canzona as lc
 from lightning_canzona.commands.model_matrices import make_rule, preset_matrices
@@ -40,7 +42,14 @@ from lightning_canzona.planning.plan import (
     team_bound,
     team_sizes,
 )
-from lightning_canzona.planning.teams import TEAM_SIZES, candidate_teams, long_dim, member_blocks, split_sizes
+from lightning_canzona.planning.teams import (
+    TEAM_SIZES,
+    candidate_teams,
+    local_members,
+    long_dim,
+    member_blocks,
+    split_sizes,
+)
 from lightning_canzona.rules.base import TeamSum, UpdateCost
 from lightning_canzona.rules.blocks import RowBlockRule
 from lightning_canzona.rules.muon import MuonRule
@@ -236,6 +245,19 @@ def test_split_sizes_member_blocks_and_aligned_teams() -> None:
     ]
     assert member_blocks((70, 130), 2) == [((0, 0), (70, 65)), ((0, 65), (70, 65))]
     assert candidate_teams(6, 4) == [(0, 1, 2, 3)]
+
+
+def test_local_members_take_the_ranks_that_hold_their_slices_where_loads_allow() -> None:
+    # Rank 1 holds member 2's slice and rank 2 member 1's: they trade. Member 0 and 3 stay.
+    held = [[8, 0, 0, 0], [0, 0, 8, 0], [0, 8, 0, 0], [0, 0, 0, 8]]
+    assert local_members((4, 5, 6, 7), [1.0] * 4, held) == (4, 6, 5, 7)
+    # Member 0 costs more (it decomposes): it keeps its rank, the others still trade.
+    assert local_members((4, 5, 6, 7), [2.0, 1.0, 1.0, 1.0], held) == (4, 6, 5, 7)
+    held_by_first = [[0, 8, 0, 0], [8, 0, 0, 0], [0, 0, 8, 0], [0, 0, 0, 8]]
+    assert local_members((4, 5, 6, 7), [2.0, 1.0, 1.0, 1.0], held_by_first) == (4, 5, 6, 7)
+    # Nothing held, or held alike everywhere: the plan's order.
+    assert local_members((3, 1), [1.0, 1.0], [[0, 0], [0, 0]]) == (3, 1)
+    assert local_members((3, 1), [1.0, 1.0], [[5, 5], [5, 5]]) == (3, 1)
 
 
 def _specs(*named):
@@ -631,9 +653,8 @@ def _members_in_reverse(plan):
 
 
 def _kronecker_teams(rank: int, world_size: int, mesh_name: str, reverse: bool = False) -> None:
-    if reverse:  # members out of rank order, as the packer may list them: gathers reordered
-        planned = engine_module.build_plan
-        engine_module.build_plan = lambda *args: _members_in_reverse(planned(*args))
+    if reverse:  # members out of rank order, as the packer and locality may list them: gathers reordered
+        engine_module.MeshEngine._local_team_members = lambda self, plan: _members_in_reverse(plan)
     shape, names = MESHES[mesh_name]
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     placements = KRONECKER_PLACEMENTS[mesh.ndim]
@@ -675,7 +696,8 @@ def _kronecker_teams(rank: int, world_size: int, mesh_name: str, reverse: bool =
             split = keys  # ``small`` too: both its sides have a factor
             expected = {world_size: len(split)}
             assert engine.plan.split_matrices() == expected, (name, mesh_name, engine.plan.teams)
-            assert all(list(team) == sorted(team, reverse=reverse) for team in engine.plan.teams)
+            assert all(sorted(team) == list(range(world_size)) for team in engine.plan.teams)
+            assert not reverse or all(list(team) == sorted(team, reverse=True) for team in engine.plan.teams)
             assert engine.stats.team_matrices == len(split)
         for key, value in reference_params.items():
             label = f"{name} {key} on {mesh_name}"
@@ -746,6 +768,33 @@ def test_a_team_round_is_one_collective_on_gloo() -> None:
     # A round's float32 norm and bf16 Gram matrix are both added in float32 on gloo: one sum per
     # Newton–Schulz iteration, not two in the first.
     run_on_ranks(4, _one_sum_per_round)
+
+
+def _slices_where_they_lie(rank: int, world_size: int) -> None:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    reference = nn.Linear(8, 64, bias=False)  # a tall weight: teams slice its rows
+    model = nn.Linear(8, 64, bias=False)
+    model.weight.data.copy_(reference.weight.data)
+    parallelize_module(model, mesh["tp"], ColwiseParallel())
+    fully_shard(model, mesh=mesh["dp"])  # rank (d, t) holds rows 32t + 16d to 32t + 16d + 16
+    kwargs = {"lr": 0.02, "compute_dtype": "float32"}
+    optimizer = TeamMuon([("weight", model.weight)], **kwargs)
+    reference_optimizer = lc.Muon([("weight", reference.weight)], **kwargs)
+    for step in range(3):
+        grad = torch.randn(64, 8, generator=torch.Generator().manual_seed(step))
+        reference.weight.grad = grad
+        model.weight.grad = distribute_tensor(grad, mesh, model.weight.placements, src_data_rank=None)
+        optimizer.step()
+        reference_optimizer.step()
+    (engine,) = optimizer.engines.values()
+    assert engine.plan.teams == ((0, 2, 1, 3),)  # member m on the rank that holds rows 16m to 16m + 16
+    assert engine.stats.bytes_sent == 0  # the last step's: every slice was where it is computed
+    torch.testing.assert_close(model.weight.full_tensor(), reference.weight.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_team_members_compute_the_slices_they_hold() -> None:
+    run_on_ranks(4, _slices_where_they_lie)
 
 
 #: A team's rule and its optimizer: SOAP's rounds depend on its step count (a basis refresh every

@@ -42,6 +42,7 @@ from lightning_canzona.distributed import pipeline
 from lightning_canzona.distributed.clock import Clock, Intervals
 from lightning_canzona.distributed.exchange import MicroGroupExchange
 from lightning_canzona.distributed.layout import (
+    Block,
     MatrixLayout,
     exchange_layouts,
     holders,
@@ -59,7 +60,7 @@ from lightning_canzona.distributed.updates import (
 )
 from lightning_canzona.planning import Plan, PlanSettings, block_of, build_plan
 from lightning_canzona.planning.matrices import matrix_spec
-from lightning_canzona.planning.teams import long_dim
+from lightning_canzona.planning.teams import local_members, long_dim, member_blocks
 from lightning_canzona.rules.adamw import ALGORITHM as ADAMW
 from lightning_canzona.rules.base import MatrixRule, state_part, store_state_part
 from lightning_canzona.rules.kronecker import FAILURES
@@ -344,7 +345,7 @@ class MeshEngine:
             ).weighted(self.flops_weights.get(rules[item.entry].matmul_dtype(), 1.0))
             for item in self._items
         ]
-        self.plan = build_plan(specs, *mesh_sizes(self.mesh), self.settings)
+        self.plan = self._local_team_members(build_plan(specs, *mesh_sizes(self.mesh), self.settings))
         self._entries, self._key = matrices, key
         item_layouts = [item.layout for item in self._items]
         self._exchanges = [
@@ -364,6 +365,24 @@ class MeshEngine:
         ]
         self._create_team_groups()
         self._move_matrix_state(previous_teams, rules, state)
+
+    def _local_team_members(self, plan: Plan) -> Plan:
+        """``plan`` with each team's members on the ranks that hold their slices, where members
+        that cost alike can trade ranks (`planning.teams.local_members`)."""
+        if plan.teams is None:
+            return plan
+        teams = []
+        for index, team in enumerate(plan.teams):
+            if len(team) > 1:
+                layout = self._items[index].layout
+                slices = [Block(*block) for block in member_blocks(layout.shape, len(team))]
+                held = [[layout.held_numel(rank, block) for rank in team] for block in slices]
+                loads = list(zip(plan.loads[index], plan.steady[index], plan.peaks[index]))
+                team = local_members(team, loads, held)
+            teams.append(team)
+        if tuple(teams) == plan.teams:
+            return plan
+        return replace(plan, teams=tuple(teams), owners=tuple(team[0] for team in teams))
 
     def _create_team_groups(self) -> None:
         """A process group for every set of ranks that forms a team of the plan (collective:

@@ -73,7 +73,7 @@ class MicroGroupExchange:
             shards = layouts[m].shards
             for destination, region in targets[m]:
                 for piece in shards[rank].pieces:
-                    part = _intersection(piece.block, region)
+                    part = piece.block.intersection(region)
                     if part is not None and sender(m, destination, piece.block) == rank:
                         self.gather_send[destination].append((m, _local_block(piece, part)))
                     if part is not None and teams is not None:
@@ -82,7 +82,7 @@ class MicroGroupExchange:
                     continue
                 for peer, shard in enumerate(shards):
                     for piece in shard.pieces:
-                        part = _intersection(piece.block, region)
+                        part = piece.block.intersection(region)
                         if part is None:
                             continue
                         if sender(m, rank, piece.block) == peer:
@@ -187,15 +187,6 @@ def _targets(shape: tuple[int, ...], team: tuple[int, ...] | None, world: int) -
     if team is None:
         return [(rank, Block((0,) * len(shape), shape)) for rank in range(world)]
     return [(rank, Block(*block)) for rank, block in zip(team, member_blocks(shape, len(team)))]
-
-
-def _intersection(a: Block, b: Block) -> Block | None:
-    """The common block of ``a`` and ``b``, or ``None``."""
-    starts = [max(x, y) for x, y in zip(a.offset, b.offset)]
-    ends = [min(x + m, y + n) for x, m, y, n in zip(a.offset, a.shape, b.offset, b.shape)]
-    if any(end <= start for start, end in zip(starts, ends)):
-        return None
-    return Block(tuple(starts), tuple(end - start for start, end in zip(starts, ends)))
 
 
 def _local_block(piece: Piece, part: Block) -> Block:

@@ -47,6 +47,14 @@ class Block:
     def slices(self) -> tuple[slice, ...]:
         return tuple(slice(start, start + size) for start, size in zip(self.offset, self.shape))
 
+    def intersection(self, other: Block) -> Block | None:
+        """The block that this and ``other`` have in common, or ``None``."""
+        starts = [max(x, y) for x, y in zip(self.offset, other.offset)]
+        ends = [min(x + m, y + n) for x, m, y, n in zip(self.offset, self.shape, other.offset, other.shape)]
+        if any(end <= start for start, end in zip(starts, ends)):
+            return None
+        return Block(tuple(starts), tuple(end - start for start, end in zip(starts, ends)))
+
 
 @dataclass(frozen=True)
 class Piece:
@@ -118,6 +126,11 @@ class MatrixLayout:
 
     def holds(self, rank: int, block: Block) -> bool:
         return any(piece.block == block for piece in self.shards[rank].pieces)
+
+    def held_numel(self, rank: int, block: Block) -> int:
+        """How many elements of ``block`` ``rank``'s shard holds."""
+        parts = (piece.block.intersection(block) for piece in self.shards[rank].pieces)
+        return sum(part.numel for part in parts if part is not None)
 
 
 def _runs(indices: Sequence[int]) -> tuple[Run, ...]:
