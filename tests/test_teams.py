@@ -30,8 +30,10 @@ from lightning_canzona.distributed import engine as engine_module
 from lightning_canzona.distributed.teams import joined_state, measure_team_costs, member_state, priced
 from lightning_canzona.optim.optimizer import DTYPES
 from lightning_canzona.planning import PlanSettings, build_plan, describe, report
+from lightning_canzona.planning import plan as plan_module
 from lightning_canzona.planning.matrices import MatrixSpec
 from lightning_canzona.planning.plan import (
+    STATE_BALANCE,
     STEP_TOLERANCE,
     _greedy_makespan,
     _sizes_of,
@@ -391,6 +393,23 @@ def test_planner_keeps_the_shortest_estimated_step_not_the_shortest_makespan() -
     assert estimated_step(plan) < 0.8 * estimated_step(packed)
     steps = [project_step(p, H100, 2, "bfloat16").pipelined for p in (plan, packed)]
     assert steps[0] < 0.8 * steps[1]
+
+
+def test_of_plans_alike_in_speed_the_planner_keeps_one_that_balances_the_state(monkeypatch) -> None:
+    # Qwen3 14B, Shampoo, 256 ranks, H100 prices: 88 matrices in teams of 2 and 32 in teams of 8
+    # are the shortest on average (1.213 × the ideal) with a rank holding 1.165 × the mean state;
+    # 200 in teams of 2 step within STEP_TOLERANCE (1.232 × the ideal) at 1.089.
+    rule = make_rule("shampoo")
+    matrices, _ = preset_matrices("14B", rule, 32, 8)
+    prices = H100.repriced(PlanSettings(), rule.matmul_dtype())
+    plan = build_plan(matrices, 32, 8, prices)
+    monkeypatch.setattr(plan_module, "STATE_BALANCE", 0.0)  # no plan counts as balanced
+    shortest = build_plan(matrices, 32, 8, prices)
+    assert (plan.split_matrices(), shortest.split_matrices()) == ({2: 200}, {2: 88, 8: 32})
+    assert plan.state_max_over_mean() <= STATE_BALANCE < shortest.state_max_over_mean()
+    assert shortest.average_makespan() < plan.average_makespan()
+    assert estimated_step(plan) <= (1 + STEP_TOLERANCE) * estimated_step(shortest)
+    assert report(plan).state_max_over_mean == plan.state_max_over_mean()
 
 
 def test_planner_splits_the_overflow_of_a_class_that_must_split_further() -> None:

@@ -52,6 +52,10 @@ TEAM_GAIN = 0.95
 #: estimate: `estimated_step`); among them, the better balanced is kept.
 STEP_TOLERANCE = 0.02
 
+#: Per-rank optimizer state within this factor of the mean counts as balanced: among plans alike
+#: in speed (`STEP_TOLERANCE`), those that balance it are preferred.
+STATE_BALANCE = 1.1
+
 #: Most combinations of team sizes, one per class, that `searched_sizes` lists (beyond, it starts
 #: from `team_sizes`' choice).
 SEARCH_COMBINATIONS = 4096
@@ -198,6 +202,24 @@ class Plan:
     def rank_peaks(self) -> list[float]:
         """Total cost each rank computes on a step that runs the periodic work."""
         return self._host_loads(range(len(self.matrices)), self.peaks)
+
+    def rank_state_bytes(self) -> list[int]:
+        """Optimizer-state bytes each rank holds: the matrix state of what it computes (a
+        member's part of a team's) and its even share of every matrix's elementwise state."""
+        num_ranks = self.num_ranks
+        state = [sum(m.cost.elementwise_state_bytes for m in self.matrices) // num_ranks] * num_ranks
+        for index, matrix in enumerate(self.matrices):
+            team = range(num_ranks) if self.teams is None else self.teams[index]
+            held = matrix.member_cost(1 if self.teams is None else len(team)).matrix_state_bytes
+            for rank in team:
+                state[rank] += held
+        return state
+
+    def state_max_over_mean(self) -> float:
+        """The most state on a rank over the mean (1.0: balanced)."""
+        state = self.rank_state_bytes()
+        mean = sum(state) / len(state)
+        return max(state) / mean if mean > 0 else 1.0
 
     def average_makespan(self) -> float:
         """The busiest rank's cost averaged over a period of the periodic work: ``p − 1`` steps
@@ -666,10 +688,10 @@ def build_plan(matrices: list[MatrixSpec], dp: int, tp: int, settings: PlanSetti
     plans = [_team_plan(settings, matrices, dp, tp, list(sizes)) for sizes in candidates]
     scored = [(estimated_step(plan), plan) for plan in plans]
     shortest = min(step for step, _ in scored)
-    step, plan = min(
-        ((step, plan) for step, plan in scored if step <= (1 + STEP_TOLERANCE) * shortest),
-        key=lambda scored_plan: scored_plan[1].average_makespan(),
-    )
+    alike = [(step, plan) for step, plan in scored if step <= (1 + STEP_TOLERANCE) * shortest]
+    # Alike in speed, a plan that balances the optimizer state (what sets a rank's memory) first.
+    balanced = [(step, plan) for step, plan in alike if plan.state_max_over_mean() <= STATE_BALANCE]
+    step, plan = min(balanced or alike, key=lambda scored_plan: scored_plan[1].average_makespan())
     if plan.split_matrices():  # teams must pack better than whole matrices, not only bound better
         whole = build_plan(matrices, dp, tp, replace(settings, max_team=1))
         free = settings.flops_per_element == settings.flops_per_message == 0

@@ -115,13 +115,9 @@ def report(plan: Plan) -> PlanReport:
     num_ranks = plan.num_ranks
     matrices = plan.matrices
     counts = [0] * num_ranks
-    state = [sum(m.cost.elementwise_state_bytes for m in matrices) // num_ranks] * num_ranks
-    for index, matrix in enumerate(matrices):
-        team = range(num_ranks) if plan.teams is None else plan.teams[index]
-        member_cost = matrix.member_cost(1 if plan.teams is None else len(team))
+    for team in plan.teams or [range(num_ranks)] * len(matrices):
         for rank in team:
             counts[rank] += 1
-            state[rank] += member_cost.matrix_state_bytes
     loads = plan.rank_loads()
     bound = team_bound(list(matrices), num_ranks, plan.settings)
     policy = plan.settings.policy + (" (round-robin owners)" if plan.fell_back else "")
@@ -130,7 +126,7 @@ def report(plan: Plan) -> PlanReport:
         cost=plan.settings.cost,
         rank_loads=loads,
         rank_matrices=counts,
-        rank_state_bytes=state,
+        rank_state_bytes=plan.rank_state_bytes(),
         lower_bound=max(max((m.load(plan.settings.cost) for m in matrices), default=0.0), plan.ideal),
         ideal=plan.ideal,
         team_bound=bound,
