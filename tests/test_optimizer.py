@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 import lightning_canzona as lc
+from lightning_canzona.rules.base import non_finite
 
 OPTIMIZERS = [
     (lc.Muon, {"lr": 0.05, "compute_dtype": "float32", "adamw_lr": 1e-2}),
@@ -197,6 +198,20 @@ def test_a_vector_forced_into_a_matrix_group_is_named() -> None:
         lc.SOAP([{"params": [model.up.bias], "algorithm": "soap"}])
     with pytest.raises(ValueError, match="has algorithm 'lion'"):
         lc.Muon([{"params": [model.up.weight], "algorithm": "lion"}])
+
+
+def test_non_finite_flags_each_tensor_that_holds_nan_or_inf() -> None:
+    tensors = [
+        torch.tensor([1.0, math.nan]),
+        torch.tensor([-math.inf, 1.0]),  # the largest magnitude, not the largest value
+        torch.tensor([3e38, -3e38]),  # finite, though a sum or a norm of squares would overflow
+        torch.empty(0),  # a rank's empty shard
+        torch.tensor([1e300], dtype=torch.float64),  # beyond float32, finite
+        torch.tensor([math.inf], dtype=torch.bfloat16),
+        torch.ones(2, 3, dtype=torch.bfloat16),
+    ]
+    assert non_finite(tensors).tolist() == [True, True, False, False, False, True, False]
+    assert non_finite([]).tolist() == [] and non_finite([torch.empty(0)]).tolist() == [False]
 
 
 @pytest.mark.parametrize("optimizer_class, kwargs", OPTIMIZERS)

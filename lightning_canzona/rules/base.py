@@ -18,6 +18,7 @@ call per operation for all of a param group's shards costs one call where a loop
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, replace
@@ -256,11 +257,17 @@ class MatrixRule(ABC):
 
 
 def non_finite(tensors: Sequence[Tensor]) -> Tensor:
-    """Which tensors hold a NaN or Inf, as one bool tensor.
+    """Which tensors hold a NaN or Inf, as one bool tensor on their device.
 
-    A float64 sum is finite exactly when every element is (float32 values cannot overflow it),
-    and it costs one fast reduction per tensor instead of an elementwise test.
+    The largest magnitude of a tensor is finite exactly when every element is, and cannot
+    overflow (in float32, or float64 where a tensor is float64): one ``torch._foreach_norm`` over
+    all of them (one fused kernel on a GPU), not a reduction per tensor. An empty tensor (a
+    rank's empty shard) is finite.
     """
-    if not tensors:
-        return torch.zeros(0, dtype=torch.bool)
-    return ~torch.isfinite(torch.stack([t.sum(dtype=torch.float64) for t in tensors]))
+    flags = torch.zeros(len(tensors), dtype=torch.bool, device=tensors[0].device if tensors else None)
+    present = [index for index, tensor in enumerate(tensors) if tensor.numel()]
+    if present:
+        held = [tensors[index] for index in present]
+        dtype = torch.float64 if any(t.dtype == torch.float64 for t in held) else torch.float32
+        flags[present] = ~torch.isfinite(torch.stack(torch._foreach_norm(held, math.inf, dtype=dtype)))
+    return flags
