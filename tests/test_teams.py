@@ -223,6 +223,12 @@ def test_team_work_counts_what_the_team_computation_does() -> None:
     assert work.flops == 5 * (4 * 33 * 33 * 9 + 2 * 33 * 33 * 9)
     assert not splits_polynomial(64, 1024, 4) and team_work(64, 1024, 5, "standard", 4).collectives == 6
     assert team_work(64, 1024, 5, "gram", 4).collectives == 3  # the first sums, one restart
+    # A float32 Gram matrix travels with the norm: one collective fewer.
+    assert team_work(64, 1024, 5, "standard", 4, norm_apart=False).collectives == 5
+    assert team_work(64, 1024, 5, "gram", 4, norm_apart=False).collectives == 2
+    rule = MuonRule(PRESETS["quintic"])
+    assert rule.team_cost((64, 1024), 4).team_messages == 6
+    assert dataclasses.replace(rule, compute_dtype=torch.float32).team_cost((64, 1024), 4).team_messages == 5
     rounds = 0
     run = team_newton_schulz(
         torch.randn(64, 256), (64, 1024), PRESETS["quintic"], 5, 1e-7, torch.float32, 0, 4, "gram"

@@ -318,9 +318,15 @@ def splits_polynomial(rows: int, cols: int, size: int) -> bool:
     return 2 * a * (size - 1) > b
 
 
-def team_work(rows: int, cols: int, ns_steps: int, form: str, size: int) -> TeamWork:
-    """Cost of `team_newton_schulz` to each member of a team of ``size`` on one ``rows × cols`` matrix."""
+def team_work(rows: int, cols: int, ns_steps: int, form: str, size: int, norm_apart: bool = True) -> TeamWork:
+    """Cost of `team_newton_schulz` to each member of a team of ``size`` on one ``rows × cols`` matrix.
+
+    ``norm_apart``: the first round's float32 norm travels in a collective of its own, as beside
+    a Gram matrix of another dtype on NCCL (on gloo, which adds both in float32, or with a
+    float32 Gram matrix, the round is one collective).
+    """
     iteration, symmetric = _split_form(form)
+    norm = 1 if norm_apart else 0
     a, b = min(rows, cols), max(rows, cols)
     slice_, share = -(-b // size), (size - 1) / size
     gram, square = _gram_flops(a, slice_, symmetric), _gram_flops(a, a, symmetric)
@@ -329,13 +335,13 @@ def team_work(rows: int, cols: int, ns_steps: int, form: str, size: int) -> Team
         # the last), on every member; per (re)start R = XXᵀ and, at its end, X ← QX, by slices.
         starts = 1 + sum(1 for step in GRAM_RESTARTS if 0 < step < ns_steps)
         flops = (gram + 2 * a * a * slice_) * starts + square * ns_steps + 6 * a**3 * (ns_steps - starts)
-        return TeamWork(float(flops), 1 + starts, round(2 * share * (1 + starts * a * a)))
+        return TeamWork(float(flops), norm + starts, round(2 * share * (1 + starts * a * a)))
     split = splits_polynomial(rows, cols, size)
     polynomial = 2 * a * a * -(-a // size) if split else square
     gathered = share * ns_steps * a * a if split else 0
     return TeamWork(
         float(ns_steps * (gram + 2 * a * a * slice_ + polynomial)),
-        1 + ns_steps + (ns_steps if split else 0),
+        norm + ns_steps + (ns_steps if split else 0),
         round(2 * share * (1 + ns_steps * a * a) + gathered),
     )
 
