@@ -217,9 +217,7 @@ class Plan:
 
     def state_max_over_mean(self) -> float:
         """The most state on a rank over the mean (1.0: balanced)."""
-        state = self.rank_state_bytes()
-        mean = sum(state) / len(state)
-        return max(state) / mean if mean > 0 else 1.0
+        return max_over_mean(self.rank_state_bytes())
 
     def average_makespan(self) -> float:
         """The busiest rank's cost averaged over a period of the periodic work: ``p − 1`` steps
@@ -253,6 +251,12 @@ class Plan:
             for rank, load in zip(self.teams[index], loads[index]):
                 totals[rank] += load
         return totals
+
+
+def max_over_mean(values: Sequence[float]) -> float:
+    """The largest of ``values`` over their mean (1.0 where the mean is 0)."""
+    mean = sum(values) / len(values)
+    return max(values) / mean if mean > 0 else 1.0
 
 
 def ideal_load(matrices: Sequence[MatrixSpec], num_ranks: int, cost: CostKind) -> float:

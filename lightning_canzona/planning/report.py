@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_canzona.planning.plan import Plan, average_bound, team_bound
+from lightning_canzona.planning.plan import Plan, average_bound, max_over_mean, team_bound
 
 #: How each cost kind is printed: ``(divisor, unit)``.
 COST_UNITS = {"flops": (1e9, "GFLOP"), "numel": (1e6, "M elements")}
@@ -61,8 +61,7 @@ class PlanReport:
 
     @property
     def max_over_mean(self) -> float:
-        mean = sum(self.rank_loads) / len(self.rank_loads)
-        return self.makespan / mean if mean > 0 else 1.0
+        return max_over_mean(self.rank_loads)
 
     @property
     def makespan_over_bound(self) -> float:
@@ -78,8 +77,7 @@ class PlanReport:
 
     @property
     def state_max_over_mean(self) -> float:
-        mean = sum(self.rank_state_bytes) / len(self.rank_state_bytes)
-        return max(self.rank_state_bytes) / mean if mean > 0 else 1.0
+        return max_over_mean(self.rank_state_bytes)
 
     def table(self) -> str:
         """A per-rank table with the summary underneath."""
