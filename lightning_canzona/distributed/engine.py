@@ -654,6 +654,7 @@ class _GroupStep:
         self.gathered, self.gather_work = self.exchange.launch_gather(
             prepared, self.dtype, self.device, self.engine.group, self.engine.meter
         )
+        self.own = {m: prepared[m] for m, _, _ in self.exchange.gather_self}  # not sent: see assemble
         self._count(self.gathered.element_size(), self.exchange.gather_send_sizes)
 
     def compute(self) -> None:
@@ -662,8 +663,8 @@ class _GroupStep:
         self.gather_work.wait()
         computing = clock.mark()
         stats.wait.add(start, computing)
-        full = self.exchange.assemble(self.gathered, self.engine.meter)
-        del self.gathered, self.gather_work  # the receive buffer (the send buffer went at wait)
+        full = self.exchange.assemble(self.gathered, self.own, self.engine.meter)
+        del self.gathered, self.gather_work, self.own  # the receive buffer (the send buffer went at wait)
         in_teams = {m: full.pop(m) for m in list(full) if len(self.engine.team(m) or ()) > 1}
         # Teams first: their members start together (the gather synchronised them), and none
         # waits in a team's collective for another's own matrices.
@@ -776,7 +777,10 @@ class _GroupStep:
                 self.directions, self.dtype, self.device, self.engine.group, self.engine.meter
             )
             self._count(self.scattered.element_size(), self.exchange.scatter_send_sizes)
-            self.directions = {}  # packed into the send buffer (under sync they are the updates)
+            # Packed into the send buffer, but for this rank's own pieces (under sync all of
+            # them are its updates).
+            own = {m for m, _, _ in self.exchange.scatter_self}
+            self.directions = {m: d for m, d in self.directions.items() if m in own}
 
     def finish(self) -> None:
         if self.scattered is not None:
@@ -786,7 +790,7 @@ class _GroupStep:
             self.engine.stats.wait.add(start, clock.mark())
         engine = self.engine
         by_group: dict[int, list[tuple[Item, Tensor]]] = {}  # one call of the rule per param group
-        for m, update in self.exchange.my_updates(self.scattered, self.directions).items():
+        for m, update in self.exchange.my_updates(self.scattered, self.directions, self.dtype).items():
             if self.stepped[m]:
                 item = engine._items[m]
                 by_group.setdefault(id(engine._entries[item.entry].group), []).append((item, update))

@@ -90,6 +90,22 @@ class MicroGroupExchange:
                         if teams is not None:
                             self.scatter_send[peer].append((m, _relative(part, region)))
 
+        # What this rank would send itself skips the buffers: copied from its prepared shard into
+        # the region it computes (`assemble`), and from its directions into its updates
+        # (`my_updates`), once each instead of into a send buffer, through the backend and out of
+        # a receive buffer. Both lists hold the same pieces in the same order.
+        #: ``(member, block of the local shard, block of the computed region)`` of each such piece.
+        self.gather_self = [
+            (m, local, region)
+            for (m, local), (_, region) in zip(self.gather_send[rank], self.gather_recv[rank])
+        ]
+        self.scatter_self = [
+            (m, local, region)
+            for (m, region), (_, local) in zip(self.scatter_send[rank], self.scatter_recv[rank])
+        ]
+        for lists in (self.gather_send, self.gather_recv, self.scatter_send, self.scatter_recv):
+            lists[rank] = []
+
         def sizes(lists: list[list[tuple[int, Block]]]) -> list[int]:
             return [sum(block.numel for _, block in pieces) for pieces in lists]
 
@@ -113,15 +129,19 @@ class MicroGroupExchange:
         )
         return receive, work
 
-    def assemble(self, received: Tensor, meter: BufferMeter) -> dict[int, Tensor]:
+    def assemble(
+        self, received: Tensor, prepared: dict[int, Tensor], meter: BufferMeter
+    ) -> dict[int, Tensor]:
         """The blocks this rank computes (whole matrices, or a team member's slices), from the
-        gather's buffer."""
+        gather's buffer and, for what this rank holds itself, its ``prepared`` shards."""
         full = {
             m: meter.track(torch.empty(self.regions[m].shape, dtype=received.dtype, device=received.device))
             for m in self.computed
         }
         for m, block, chunk in _chunks(received, self.gather_recv):
             full[m][block.slices] = chunk.view(block.shape)
+        for m, local, region in self.gather_self:
+            full[m][region.slices] = prepared[m][local.slices]
         return full
 
     def launch_scatter(
@@ -147,9 +167,12 @@ class MicroGroupExchange:
         )
         return receive, work
 
-    def my_updates(self, received: Tensor | None, directions: dict[int, Tensor]) -> dict[int, Tensor]:
-        """This rank's shard of each member's direction: from the scatter, or (``sync``) cut out
-        of the locally computed full directions."""
+    def my_updates(
+        self, received: Tensor | None, directions: dict[int, Tensor], dtype: torch.dtype
+    ) -> dict[int, Tensor]:
+        """This rank's shard of each member's direction: from the scatter and, for the regions
+        it computed itself, its ``directions`` (in the scatter's ``dtype``, as if sent); or
+        (``sync``) cut out of the locally computed full directions."""
         if received is None:
             return {
                 m: _local(shard, ((p.local, directions[m][p.block.slices]) for p in shard.pieces))
@@ -159,6 +182,8 @@ class MicroGroupExchange:
         pieces: dict[int, list[tuple[Block, Tensor]]] = {}
         for m, local, chunk in _chunks(received, self.scatter_recv):
             pieces.setdefault(m, []).append((local, chunk.view(local.shape)))
+        for m, local, region in self.scatter_self:
+            pieces.setdefault(m, []).append((local, directions[m][region.slices].to(dtype)))
         return {m: _local(self.my_shards[m], values) for m, values in pieces.items()}
 
 
