@@ -281,9 +281,10 @@ def measure_team_costs(
     ``flops_per_message``, and the gathers' and scatters' ``exchange_flops_per_element`` and
     ``exchange_flops_per_message``), measured on this machine instead of the H100 defaults.
 
-    Times a ``size × size`` matmul in ``dtype`` (the compute rate), all-reduces of one element
+    Times a ``size × size`` matmul in ``dtype`` (the compute rate), sums of one element
     (latency) and of ``2²⁰`` elements (bandwidth) over ``group`` (the whole job by default: a
-    team's links are no faster), summed as teams sum ``dtype``, and turns the collectives into
+    team's links are no faster), summed as teams sum ``dtype`` (`agreement.Reduction`: on gloo
+    the one element in one round, as a team's Gram matrices), and turns the collectives into
     FLOPs of the same time. The gathers and scatters cross the same links: their price per
     element is the same, and the measured latency is spread over the peers that the planner
     charges an exchange a message for (`plan.estimated_step`). Collective: the ranks agree on the
@@ -293,11 +294,12 @@ def measure_team_costs(
     matmul = _seconds_per_flop(device, dtype, size)
     summed = _summed_dtype(dtype, group)
     one, many = torch.zeros(1, dtype=summed, device=device), torch.zeros(2**20, dtype=summed, device=device)
-    latency = _seconds(lambda: dist.all_reduce(one, group=group), 20, device)
+    latency = _seconds(lambda: Reduction(one, dist.ReduceOp.SUM, group).wait(), 20, device)
     # A ring all-reduce sends 2·(w − 1)/w elements per element reduced (what `team_numel` counts).
     world = dist.get_world_size(group)
     sent = 2 * (world - 1) / world * many.numel() if world > 1 else many.numel()
-    per_element = max(_seconds(lambda: dist.all_reduce(many, group=group), 3, device) - latency, 0.0) / sent
+    summing_many = _seconds(lambda: Reduction(many, dist.ReduceOp.SUM, group).wait(), 3, device)
+    per_element = max(summing_many - latency, 0.0) / sent
     figures = torch.tensor([latency, per_element, matmul], dtype=torch.float64, device=device)
     dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=group)
     latency, per_element, seconds_per_flop = figures.tolist()

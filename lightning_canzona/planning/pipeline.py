@@ -20,6 +20,12 @@ def sequential_time(gathers: Sequence[float], computes: Sequence[float], scatter
     return sum(gathers) + sum(computes) + sum(scatters)
 
 
+def averaged_over_period(steady: float, peak: float, period: int) -> float:
+    """A step's time averaged over ``period`` steps: ``steady`` on all but one, ``peak`` on the
+    one that runs the periodic work (Shampoo's and SOAP's decompositions)."""
+    return ((period - 1) * steady + peak) / period
+
+
 def pipelined_time(gathers: Sequence[float], computes: Sequence[float], scatters: Sequence[float]) -> float:
     """Time of the overlapped schedule described in the module docstring."""
     count = len(gathers)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 from lightning_canzona.planning import partition
 from lightning_canzona.planning.matrices import COST_KINDS, CostKind, MatrixSpec, Step
 from lightning_canzona.planning.micro_groups import balanced_groups, sequential_groups
-from lightning_canzona.planning.pipeline import pipelined_time
+from lightning_canzona.planning.pipeline import averaged_over_period, pipelined_time
 from lightning_canzona.planning.refine import refine
 from lightning_canzona.planning.teams import TEAM_SIZES
 
@@ -232,10 +232,9 @@ class Plan:
         """``time`` of member loads averaged over a `period`: of the `steady` loads on all steps
         but one, of the `peaks` on that one (where rules differ in period, as if all had the
         shortest)."""
-        period = self.period
-        if period == 1:
+        if self.period == 1:
             return time(self.loads)
-        return ((period - 1) * time(self.steady) + time(self.peaks)) / period
+        return averaged_over_period(time(self.steady), time(self.peaks), self.period)
 
     def group_host_loads(
         self, group: tuple[int, ...], loads: Sequence[Sequence[float]] | None = None
@@ -541,8 +540,8 @@ def average_bound(matrices: list[MatrixSpec], num_ranks: int, settings: PlanSett
     period = shortest_period(matrices)
     if period == 1:
         return team_bound(matrices, num_ranks, settings)
-    steady = team_bound(matrices, num_ranks, settings, "steady")
-    return ((period - 1) * steady + team_bound(matrices, num_ranks, settings, "peak")) / period
+    steady, peak = (team_bound(matrices, num_ranks, settings, step) for step in ("steady", "peak"))
+    return averaged_over_period(steady, peak, period)
 
 
 def shortest_period(matrices: Iterable[MatrixSpec]) -> int:

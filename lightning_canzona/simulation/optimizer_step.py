@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lightning_canzona.planning.pipeline import pipelined_time, sequential_time
+from lightning_canzona.planning.pipeline import averaged_over_period, pipelined_time, sequential_time
 from lightning_canzona.planning.plan import Plan
 from lightning_canzona.planning.traffic import Exchange, Traffic, traffic
 from lightning_canzona.rules.base import UpdateCost
@@ -82,7 +82,7 @@ class StepProjection:
     def _averaged(self, time: Callable[[tuple[float, ...]], float]) -> float:
         if not self.peak_computes:
             return time(self.computes)
-        return ((self.period - 1) * time(self.computes) + time(self.peak_computes)) / self.period
+        return averaged_over_period(time(self.computes), time(self.peak_computes), self.period)
 
 
 def collective_time(exchange: Exchange, bandwidth: float, latency: float) -> float:
