@@ -210,14 +210,22 @@ class MatrixRule(ABC):
         for index, shape in enumerate(shapes):
             by_scale.setdefault(self.lr_scale(shape), []).append(index)
         for scale, indices in by_scale.items():
-            targets = [params[i] for i in indices]
-            # A direction that the parameter's dtype holds exactly is added as it is (the add
-            # widens it); a wider one is rounded to the parameter's dtype first.
-            steps = [
-                d if torch.promote_types(p.dtype, d.dtype) == p.dtype else d.to(p.dtype)
-                for p, d in zip(targets, (directions[i] for i in indices))
-            ]
-            torch._foreach_add_(targets, steps, alpha=-lr * scale)
+            targets, steps = [], []
+            for param, direction in zip((params[i] for i in indices), (directions[i] for i in indices)):
+                if (
+                    direction.dtype != param.dtype
+                    and torch.promote_types(param.dtype, direction.dtype) == param.dtype
+                ):
+                    # Held exactly by the parameter's dtype: added as it is, the add widening it,
+                    # one tensor at a time. A foreach add of mixed dtypes measured 2.7× slower on
+                    # a CPU (0.56 against 0.21 ms for 2²⁰ bf16 elements into float32; the same
+                    # bits), and on a GPU it leaves the fused kernels, which need one dtype.
+                    param.add_(direction, alpha=-lr * scale)
+                else:  # a wider direction is rounded to the parameter's dtype first
+                    targets.append(param)
+                    steps.append(direction.to(param.dtype))
+            if targets:
+                torch._foreach_add_(targets, steps, alpha=-lr * scale)
 
     @abstractmethod
     def cost(self, shape: Sequence[int]) -> UpdateCost:
@@ -261,13 +269,26 @@ def non_finite(tensors: Sequence[Tensor]) -> Tensor:
 
     The largest magnitude of a tensor is finite exactly when every element is, and cannot
     overflow (in float32, or float64 where a tensor is float64): one ``torch._foreach_norm`` over
-    all of them (one fused kernel on a GPU), not a reduction per tensor. An empty tensor (a
-    rank's empty shard) is finite.
+    all of them (one fused kernel on a GPU), not a reduction per tensor. On a CPU that kernel is
+    ~25× slower than the 2-norm's (2.7 against 0.11 ms for 2²⁰ float32 elements), so there the
+    2-norms screen the tensors, and only those whose norm is not finite (a NaN or Inf, or squares
+    past the dtype's range) are checked by their largest magnitude; on an accelerator that would
+    wait for the device. An empty tensor (a rank's empty shard) is finite.
     """
     flags = torch.zeros(len(tensors), dtype=torch.bool, device=tensors[0].device if tensors else None)
     present = [index for index, tensor in enumerate(tensors) if tensor.numel()]
-    if present:
-        held = [tensors[index] for index in present]
-        dtype = torch.float64 if any(t.dtype == torch.float64 for t in held) else torch.float32
-        flags[present] = ~torch.isfinite(torch.stack(torch._foreach_norm(held, math.inf, dtype=dtype)))
+    if not present:
+        return flags
+    held = [tensors[index] for index in present]
+    dtype = torch.float64 if any(t.dtype == torch.float64 for t in held) else torch.float32
+
+    def unbounded(checked: list[Tensor], order: float) -> Tensor:
+        return ~torch.isfinite(torch.stack(torch._foreach_norm(checked, order, dtype=dtype)))
+
+    if flags.device.type != "cpu":
+        flags[present] = unbounded(held, math.inf)
+        return flags
+    suspects = [present[i] for i in unbounded(held, 2).nonzero().flatten().tolist()]
+    if suspects:
+        flags[suspects] = unbounded([tensors[index] for index in suspects], math.inf)
     return flags

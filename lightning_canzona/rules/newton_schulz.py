@@ -99,6 +99,17 @@ def _add_product(added: Tensor, left: Tensor, right: Tensor, beta: float = 1.0, 
     return fused(added, left, right, beta=beta, alpha=alpha)
 
 
+def _left_product(left: Tensor, x: Tensor, beta: float | None, transposed: bool) -> Tensor:
+    """``beta·x + left·x`` (``left·x`` where ``beta`` is None), or its transpose where
+    ``transposed``, computed as ``β·xᵀ + xᵀ·leftᵀ``: a result contiguous in the orientation it is
+    returned in. (Added as a transposed view, a tall direction took 3.5 ms against 0.2 for 2²⁰
+    contiguous elements on a CPU.)"""
+    if transposed:
+        x, left = x.mT, left.mT
+        return x @ left if beta is None else _add_product(x, x, left, beta=beta)
+    return left @ x if beta is None else _add_product(x, left, x, beta=beta)
+
+
 def _split_form(form: str) -> tuple[str, bool]:
     """A form's iteration (``"standard"`` or ``"gram"``) and whether its symmetric products are
     computed by blocks."""
@@ -277,6 +288,8 @@ def newton_schulz(
     """
     if matrix.ndim < 2:
         raise ValueError(f"newton_schulz needs a matrix or a stack of matrices, got {matrix.shape}")
+    if ns_steps < 1:
+        raise ValueError(f"ns_steps must be >= 1, got {ns_steps}")
     iteration, symmetric = _split_form(form)
     x = matrix.to(dtype)
     # Iterate on the wide orientation: the Gram matrix is then min(m, n)² instead of max(m, n)².
@@ -290,9 +303,8 @@ def newton_schulz(
     if x.ndim > 3:
         x = x.reshape(-1, *x.shape[-2:])
     iterate = _gram_steps if iteration == "gram" else _standard_steps
-    x = iterate(x, schedule.steps(ns_steps), symmetric)
-    x = x.reshape(*batch_shape, *x.shape[-2:])
-    return x.mT if transposed else x
+    x = iterate(x, schedule.steps(ns_steps), symmetric, transposed)
+    return x.reshape(*batch_shape, *x.shape[-2:])
 
 
 @dataclass(frozen=True)
@@ -403,7 +415,7 @@ def team_newton_schulz(
             accumulated = polynomial if accumulated is None else polynomial @ accumulated
             if step + 1 < len(steps) and step + 1 not in GRAM_RESTARTS:
                 gram = polynomial @ gram @ polynomial
-        x = x if accumulated is None else accumulated @ x
+        x = _left_product(accumulated, x, None, transposed)
     else:
         rows = split_sizes(x.size(-2), size)
         split = splits_polynomial(shape[-2], shape[-1], size)  # the same on every member
@@ -417,19 +429,21 @@ def team_newton_schulz(
                 (polynomial,) = yield (TeamRows(_add_product(part, part, gram, beta=b, alpha=c), rows),)
             else:
                 polynomial = _polynomial(gram, b, c, symmetric)
-            x = _add_product(x, polynomial, x, beta=a)
-    x = x.reshape(*batch_shape, *x.shape[-2:])
-    return x.mT if transposed else x
+            x = _left_product(polynomial, x, a, transposed and step == len(steps) - 1)
+    return x.reshape(*batch_shape, *x.shape[-2:])
 
 
-def _standard_steps(x: Tensor, steps: list[Coefficients], symmetric: bool) -> Tensor:
-    for a, b, c in steps:
+def _standard_steps(x: Tensor, steps: list[Coefficients], symmetric: bool, transposed: bool) -> Tensor:
+    """The standard form's steps on the wide orientation ``x``; the result transposed back to
+    the matrix's own orientation where ``transposed`` (by the last product)."""
+    for step, (a, b, c) in enumerate(steps):
         polynomial = _polynomial(_gram(x, symmetric), b, c, symmetric)
-        x = _add_product(x, polynomial, x, beta=a)
+        x = _left_product(polynomial, x, a, transposed and step == len(steps) - 1)
     return x
 
 
-def _gram_steps(x: Tensor, steps: list[Coefficients], symmetric: bool) -> Tensor:
+def _gram_steps(x: Tensor, steps: list[Coefficients], symmetric: bool, transposed: bool) -> Tensor:
+    """The Gram form's steps, as `_standard_steps`."""
     identity = torch.eye(x.size(-2), dtype=x.dtype, device=x.device)
     gram, accumulated = _gram(x, symmetric), None
     for step, (a, b, c) in enumerate(steps):
@@ -440,4 +454,4 @@ def _gram_steps(x: Tensor, steps: list[Coefficients], symmetric: bool) -> Tensor
         accumulated = polynomial if accumulated is None else polynomial @ accumulated
         if step + 1 < len(steps) and step + 1 not in GRAM_RESTARTS:
             gram = polynomial @ gram @ polynomial
-    return x if accumulated is None else accumulated @ x
+    return _left_product(accumulated, x, None, transposed)
