@@ -32,6 +32,7 @@ from lightning_canzona.optim.optimizer import DTYPES
 from lightning_canzona.planning import PlanSettings, build_plan, describe, report
 from lightning_canzona.planning import plan as plan_module
 from lightning_canzona.planning.matrices import MatrixSpec
+from lightning_canzona.planning.micro_groups import least_busy_block
 from lightning_canzona.planning.plan import (
     STATE_BALANCE,
     STEP_TOLERANCE,
@@ -252,7 +253,29 @@ def test_split_sizes_member_blocks_and_aligned_teams() -> None:
         ((98, 0), (32, 70)),
     ]
     assert member_blocks((70, 130), 2) == [((0, 0), (70, 65)), ((0, 65), (70, 65))]
-    assert candidate_teams(6, 4) == [(0, 1, 2, 3)]
+    assert candidate_teams(6, 4) == ((0, 1, 2, 3),)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.sampled_from([0.0, 1.0, 2.5, 4.0, 7.0]), min_size=16, max_size=16),
+    st.sampled_from([2, 4, 8]),
+    st.lists(st.sampled_from([0.5, 1.0, 3.0]), min_size=8, max_size=8),
+)
+def test_least_busy_block_is_the_exhaustive_choice(rank_loads, size, member_loads) -> None:
+    # Loads drawn from few values, so that ties (first block wins) occur often.
+    blocks = candidate_teams(len(rank_loads), size)
+    maxima = [max(rank_loads[rank] for rank in block) for block in blocks]
+    for load in (tuple(member_loads[:size]), (member_loads[0],) * size):
+        heaviest_first = sorted(load, reverse=True)
+
+        def busiest(block, heaviest_first=heaviest_first, load=load):
+            if min(load) == max(load):
+                return max(rank_loads[rank] for rank in block)
+            return max(a + b for a, b in zip(sorted(rank_loads[rank] for rank in block), heaviest_first))
+
+        expected = min(blocks, key=lambda block: (busiest(block), block))
+        assert least_busy_block(blocks, maxima, rank_loads, load) == expected
 
 
 def test_local_members_take_the_ranks_that_hold_their_slices_where_loads_allow() -> None:

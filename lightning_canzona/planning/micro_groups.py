@@ -123,6 +123,9 @@ def _place(
     members: list[list[int]] = []
     owners: list[tuple[int, ...]] = [(0,)] * len(loads)
     teams = {len(load): candidate_teams(num_ranks, len(load)) for load in loads if len(load) > 1}
+    # The largest rank load of each aligned block of each team size: loads only grow, so a rank's
+    # new load raises its blocks' maxima in place (`least_busy_block`).
+    block_maxima = {size: [0.0] * len(blocks) for size, blocks in teams.items()}
     # Ranks that hold matrices together (a data-parallel row holding the same experts) share
     # those matrices' load: a free matrix prefers, among equally loaded ranks, the least
     # loaded such group, which can still move its held matrices to even itself out.
@@ -148,14 +151,6 @@ def _place(
             tied, key=lambda rank: (rank_loads[rank], group_totals[group_of[rank]] / group_size[rank], rank)
         )
 
-    def busiest(block: tuple[int, ...], heaviest_first: list[float]) -> float:
-        """The busiest rank of ``block`` with the busier members on its less loaded ranks (no
-        other order of the members makes it less busy); members that cost alike: its busiest
-        rank before it."""
-        if heaviest_first[0] == heaviest_first[-1]:
-            return max(rank_loads[rank] for rank in block)
-        return max(map(operator.add, sorted(rank_loads[rank] for rank in block), heaviest_first))
-
     for index in order:
         load, bucket = loads[index], buckets[index]
         bucket_loads.setdefault(bucket, [0.0] * num_ranks)
@@ -163,8 +158,7 @@ def _place(
             team = fixed[index]
         elif len(load) > 1:
             # A team spreads its bucket's share over its members already: placed by load alone.
-            heaviest_first = sorted(load, reverse=True)
-            block = min(teams[len(load)], key=lambda block: (busiest(block, heaviest_first), block))
+            block = least_busy_block(teams[len(load)], block_maxima[len(load)], rank_loads, load)
             team = _members_on(block, load, rank_loads)
         else:
             team = (best_rank(held[index] or range(num_ranks), bucket),)
@@ -185,12 +179,40 @@ def _place(
         for rank, member in zip(team, load):
             group_loads[group][rank] += member
             rank_loads[rank] += member
+            for size, maxima in block_maxima.items():
+                maxima[rank // size] = max(maxima[rank // size], rank_loads[rank])
             group_totals[group_of[rank]] += member
             if not held[index]:  # updated where it lies, it takes no part in its bucket's collectives
                 bucket_loads[bucket][rank] += member
         if max(load) > capacity:  # an oversize matrix keeps its group to itself
             group_loads[group] = [math.inf] * num_ranks
     return [sorted(group) for group in members], owners
+
+
+def least_busy_block(
+    blocks: Sequence[tuple[int, ...]],
+    maxima: Sequence[float],
+    rank_loads: Sequence[float],
+    load: Sequence[float],
+) -> tuple[int, ...]:
+    """The block of ``blocks`` whose busiest rank, with a team of member loads ``load`` on it
+    (its busier members on the block's less loaded ranks: no other order is less busy), is the
+    least busy; the first on a tie. ``maxima`` are the blocks' largest rank loads.
+
+    Members that cost alike: the block of the least ``maxima``. Otherwise a block's busiest rank
+    is at least its largest load plus the least member's, so the blocks are tried in the order of
+    that bound until it exceeds the best found: one sort of the blocks, not one per block.
+    """
+    heaviest_first = sorted(load, reverse=True)
+    if heaviest_first[0] == heaviest_first[-1]:
+        return blocks[min(range(len(blocks)), key=maxima.__getitem__)]
+    lightest, best = heaviest_first[-1], (math.inf, 0)
+    for index in sorted(range(len(blocks)), key=maxima.__getitem__):
+        if maxima[index] + lightest > best[0]:
+            break
+        ranks = sorted(rank_loads[rank] for rank in blocks[index])
+        best = min(best, (max(map(operator.add, ranks, heaviest_first)), index))
+    return blocks[best[1]]
 
 
 def _members_on(

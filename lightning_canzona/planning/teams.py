@@ -13,6 +13,7 @@ ranks stays within the node.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Hashable, Sequence
 
 #: The team sizes the planner considers (powers of two, so that aligned blocks nest).
@@ -49,9 +50,10 @@ def member_blocks(shape: Sequence[int], size: int) -> list[tuple[tuple[int, ...]
     return blocks
 
 
-def candidate_teams(num_ranks: int, size: int) -> list[tuple[int, ...]]:
+@functools.cache
+def candidate_teams(num_ranks: int, size: int) -> tuple[tuple[int, ...], ...]:
     """The aligned blocks of ``size`` consecutive ranks among ``num_ranks``."""
-    return [tuple(range(start, start + size)) for start in range(0, num_ranks - size + 1, size)]
+    return tuple(tuple(range(start, start + size)) for start in range(0, num_ranks - size + 1, size))
 
 
 def local_members(
