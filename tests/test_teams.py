@@ -32,7 +32,7 @@ from lightning_canzona.optim.optimizer import DTYPES
 from lightning_canzona.planning import PlanSettings, build_plan, describe, report
 from lightning_canzona.planning import plan as plan_module
 from lightning_canzona.planning.matrices import MatrixSpec
-from lightning_canzona.planning.micro_groups import least_busy_block
+from lightning_canzona.planning.micro_groups import balanced_groups, least_busy_block
 from lightning_canzona.planning.plan import (
     STATE_BALANCE,
     STEP_TOLERANCE,
@@ -276,6 +276,14 @@ def test_least_busy_block_is_the_exhaustive_choice(rank_loads, size, member_load
 
         expected = min(blocks, key=lambda block: (busiest(block), block))
         assert least_busy_block(blocks, maxima, rank_loads, load) == expected
+
+
+def test_ranks_past_the_last_aligned_block_take_single_matrices() -> None:
+    # Six ranks hold one aligned block of 4. Largest first: the two 5s on ranks 0 and 1, the
+    # team on the block, the 1 on rank 4, which is in no block of 4.
+    loads = [(5.0,), (5.0,), (2.0, 2.0, 2.0, 2.0), (1.0,)]
+    _, teams = balanced_groups(loads, ["a"] * 4, 6, alpha=1.0, capacity=100.0)
+    assert teams == [(0,), (1,), (0, 1, 2, 3), (4,)]
 
 
 def test_local_members_take_the_ranks_that_hold_their_slices_where_loads_allow() -> None:

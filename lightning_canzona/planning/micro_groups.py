@@ -123,9 +123,9 @@ def _place(
     members: list[list[int]] = []
     owners: list[tuple[int, ...]] = [(0,)] * len(loads)
     teams = {len(load): candidate_teams(num_ranks, len(load)) for load in loads if len(load) > 1}
-    # The largest rank load of each aligned block of each team size: loads only grow, so a rank's
-    # new load raises its blocks' maxima in place (`least_busy_block`).
-    block_maxima = {size: [0.0] * len(blocks) for size, blocks in teams.items()}
+    # The largest rank load of each aligned block of each team size (and of the ranks past the
+    # last block): loads only grow, so a rank's new load raises its blocks' maxima in place.
+    block_maxima = {size: [0.0] * -(-num_ranks // size) for size in teams}
     # Ranks that hold matrices together (a data-parallel row holding the same experts) share
     # those matrices' load: a free matrix prefers, among equally loaded ranks, the least
     # loaded such group, which can still move its held matrices to even itself out.

@@ -105,6 +105,13 @@ class _Swaps:
         # As the packer counts them: a matrix updated where it lies is in no bucket's collectives.
         self.bucket = [None if m.holders and locality else m.bucket for m in matrices]
         self.bucket_loads = {bucket: [0.0] * ranks for bucket in self.bucket if bucket is not None}
+        # Matrices alike in everything a swap weighs swap alike: only the first of a kind is tried
+        # (a mixture of experts' 128 experts per stack and layer on 16 ranks: 780 matrices a rank).
+        self.kind = [
+            (self.cost[i], self.steady[i], self.peak[i], self.state_bytes[i], self.received[i])
+            + (self.group[i], self.bucket[i], None if self.allowed[i] is None else frozenset(self.allowed[i]))
+            for i in range(len(matrices))
+        ]
         for index, team in enumerate(self.teams):
             for member, rank in enumerate(team):
                 self._add(index, rank, 1, member)
@@ -179,7 +186,13 @@ class _Swaps:
                 self._move(taken, partner, top)
 
     def _single(self, rank: int) -> list[int]:
-        return [index for index in self.items[rank] if len(self.teams[index]) == 1]
+        """The matrices that ``rank`` computes alone, the first of each kind: a swap of another
+        of the same kind has the same outcome and, tried later, would not be taken."""
+        firsts: dict[tuple, int] = {}
+        for index in self.items[rank]:
+            if len(self.teams[index]) == 1:
+                firsts.setdefault(self.kind[index], index)
+        return list(firsts.values())
 
     def _outcome(
         self,
