@@ -123,9 +123,10 @@ def _place(
     members: list[list[int]] = []
     owners: list[tuple[int, ...]] = [(0,)] * len(loads)
     teams = {len(load): candidate_teams(num_ranks, len(load)) for load in loads if len(load) > 1}
-    # The largest rank load of each aligned block of each team size (and of the ranks past the
-    # last block): loads only grow, so a rank's new load raises its blocks' maxima in place.
+    # The largest and the least rank load of each aligned block of each team size (and of the
+    # ranks past the last block), kept as ranks' loads grow (`least_busy_block`).
     block_maxima = {size: [0.0] * -(-num_ranks // size) for size in teams}
+    block_minima = {size: [0.0] * -(-num_ranks // size) for size in teams}
     # Ranks that hold matrices together (a data-parallel row holding the same experts) share
     # those matrices' load: a free matrix prefers, among equally loaded ranks, the least
     # loaded such group, which can still move its held matrices to even itself out.
@@ -158,7 +159,8 @@ def _place(
             team = fixed[index]
         elif len(load) > 1:
             # A team spreads its bucket's share over its members already: placed by load alone.
-            block = least_busy_block(teams[len(load)], block_maxima[len(load)], rank_loads, load)
+            size = len(load)
+            block = least_busy_block(teams[size], block_maxima[size], block_minima[size], rank_loads, load)
             team = _members_on(block, load, rank_loads)
         else:
             team = (best_rank(held[index] or range(num_ranks), bucket),)
@@ -180,7 +182,9 @@ def _place(
             group_loads[group][rank] += member
             rank_loads[rank] += member
             for size, maxima in block_maxima.items():
-                maxima[rank // size] = max(maxima[rank // size], rank_loads[rank])
+                block = rank // size
+                maxima[block] = max(maxima[block], rank_loads[rank])
+                block_minima[size][block] = min(rank_loads[block * size : (block + 1) * size])
             group_totals[group_of[rank]] += member
             if not held[index]:  # updated where it lies, it takes no part in its bucket's collectives
                 bucket_loads[bucket][rank] += member
@@ -192,23 +196,27 @@ def _place(
 def least_busy_block(
     blocks: Sequence[tuple[int, ...]],
     maxima: Sequence[float],
+    minima: Sequence[float],
     rank_loads: Sequence[float],
     load: Sequence[float],
 ) -> tuple[int, ...]:
     """The block of ``blocks`` whose busiest rank, with a team of member loads ``load`` on it
     (its busier members on the block's less loaded ranks: no other order is less busy), is the
-    least busy; the first on a tie. ``maxima`` are the blocks' largest rank loads.
+    least busy; the first on a tie. ``maxima`` and ``minima`` are the blocks' largest and least
+    rank loads.
 
-    Members that cost alike: the block of the least ``maxima``. Otherwise a block's busiest rank
-    is at least its largest load plus the least member's, so the blocks are tried in the order of
-    that bound until it exceeds the best found: one sort of the blocks, not one per block.
+    Members that cost alike: the block of the least maximum. Otherwise a block's busiest rank is
+    at least its most loaded rank plus the lightest member, and its least loaded rank plus the
+    heaviest member (one that decomposes), so the blocks are tried in the order of that bound
+    until it exceeds the best found: one sort of the blocks, not a sort of each block's loads.
     """
     heaviest_first = sorted(load, reverse=True)
     if heaviest_first[0] == heaviest_first[-1]:
         return blocks[min(range(len(blocks)), key=maxima.__getitem__)]
-    lightest, best = heaviest_first[-1], (math.inf, 0)
-    for index in sorted(range(len(blocks)), key=maxima.__getitem__):
-        if maxima[index] + lightest > best[0]:
+    heaviest, lightest, best = heaviest_first[0], heaviest_first[-1], (math.inf, 0)
+    bounds = [max(most + lightest, least + heaviest) for most, least in zip(maxima, minima)]
+    for index in sorted(range(len(blocks)), key=bounds.__getitem__):  # stable: ties by index
+        if (bounds[index], index) > best:  # neither it nor any after can be less busy, or tie first
             break
         ranks = sorted(rank_loads[rank] for rank in blocks[index])
         best = min(best, (max(map(operator.add, ranks, heaviest_first)), index))

@@ -23,6 +23,7 @@ settings: every rank builds the same plan alone.
 
 from __future__ import annotations
 
+import collections
 import functools
 import heapq
 import itertools
@@ -61,6 +62,9 @@ STATE_BALANCE = 1.1
 SEARCH_COMBINATIONS = 4096
 #: Most combinations that `searched_sizes` packs (in the order of their bound), and most moves.
 SEARCH_LIMIT = 64
+
+#: Most rounds of `build_plan`'s descent over team sizes set class by class (`_descend`).
+DESCENT_ROUNDS = 4
 
 #: The default capacity leaves about this many micro-groups per rank, so that gathers and
 #: scatters of neighbouring groups can hide behind compute.
@@ -641,6 +645,50 @@ def estimated_step(plan: Plan) -> float:
     return plan.averaged(lambda loads: pipelined_time(exchanges, computes(loads), exchanges))
 
 
+def _scored(plan: Plan) -> tuple[float, Plan]:
+    return estimated_step(plan), plan
+
+
+def _descend(
+    matrices: list[MatrixSpec],
+    dp: int,
+    tp: int,
+    settings: PlanSettings,
+    scored: dict[tuple[int, ...], tuple[float, Plan]],
+) -> None:
+    """Adds to ``scored`` (team sizes → estimated step and plan) the plans of a descent on the
+    estimated step over team sizes set class by class.
+
+    The candidates are chosen by the compute they pack (`team_sizes`, `searched_sizes`), blind
+    to the gathers and scatters that the estimated step prices, which at hundreds of ranks are
+    most of it. From the shortest candidate, each class at its most common size, every change
+    of one class's size is planned, and the shortest is taken while it shortens the step, for
+    at most `DESCENT_ROUNDS` rounds (Qwen3 8B with Muon at 512 ranks: 13 % shorter).
+    """
+    members, options, _ = _team_classes(matrices, dp * tp, settings)
+
+    def step_of(choice: tuple[int, ...]) -> float:
+        sizes = [1] * len(matrices)
+        for group, size in zip(members, choice):
+            for index in group:
+                sizes[index] = size
+        if tuple(sizes) not in scored:
+            scored[tuple(sizes)] = _scored(_team_plan(settings, matrices, dp, tp, sizes))
+        return scored[tuple(sizes)][0]
+
+    shortest = min(scored, key=lambda sizes: scored[sizes][0])
+    current = tuple(collections.Counter(shortest[i] for i in group).most_common(1)[0][0] for group in members)
+    current_step = step_of(current)
+    for _ in range(DESCENT_ROUNDS):
+        changes = [
+            (*current[:c], size, *current[c + 1 :]) for c in range(len(members)) for size in options[c]
+        ]
+        step, choice = min(((step_of(c), c) for c in changes if c != current), default=(math.inf, current))
+        if not step < current_step:
+            break
+        current, current_step = choice, step
+
+
 def build_plan(matrices: list[MatrixSpec], dp: int, tp: int, settings: PlanSettings | None = None) -> Plan:
     """Plan the updates of ``matrices`` on a ``dp × tp`` mesh.
 
@@ -688,8 +736,9 @@ def build_plan(matrices: list[MatrixSpec], dp: int, tp: int, settings: PlanSetti
             ),
         ]
     )
-    plans = [_team_plan(settings, matrices, dp, tp, list(sizes)) for sizes in candidates]
-    scored = [(estimated_step(plan), plan) for plan in plans]
+    scored = {sizes: _scored(_team_plan(settings, matrices, dp, tp, list(sizes))) for sizes in candidates}
+    _descend(matrices, dp, tp, settings, scored)
+    scored = list(scored.values())
     shortest = min(step for step, _ in scored)
     alike = [(step, plan) for step, plan in scored if step <= (1 + STEP_TOLERANCE) * shortest]
     # Alike in speed, a plan that balances the optimizer state (what sets a rank's memory) first.
