@@ -76,6 +76,19 @@ def test_stack_equals_per_matrix_calls() -> None:
     torch.testing.assert_close(batched[1], newton_schulz(tall[1], schedule, 5, dtype=torch.float32))
 
 
+@pytest.mark.parametrize("form", FORMS)
+def test_a_tall_result_is_contiguous_and_the_wide_one_transposed(form: str) -> None:
+    # The iteration runs on the wide orientation; a tall matrix's last product is computed
+    # transposed, so that its update is contiguous (added as a transposed view it is slow).
+    tall = torch.randn(2, 96, 24, dtype=torch.float64)
+    out = newton_schulz(tall, PRESETS["quintic"], 5, dtype=torch.float64, form=form)
+    wide = newton_schulz(tall.mT.contiguous(), PRESETS["quintic"], 5, dtype=torch.float64, form=form)
+    assert out.is_contiguous() and out.shape == tall.shape
+    torch.testing.assert_close(out, wide.mT, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="ns_steps must be >= 1, got 0"):
+        newton_schulz(tall, PRESETS["quintic"], 0)
+
+
 def test_zero_matrix_stays_zero() -> None:
     out = newton_schulz(torch.zeros(8, 12), PRESETS["quintic"], 5, dtype=torch.float32)
     assert torch.equal(out, torch.zeros(8, 12))
