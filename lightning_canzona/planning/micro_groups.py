@@ -124,7 +124,7 @@ def _place(
     owners: list[tuple[int, ...]] = [(0,)] * len(loads)
     teams = {len(load): candidate_teams(num_ranks, len(load)) for load in loads if len(load) > 1}
     # The largest and the least rank load of each aligned block of each team size (and of the
-    # ranks past the last block), kept as ranks' loads grow (`least_busy_block`).
+    # ranks past the last block), updated with the loads of its ranks (`least_busy_block`).
     block_maxima = {size: [0.0] * -(-num_ranks // size) for size in teams}
     block_minima = {size: [0.0] * -(-num_ranks // size) for size in teams}
     # Ranks that hold matrices together (a data-parallel row holding the same experts) share
@@ -181,10 +181,10 @@ def _place(
         for rank, member in zip(team, load):
             group_loads[group][rank] += member
             rank_loads[rank] += member
-            for size, maxima in block_maxima.items():
+            for size in teams:
                 block = rank // size
-                maxima[block] = max(maxima[block], rank_loads[rank])
-                block_minima[size][block] = min(rank_loads[block * size : (block + 1) * size])
+                block_loads = rank_loads[block * size : (block + 1) * size]
+                block_maxima[size][block], block_minima[size][block] = max(block_loads), min(block_loads)
             group_totals[group_of[rank]] += member
             if not held[index]:  # updated where it lies, it takes no part in its bucket's collectives
                 bucket_loads[bucket][rank] += member

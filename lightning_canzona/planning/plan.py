@@ -672,9 +672,10 @@ def _descend(
         for group, size in zip(members, choice):
             for index in group:
                 sizes[index] = size
-        if tuple(sizes) not in scored:
-            scored[tuple(sizes)] = _scored(_team_plan(settings, matrices, dp, tp, sizes))
-        return scored[tuple(sizes)][0]
+        key = tuple(sizes)
+        if key not in scored:
+            scored[key] = _scored(_team_plan(settings, matrices, dp, tp, sizes))
+        return scored[key][0]
 
     shortest = min(scored, key=lambda sizes: scored[sizes][0])
     current = tuple(collections.Counter(shortest[i] for i in group).most_common(1)[0][0] for group in members)
@@ -737,9 +738,9 @@ def build_plan(matrices: list[MatrixSpec], dp: int, tp: int, settings: PlanSetti
             ),
         ]
     )
-    scored = {sizes: _scored(_team_plan(settings, matrices, dp, tp, list(sizes))) for sizes in candidates}
-    _descend(matrices, dp, tp, settings, scored)
-    scored = list(scored.values())
+    by_sizes = {sizes: _scored(_team_plan(settings, matrices, dp, tp, list(sizes))) for sizes in candidates}
+    _descend(matrices, dp, tp, settings, by_sizes)
+    scored = list(by_sizes.values())
     shortest = min(step for step, _ in scored)
     alike = [(step, plan) for step, plan in scored if step <= (1 + STEP_TOLERANCE) * shortest]
     # Alike in speed, a plan that balances the optimizer state (what sets a rank's memory) first.
