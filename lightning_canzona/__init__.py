@@ -1,16 +1,20 @@
 """lightning_canzona: exact, non-redundant, load-balanced matrix optimizers for Lightning.
 
 Importing the package registers the strategies ``"canzona"`` and ``"canzona_notebook"`` (which
-starts its ranks by forking, for Jupyter) in Lightning's strategy registry.
+starts its ranks by forking, for Jupyter) in Lightning's strategy registry, and filters the
+third-party warnings that are harmless in its runs (`lightning_canzona.warning_filters`).
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_canzona.optim import SOAP, Muon, Shampoo, matrix_param_groups
 from lightning_canzona.strategy import CanzonaStrategy
+from lightning_canzona.warning_filters import ignore_harmless_warnings
 
 __all__ = ["SOAP", "CanzonaStrategy", "Muon", "Shampoo", "matrix_param_groups"]
 __version__ = "0.1.0"
+
+ignore_harmless_warnings()
 
 if "canzona" not in StrategyRegistry:
     StrategyRegistry.register(

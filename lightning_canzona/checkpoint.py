@@ -6,7 +6,8 @@
 - saves that never destroy the last good checkpoint: written beside it, swapped in when every
   rank is done (`staging_path`, `replace_with`);
 - a clear error, before any state is touched, for a checkpoint of another model
-  (`check_compatible`).
+  (`check_compatible`), and before any rank starts for one that does not exist
+  (`check_path_exists`).
 """
 
 from __future__ import annotations
@@ -82,6 +83,34 @@ def distributed_optimizer_state(module: nn.Module, optimizer: MatrixOptimizer) -
             if FAILURES in state_dict["state"].get(name, {}):
                 state_dict["state"][name][FAILURES] = count.clone()
     return state_dict
+
+
+#: ``ckpt_path`` values that Lightning resolves itself (``"registry…"`` too).
+_NAMED_CHECKPOINTS = ("best", "last", "hpc")
+
+
+def check_path_exists(path: str | os.PathLike | None, setting: str) -> None:
+    """Raise a `FileNotFoundError` naming ``setting`` when ``path`` is a local path with nothing at it.
+
+    ``None``, Lightning's names (``"best"``, ``"last"``, ``"hpc"``, ``"registry…"``) and remote
+    URLs (``s3://…``) are left to Lightning.
+    """
+    if path is None:
+        return
+    text = os.fspath(path)
+    if (
+        text in _NAMED_CHECKPOINTS
+        or text.startswith("registry")
+        or ("://" in text and not text.startswith("file://"))
+    ):
+        return
+    local = Path(text.removeprefix("file://"))
+    if not local.exists():
+        where = "" if local.is_absolute() else f" (looked for {local.absolute()})"
+        raise FileNotFoundError(
+            f"{setting}={text!r} does not exist{where}. Pass the path of a checkpoint file or of a "
+            "distributed checkpoint's folder, 'last', or None to start from scratch."
+        )
 
 
 def staging_path(path: Path) -> Path:

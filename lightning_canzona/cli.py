@@ -83,7 +83,8 @@ def main(args: list[str] | None = None) -> None:
         subclass_mode_data=True,
         parser_kwargs={"parser_mode": "omegaconf"},
         save_config_kwargs={"overwrite": True},
-        args=argv,
+        # None reads the command line itself: LightningCLI warns when given it as a list too.
+        args=None if args is None else argv,
     )
 
 

@@ -23,7 +23,9 @@ as units) are used (`lightning_canzona.huggingface`).
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, Any
@@ -32,6 +34,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_canzona import huggingface
+from lightning_canzona.warning_filters import ignore_view_warning_of_unresharded_root
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -49,27 +52,21 @@ def compose(
             reduce in the parameters' dtype).
 
     Raises:
-        ValueError: The TP mesh has more than one rank but the module declares no plan, or the
-            plan names modules that do not exist.
+        ValueError: See `check_composable`.
     """
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
     tp_mesh = device_mesh["tensor_parallel"]
-    plan = declared_plan(module, tp_mesh.size())
-    if tp_mesh.size() > 1 and not plan:
-        raise ValueError(
-            f"tensor_parallel_size={tp_mesh.size()} but {type(module).__name__} declares no "
-            "tensor_parallel_plan(); add one (see lightning_canzona.models.tensor_parallel_plan) "
-            "or override configure_model to parallelize it yourself."
-        )
+    plan = check_composable(module, tp_mesh.size())
     if plan:
         # Applied even on a one-rank TP mesh: parameters then live on the same meshes at every
         # mesh shape, so optimizer param groups, and checkpoints, keep one structure.
-        _check_plan_targets(module, plan)
         parallelize_module(module, tp_mesh, plan)
     options = {} if mp_policy is None else {"mp_policy": mp_policy}
     units = _choose_units(module)
+    if len(units.roots) == 1:  # kept gathered from forward to backward (`_Units.reshard_after_forward`)
+        ignore_view_warning_of_unresharded_root(type(units.roots[0]))
     for unit in units.modules:
         fully_shard(
             unit,
@@ -90,14 +87,88 @@ def has_tensor_parallel_plan(module: nn.Module) -> bool:
 
 def declared_plan(module: nn.Module, tp_size: int) -> dict[str, Any]:
     """The module's ``tensor_parallel_plan()``; else, at ``tp_size > 1``, the plan of the
-    ``transformers`` models it holds, once ``tp_size`` is checked against their configs."""
+    ``transformers`` models it holds."""
     plan_fn = getattr(module, "tensor_parallel_plan", None)
     if callable(plan_fn):
         return plan_fn()
     if tp_size > 1 and has_tensor_parallel_plan(module):
-        huggingface.check_tensor_parallel_size(module, tp_size)
         return huggingface.tensor_parallel_plan(module)
     return {}
+
+
+def check_composable(module: nn.Module, tp_size: int) -> dict[str, Any]:
+    """Everything `compose` needs of ``module`` at a TP size of ``tp_size``, checked without
+    changing it or communicating (so before any rank starts); returns the plan.
+
+    Raises:
+        ValueError: ``tp_size > 1`` and the module declares no plan; the plan names modules that
+            do not exist, or has entries that cannot be honoured (``transformers``); or
+            ``tp_size`` does not divide a size that the plan splits (`check_tensor_parallel_size`).
+    """
+    plan = declared_plan(module, tp_size)
+    if tp_size > 1 and not plan:
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} but {type(module).__name__} declares no "
+            'tensor_parallel_plan(): use tensor_parallel_size=1 (or "auto"), add a plan (see '
+            "lightning_canzona.models.tensor_parallel_plan), or override configure_model to "
+            "parallelize it yourself."
+        )
+    if plan:
+        _check_plan_targets(module, plan)
+    check_tensor_parallel_size(module, tp_size)
+    return plan
+
+
+def tensor_parallel_constraints(module: nn.Module) -> dict[str, int]:
+    """The sizes that a tensor-parallel size must divide, by name.
+
+    - What ``module.tensor_parallel_constraints()`` declares, where it does: the sizes whose
+      split a layer's width does not show, head counts above all (``{"MyConfig.num_kv_heads":
+      2}``: a key projection 64 wide splits over 4 ranks, but its 2 heads do not);
+    - the config fields that the ``transformers`` models inside it split
+      (`huggingface.split_sizes`);
+    - the width that each ``nn.Linear`` of its own ``tensor_parallel_plan()`` splits:
+      ``out_features`` under ``ColwiseParallel``, ``in_features`` under ``RowwiseParallel``.
+    """
+    declared = getattr(module, "tensor_parallel_constraints", None)
+    constraints = dict(declared()) if callable(declared) else {}
+    constraints.update(huggingface.split_sizes(module))
+    plan_fn = getattr(module, "tensor_parallel_plan", None)
+    if callable(plan_fn):
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        plan = plan_fn()
+        for name, child in module.named_modules():
+            style = next((s for key, s in plan.items() if fnmatchcase(name, key)), None)
+            if isinstance(child, nn.Linear) and isinstance(style, ColwiseParallel):
+                constraints[f"{name}.out_features"] = child.out_features
+            elif isinstance(child, nn.Linear) and isinstance(style, RowwiseParallel):
+                constraints[f"{name}.in_features"] = child.in_features
+    return constraints
+
+
+def check_tensor_parallel_size(module: nn.Module, tp_size: int) -> None:
+    """Fail clearly when ``tp_size`` does not divide a size that tensor parallelism splits.
+
+    Raises:
+        ValueError: Naming the first such size and the TP sizes that divide them all.
+    """
+    if tp_size == 1:
+        return
+    constraints = tensor_parallel_constraints(module)
+    for name, size in constraints.items():
+        if size % tp_size:
+            raise ValueError(
+                f"tensor_parallel_size={tp_size} does not divide {name}={size}: tensor parallelism "
+                f"splits it over the ranks. Sizes that divide every size the plan splits: "
+                f"{dividing_sizes(constraints.values())}."
+            )
+
+
+def dividing_sizes(sizes: Iterable[int], limit: int | None = None) -> list[int]:
+    """The positive integers that divide every one of ``sizes`` (and ``limit``, if given)."""
+    common = math.gcd(*sizes, *([limit] if limit else []))
+    return [d for d in range(1, common + 1) if common % d == 0] if common else [1]
 
 
 def _check_plan_targets(module: nn.Module, plan: dict[str, Any]) -> None:

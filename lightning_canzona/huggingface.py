@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from collections.abc import Callable, Iterable, Iterator
 from fnmatch import fnmatchcase
 from typing import Any
@@ -243,23 +242,15 @@ def fsdp_unit_classes(module: nn.Module) -> set[str]:
     return names
 
 
-def check_tensor_parallel_size(module: nn.Module, tensor_parallel_size: int) -> None:
-    """Fail clearly when ``tensor_parallel_size`` does not divide what the TP plan splits.
-
-    Raises:
-        ValueError: Naming the config field, its value, and the sizes that divide every field.
-    """
-    if tensor_parallel_size == 1:
-        return
+def split_sizes(module: nn.Module) -> dict[str, int]:
+    """The config fields that the TP plans of the ``transformers`` models inside ``module``
+    split over the ranks (heads, the feed-forward widths), as ``{"Qwen3Config.num_key_value_heads":
+    2, …}``: a tensor-parallel size must divide each."""
+    sizes: dict[str, int] = {}
     for _, model in transformers_models(module):
         config = model.config
-        sizes = {f: getattr(config, f) for f in SPLIT_FIELDS if isinstance(getattr(config, f, None), int)}
-        for field, size in sizes.items():
-            if size % tensor_parallel_size:
-                common = math.gcd(*sizes.values())
-                working = [d for d in range(1, common + 1) if common % d == 0]
-                raise ValueError(
-                    f"tensor_parallel_size={tensor_parallel_size} does not divide "
-                    f"{type(config).__name__}.{field}={size}: tensor parallelism splits it over the "
-                    f"ranks. Sizes that divide {sorted(sizes)}: {working}."
-                )
+        for field in SPLIT_FIELDS:
+            value = getattr(config, field, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                sizes[f"{type(config).__name__}.{field}"] = value
+    return sizes

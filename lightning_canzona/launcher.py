@@ -1,4 +1,14 @@
-"""Starting the ranks from the current process: ``fork`` (notebooks) or ``spawn``.
+"""Starting the ranks: Lightning's script launcher (``popen``: the script re-run per rank) or from
+the current process (``fork`` in notebooks, or ``spawn``), each after the strategy's preflight,
+and how the ranks report a failure.
+
+**Preflight.** Both launchers first run the strategy's checks in the launching process
+(`Preflight`: the mesh for the model, the checkpoint path), so that a mistake is one error, in
+seconds, before any rank starts.
+
+**One report per failure.** An exception that ends a rank other than 0 prints one line, its
+traceback going to a file (`report_failures_briefly`): a failure that every rank meets prints one
+traceback, not one per rank.
 
 Two hazards of starting ranks from a live process are handled here:
 
@@ -16,32 +26,74 @@ Two hazards of starting ranks from a live process are handled here:
 from __future__ import annotations
 
 import ctypes
+import inspect
 import os
 import signal
 import sys
+import tempfile
 import threading
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
+
+#: What a launcher checks before any rank starts, given the call's ``ckpt_path``.
+Preflight = Callable[[_PATH | None], None]
 
 #: ``prctl`` option: the signal a process gets when the thread that created it ends.
 _PR_SET_PDEATHSIG = 1
 
 
+def ckpt_path_of(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> _PATH | None:
+    """The ``ckpt_path`` argument of a call of the trainer's ``_fit_impl``, ``_validate_impl``…"""
+    try:
+        bound = inspect.signature(function).bind(*args, **kwargs)
+    except (TypeError, ValueError):  # not a trainer entry point: nothing to check
+        return None
+    return bound.arguments.get("ckpt_path")
+
+
+class ScriptLauncher(_SubprocessScriptLauncher):
+    """Lightning's launcher that re-runs the script once per rank, after ``preflight``.
+
+    The launching process becomes rank 0; the others start only once ``preflight`` has passed.
+    """
+
+    def __init__(self, strategy: Strategy, preflight: Preflight) -> None:
+        super().__init__(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
+        self._preflight = preflight
+
+    def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        self._preflight(ckpt_path_of(function, args, kwargs))
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
 class InProcessLauncher(_MultiProcessingLauncher):
-    """Starts the ranks from this process (``fork`` in notebooks, or ``spawn``).
+    """Starts the ranks from this process (``fork`` in notebooks, or ``spawn``), after ``preflight``.
 
     Only metrics and the trainer state come back to the launching process: a model sharded over
     the mesh has no single copy to return, so keep weights with a checkpoint.
     """
+
+    def __init__(self, strategy: Strategy, start_method: str, preflight: Preflight | None = None) -> None:
+        super().__init__(strategy, start_method=start_method)
+        self._preflight = preflight
 
     def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         """Run Lightning's launch in a new thread, and wait for it here (see the module docstring).
 
         The thread lives as long as the ranks (it joins them), so that they die with it.
         """
+        if self._preflight is not None:
+            self._preflight(ckpt_path_of(function, args, kwargs))
         outcome: dict[str, Any] = {}
 
         def run() -> None:
@@ -95,3 +147,30 @@ def _die_with_launching_thread() -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent:  # the launcher was already gone before the request took effect
         os._exit(1)
+
+
+def report_failures_briefly(rank: int) -> None:
+    """On rank ``rank`` (not 0), print an uncaught exception as one line and its traceback to a file.
+
+    A failure that every rank meets (a bad batch, a shape) would otherwise print one traceback per
+    rank, interleaved; rank 0 prints its own in full, and a failure of this rank alone is still
+    named, with where its traceback is. Only the display of an exception that ends the process
+    changes: code that catches it sees it unchanged. (torch's ``init_process_group`` installs a
+    hook the same way, to prefix the lines with the rank; this one is installed after it.)
+    """
+    if rank == 0:
+        return
+
+    def report(kind: type[BaseException], error: BaseException, trace: TracebackType | None) -> None:
+        path = Path(tempfile.gettempdir()) / f"lightning_canzona-rank{rank}-{os.getpid()}.txt"
+        text = "".join(traceback.format_exception(kind, error, trace))
+        try:
+            path.write_text(text)
+            where = f"its traceback is in {path}"
+        except OSError:
+            where = "its traceback could not be written"
+        summary = (str(error).strip().splitlines() or [""])[0]
+        sys.stderr.write(f"[rank{rank}]: {kind.__name__}: {summary} ({where})\n")
+        sys.stderr.flush()
+
+    sys.excepthook = report

@@ -3,6 +3,11 @@
 It is Lightning's `ModelParallelStrategy` (a ``(data_parallel, tensor_parallel)`` device mesh,
 FSDP2 and DTensor TP, distributed checkpoints) plus:
 
+- **a preflight** in the launching process, before any rank starts (`CanzonaStrategy.preflight`):
+  ``"auto"`` mesh sizes the model can take, explicit ones checked against it
+  (`lightning_canzona.mesh`), and the checkpoint path; a failure on the ranks printed in full
+  once (`lightning_canzona.launcher.report_failures_briefly`);
+
 - **composition** for LightningModules that do not override ``configure_model``: the module's
   ``tensor_parallel_plan()`` is applied on the TP mesh, then ``fully_shard`` wraps its units
   (blocks, experts, top-level submodules) bottom-up over the DP mesh
@@ -50,16 +55,18 @@ from torch.optim import Optimizer
 
 from lightning_canzona.checkpoint import (
     check_compatible,
+    check_path_exists,
     distributed_optimizer_state,
     full_optimizer_state,
     remove,
     replace_with,
     staging_path,
 )
-from lightning_canzona.composition import compose, has_tensor_parallel_plan
+from lightning_canzona.composition import compose
 from lightning_canzona.distributed.replicas import average_gradients, check_gradients_agree
 from lightning_canzona.distributed.teams import TeamPrices, check_team_prices
-from lightning_canzona.launcher import InProcessLauncher
+from lightning_canzona.launcher import InProcessLauncher, ScriptLauncher, report_failures_briefly
+from lightning_canzona.mesh import MeshShape, choose_mesh
 from lightning_canzona.metrics import prepare_metrics
 from lightning_canzona.optim import MatrixOptimizer
 from lightning_canzona.optim.conversion import convert_torch_muon, is_torch_muon, repoint_scheduler
@@ -75,11 +82,13 @@ class CanzonaStrategy(ModelParallelStrategy):
     """FSDP2 × DTensor tensor parallelism with exact, non-redundant Muon, Shampoo and SOAP.
 
     Args:
-        data_parallel_size: Devices per data-parallel group; ``"auto"``: the number of nodes (all
-            devices when the model declares no tensor-parallel plan).
-        tensor_parallel_size: Devices per tensor-parallel group; ``"auto"``: the devices per node,
-            or 1 when the model declares no tensor-parallel plan (``tensor_parallel_plan()`` or a
-            ``transformers`` model's own).
+        data_parallel_size: Devices per data-parallel group; ``"auto"``: the devices that tensor
+            parallelism leaves.
+        tensor_parallel_size: Devices per tensor-parallel group; ``"auto"``: the largest size
+            that divides the devices per node and every size the model's plan splits (attention
+            and key/value heads, feed-forward widths: `lightning_canzona.mesh`), 1 (FSDP2 only)
+            for a model without a tensor-parallel plan. Explicit sizes are kept as given, and
+            checked against the model before any rank starts.
         policy: Who computes each matrix update: ``canzona`` (α-balanced owners, micro-groups),
             ``lpt``, ``round_robin`` or ``sync`` (every rank, redundantly).
         alpha: ``canzona``'s balance between per-bucket uniformity (0) and global balance (1).
@@ -151,29 +160,25 @@ class CanzonaStrategy(ModelParallelStrategy):
                 f"gradient_accumulation must be 'sharded' or 'unsharded', got {gradient_accumulation!r}"
             )
         self.gradient_accumulation = gradient_accumulation
+        #: The sizes as given (``"auto"`` or integers); `preflight` resolves them for the model.
+        self._requested_sizes = (data_parallel_size, tensor_parallel_size)
+        #: The mesh `preflight` chose, until `setup_environment` builds it.
+        self._mesh_shape: MeshShape | None = None
         #: Trainable parameters that are not DTensors, whose gradients the strategy synchronises.
         self._plain_parameters: list[tuple[str, torch.nn.Parameter]] = []
         self._gradient_sync_blocked = False
 
     def _configure_launcher(self) -> None:
-        self._validate_before_launch()
-        if self.start_method == "popen":
-            super()._configure_launcher()
-        else:
-            self._launcher = InProcessLauncher(self, start_method=self.start_method)
+        self._check_settings()
+        if self.start_method != "popen":
+            self._launcher = InProcessLauncher(self, self.start_method, self.preflight)
+        elif not self.cluster_environment.creates_processes_externally:
+            self._launcher = ScriptLauncher(self, self.preflight)
 
-    def _validate_before_launch(self) -> None:
-        """Settings that would fail on every rank fail here, once, before any process starts."""
-        world_size = self.num_processes * self.num_nodes
-        for name, size in (
-            ("tensor_parallel_size", self._tensor_parallel_size),
-            ("data_parallel_size", self._data_parallel_size),
-        ):
-            if size != "auto" and (not isinstance(size, int) or size < 1 or world_size % size):
-                raise ValueError(
-                    f"{name}={size!r} does not divide the {world_size} devices "
-                    f"({self.num_nodes} node(s) × {self.num_processes}); choose a divisor of {world_size}."
-                )
+    def _check_settings(self) -> None:
+        """Settings that would fail on every rank fail when the Trainer is built, before any
+        process starts: sizes that do not divide the devices, an unsupported precision."""
+        choose_mesh(None, *self._requested_sizes, self.num_nodes, self.num_processes)
         precision = getattr(self.precision_plugin, "precision", "32-true")
         if precision not in SUPPORTED_PRECISION:
             raise ValueError(
@@ -182,26 +187,40 @@ class CanzonaStrategy(ModelParallelStrategy):
                 "and owner-computed matrix updates do not implement.)"
             )
 
+    def preflight(self, ckpt_path: _PATH | None = None) -> None:
+        """Check what the launching process can know before any rank starts, and choose the mesh.
+
+        The phases: the mesh (`lightning_canzona.mesh.choose_mesh`: ``"auto"`` sizes that the
+        model can take, explicit ones checked against its plan and head counts), named in one
+        info line; ``ckpt_path`` exists (`lightning_canzona.checkpoint.check_path_exists`). The
+        launchers run it before they start the ranks; `setup_environment` runs it where none did
+        (``torchrun``, SLURM).
+
+        Raises:
+            ValueError: A mesh the devices or the model cannot take, naming the setting.
+            FileNotFoundError: ``ckpt_path`` names a file or folder that does not exist.
+        """
+        module = self.lightning_module
+        composes = module is None or not is_overridden("configure_model", module)
+        self._mesh_shape = choose_mesh(
+            module, *self._requested_sizes, self.num_nodes, self.num_processes, composes
+        )
+        rank_zero_info(self._mesh_shape.describe())
+        check_path_exists(ckpt_path, "ckpt_path")
+
     def setup_environment(self) -> None:
         if self.root_device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             # Ranks on one CPU share its cores: oversubscribed threads would fight each other.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.num_processes))
-        module = self.lightning_module
-        if (
-            self._tensor_parallel_size == "auto"
-            and module is not None
-            and not is_overridden("configure_model", module)
-            and not has_tensor_parallel_plan(module)
-        ):
-            # Nothing to split over tensor parallelism: every device is data-parallel.
-            rank_zero_info(
-                f"lightning_canzona: {type(module).__name__} declares no tensor-parallel plan; "
-                "tensor_parallel_size='auto' becomes 1 (FSDP2 over all devices)."
-            )
-            self._tensor_parallel_size = 1
-            if self._data_parallel_size == "auto":
-                self._data_parallel_size = self.num_processes * self.num_nodes
+        if self._mesh_shape is None:  # started by torchrun or SLURM: no launcher ran the preflight
+            module = self.lightning_module
+            self.preflight(module.trainer.ckpt_path if module is not None else None)
+        assert self._mesh_shape is not None
+        self._data_parallel_size = self._mesh_shape.data_parallel_size
+        self._tensor_parallel_size = self._mesh_shape.tensor_parallel_size
+        self._mesh_shape = None  # the next run's preflight chooses again (it may bring another model)
         super().setup_environment()
+        report_failures_briefly(self.global_rank)
 
     def setup(self, trainer: pl.Trainer) -> None:
         # ModelParallelStrategy.setup, with composition where it would demand configure_model.

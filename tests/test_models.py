@@ -29,7 +29,7 @@ def test_real_presets_build_on_the_meta_device_with_their_published_sizes(preset
 def test_tiny_decoder_is_causal_and_uses_grouped_query_attention() -> None:
     model = Qwen3("tiny").eval()
     config = PRESETS["tiny"]
-    assert model.layers[0].self_attn.k_proj.out_features == config.num_kv_heads * config.head_dim
+    assert model.layers[0].self_attn.k_proj.out_features == config.num_key_value_heads * config.head_dim
     tokens = torch.randint(0, 256, (2, 16))
     logits = model(tokens)
     assert logits.shape == (2, 16, 256)
@@ -103,4 +103,7 @@ def test_mixture_of_experts_routes_each_token_to_its_top_k_experts() -> None:
     # Gate rows, then up rows (the chunk above): each expert's halves are updated as two matrices.
     assert {
         name: group["row_blocks"] for group in groups for name, _ in group["params"] if "row_blocks" in group
-    } == {f"layers.{layer}.mlp.experts.gate_up_proj": 2 for layer in range(PRESETS["tiny-moe"].num_layers)}
+    } == {
+        f"layers.{layer}.mlp.experts.gate_up_proj": 2
+        for layer in range(PRESETS["tiny-moe"].num_hidden_layers)
+    }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import re
 import subprocess
@@ -205,10 +206,41 @@ class MissingModulePlan(CausalLanguageModel):
         return {**super().tensor_parallel_plan(), "model.layers.0.mlp.fc9": None}
 
 
-def test_a_tp_plan_naming_a_missing_module_is_a_clear_error() -> None:
-    strategy = lc.CanzonaStrategy(data_parallel_size=2, tensor_parallel_size=2, start_method="fork")
-    with pytest.raises(Exception, match=r"names modules that do not exist: \['model.layers.0.mlp.fc9'\]"):
-        _trainer(strategy).fit(MissingModulePlan(preset="tiny"), datamodule=ByteTextDataModule(seq_len=32))
+@pytest.mark.parametrize(
+    "module, strategy, fit_kwargs, error, message",
+    [
+        (
+            CausalLanguageModel,
+            {"tensor_parallel_size": 4},
+            {},
+            ValueError,
+            r"tensor_parallel_size=4 does not divide Qwen3Config\.num_key_value_heads=2.*\[1, 2\]",
+        ),
+        (
+            MissingModulePlan,
+            {"tensor_parallel_size": 2},
+            {},
+            ValueError,
+            r"names modules that do not exist: \['model.layers.0.mlp.fc9'\]",
+        ),
+        (
+            CausalLanguageModel,
+            {},
+            {"ckpt_path": "missing.ckpt"},
+            FileNotFoundError,
+            r"ckpt_path='missing.ckpt' does not",
+        ),
+    ],
+    ids=["tp-vs-kv-heads", "plan-names-a-missing-module", "missing-ckpt_path"],
+)
+def test_mistakes_fail_in_the_launching_process_before_any_rank_starts(
+    module, strategy, fit_kwargs, error, message
+) -> None:
+    trainer = _trainer(lc.CanzonaStrategy(start_method="fork", **strategy))
+    # The error itself, raised here: a rank's error would come back as another exception.
+    with pytest.raises(error, match=message):
+        trainer.fit(module(preset="tiny"), datamodule=ByteTextDataModule(seq_len=32), **fit_kwargs)
+    assert not getattr(trainer.strategy.launcher, "procs", [])  # no rank was started
 
 
 def test_cli_help_shows_every_strategy_argument() -> None:
@@ -244,10 +276,18 @@ def _fit_with_cli(tmp_path, *overrides: str, config: Path = TINY_CONFIG) -> str:
     return result.stdout + result.stderr
 
 
-def test_cli_runs_the_main_job_config(tmp_path) -> None:
+#: Lines that a warning of this package, or of the way it calls LightningCLI, would print.
+OUR_WARNINGS = re.compile(r"lightning_canzona/\S+\.py:\d+: |LightningCLI's args parameter|LeafSpec")
+
+
+def test_cli_runs_the_main_job_config_quietly_on_the_mesh_auto_chose(tmp_path) -> None:
     output = _fit_with_cli(tmp_path, "--trainer.max_steps", "3")
+    # `strategy: canzona`: "auto" sizes, which the model's 2 key/value heads limit to TP 2.
+    (mesh,) = [line for line in output.splitlines() if "device mesh" in line]
+    assert "data_parallel 2 × tensor_parallel 2" in mesh and "num_key_value_heads=2" in mesh
     assert "lightning_canzona plan on mesh (2, 2)" in output and "policy canzona" in output
     assert "`max_steps=3` reached" in output
+    assert not OUR_WARNINGS.findall(output), output
 
 
 def test_cli_runs_the_mixture_of_experts_config_with_experts_updated_where_they_lie(tmp_path) -> None:
@@ -264,9 +304,10 @@ def test_cli_runs_the_mixture_of_experts_config_with_experts_updated_where_they_
 def test_cli_top_level_optimizer_is_built_from_the_sharded_model_with_matrix_groups(tmp_path) -> None:
     output = _fit_with_cli(
         tmp_path,
-        *("--trainer.devices", "2", "--trainer.strategy.init_args.data_parallel_size", "1"),
-        *("--trainer.max_steps", "2", "--optimizer", "lightning_canzona.SOAP", "--optimizer.lr", "0.003"),
+        *("--trainer.devices", "2", "--trainer.max_steps", "2"),
+        *("--optimizer", "lightning_canzona.SOAP", "--optimizer.lr", "0.003"),
     )
+    assert "lightning_canzona plan on mesh (1, 2)" in output  # "auto": TP over both devices
     assert "`max_steps=2` reached" in output
     # 28 matrices (4 blocks × 7 linear layers); the embedding and the head went to AdamW.
     assert _planned_matrices(output) == 28
@@ -306,12 +347,80 @@ def test_cli_top_level_optimizer_takes_matrix_param_groups_and_configs_interpola
     assert optimizer.param_groups[0]["lr"] == 0.05
 
 
-def test_cli_accepts_the_registered_name_without_an_import(tmp_path) -> None:
-    output = _fit_with_cli(
-        tmp_path, "--trainer.strategy", "canzona", "--trainer.devices", "2", "--trainer.max_steps", "2"
+def test_a_bad_optimizer_keyword_names_the_class_when_the_model_is_built() -> None:
+    with pytest.raises(
+        TypeError, match=r"^Muon\(\) got an unexpected keyword argument 'lrr'. Did you mean 'lr'\?"
+    ):
+        CausalLanguageModel("tiny", optimizer=functools.partial(lc.Muon, lrr=0.02))
+    with pytest.raises(TypeError, match=r"^SOAP\(\) got an unexpected keyword argument 'precondition_freq'"):
+        lc.SOAP([torch.nn.Parameter(torch.zeros(2, 2))], precondition_freq=5)
+
+
+HEADLINE = """
+import lightning as L
+import lightning_canzona
+from lightning_canzona.data import ByteTextDataModule
+from lightning_canzona.models import CausalLanguageModel
+
+class Fails(CausalLanguageModel):
+    def training_step(self, batch, batch_idx):
+        raise RuntimeError("the loss went wrong on every rank")
+
+trainer = L.Trainer(
+    strategy={strategy}, devices={devices}, accelerator="cpu", max_steps=2, limit_val_batches=0,
+    logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+)
+trainer.fit({model}("tiny"), ByteTextDataModule(seq_len=32, batch_size=4){fit})
+"""
+
+
+def _run_headline(
+    tmp_path, strategy: str = '"canzona"', devices: int = 4, model: str = "CausalLanguageModel", fit: str = ""
+) -> tuple[int, str]:
+    """The README's headline, ``Trainer(strategy="canzona", devices=4)``, in a user's script (which
+    Lightning re-runs once per rank); returns its exit code and everything it printed."""
+    script = tmp_path / "train.py"
+    script.write_text(HEADLINE.format(strategy=strategy, devices=devices, model=model, fit=fit))
+    run = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path
     )
-    # "auto" sizes on one node: data-parallel 1 × tensor-parallel 2.
-    assert "lightning_canzona plan on mesh (1, 2)" in output
+    return run.returncode, run.stdout + run.stderr
+
+
+def test_the_headline_trains_the_bundled_model_on_a_mesh_it_can_take(tmp_path) -> None:
+    code, output = _run_headline(tmp_path)
+    assert code == 0, output[-3000:]
+    assert "device mesh data_parallel 2 × tensor_parallel 2" in output
+    assert "`max_steps=2` reached" in output and not OUR_WARNINGS.findall(output)
+
+
+@pytest.mark.parametrize(
+    "mistake, message",
+    [
+        ({"fit": ", ckpt_path='last.ckpt'"}, "FileNotFoundError: ckpt_path='last.ckpt' does not exist"),
+        (
+            {"strategy": "lightning_canzona.CanzonaStrategy(tensor_parallel_size=4)"},
+            "ValueError: tensor_parallel_size=4 does not divide Qwen3Config.num_key_value_heads=2",
+        ),
+    ],
+    ids=["missing-ckpt_path", "tp-vs-kv-heads"],
+)
+def test_a_mistake_in_the_headline_is_one_error_before_any_rank_starts(tmp_path, mistake, message) -> None:
+    code, output = _run_headline(tmp_path, **mistake)
+    assert code == 1
+    assert output.count(message) == 1 and output.count("Traceback") == 1, output
+    assert "Initializing distributed" not in output  # no rank started
+
+
+def test_a_failure_on_every_rank_prints_one_traceback_and_a_line_per_other_rank(tmp_path) -> None:
+    code, output = _run_headline(tmp_path, devices=2, model="Fails")
+    assert code != 0
+    assert output.count("Traceback (most recent call last)") == 1, output
+    (line,) = [line for line in output.splitlines() if line.startswith("[rank1]: RuntimeError")]
+    assert "the loss went wrong on every rank" in line
+    path = Path(line.split("its traceback is in ")[1].rstrip(")"))
+    assert "Traceback (most recent call last)" in path.read_text() and "training_step" in path.read_text()
+    path.unlink()
 
 
 class WrappedWithFSDP1(CausalLanguageModel):

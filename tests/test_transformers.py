@@ -23,7 +23,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 import lightning_canzona as lc
-from lightning_canzona import huggingface
+from lightning_canzona import composition, huggingface
+from lightning_canzona.mesh import choose_mesh
 
 STEPS, BATCH, SEQ, VOCAB = 3, 8, 32, 128
 MUON = {"lr": 0.02, "adamw_lr": 3e-3, "compute_dtype": "float32"}
@@ -131,8 +132,8 @@ def _train_in_one_process(module: CausalLM) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize(
     ("name", "dp", "tp"),
-    [("qwen3", 2, 2), ("llama", 2, 2), ("qwen3_moe", 2, 2), ("gpt2", "auto", "auto")],
-    ids=["qwen3-dp2xtp2", "llama-dp2xtp2", "qwen3_moe-dp2xtp2", "gpt2-auto"],
+    [("qwen3", 2, 2), ("llama", "auto", "auto"), ("qwen3_moe", 2, 2), ("gpt2", "auto", "auto")],
+    ids=["qwen3-dp2xtp2", "llama-auto", "qwen3_moe-dp2xtp2", "gpt2-auto"],
 )
 def test_a_transformers_model_trains_exactly_with_its_own_plan(tmp_path, name, dp, tp) -> None:
     torch.manual_seed(0)
@@ -149,6 +150,10 @@ def test_a_transformers_model_trains_exactly_with_its_own_plan(tmp_path, name, d
         } <= matrices
         assert "model.model.layers.0.mlp.gate.weight" not in matrices
 
+    # "auto": Llama's 2 key/value heads allow tensor parallelism of 2 on 4 devices; GPT-2
+    # declares no plan: FSDP2 over all 4.
+    mesh = choose_mesh(module, dp, tp, 1, 4)
+    assert (mesh.data_parallel_size, mesh.tensor_parallel_size) == ((4, 1) if name == "gpt2" else (2, 2))
     distributed = _train_under_strategy(tmp_path, module, dp, tp)
     reference_module = CausalLM(name)
     reference_module.load_state_dict(initial, strict=False)  # tied weights appear once
@@ -161,7 +166,7 @@ def test_a_transformers_model_trains_exactly_with_its_own_plan(tmp_path, name, d
     # An update is the difference of two float32 weights, so it is known to a few ulps of the
     # weights only: Qwen3-MoE's layer-1 input norm (weights ≈ 1, an element whose AdamW steps
     # nearly cancel) measured 10 ulps off on one element, 3.1e-5 of its small update.
-    tolerance = 3e-5 if tp == 2 else 1e-6
+    tolerance = 1e-6 if mesh.tensor_parallel_size == 1 else 3e-5
     ulps = 16 * torch.finfo(torch.float32).eps
     assert distributed.keys() == reference.keys()
     for param_name, expected in reference.items():
@@ -192,7 +197,7 @@ def test_a_plan_entry_that_cannot_be_honoured_or_a_size_that_does_not_divide_is_
     ):
         huggingface.tensor_parallel_plan(moe)
     with pytest.raises(ValueError, match=r"does not divide Qwen3Config\.num_key_value_heads=2.*\[1, 2\]"):
-        huggingface.check_tensor_parallel_size(CausalLM("qwen3"), 4)
+        composition.check_tensor_parallel_size(CausalLM("qwen3"), 4)
     assert huggingface.fsdp_unit_classes(moe) == {"Qwen3MoeDecoderLayer"}
 
 

@@ -279,8 +279,8 @@ class MeshEngine:
             if entry.algorithm == ADAMW and stepped:
                 adamw.setdefault(id(entry.group), []).append(entry)
         for group in adamw.values():
-            params = [entry.param for entry in group]
-            self.attempt(functools.partial(step_adamw, params, state, group[0].group))
+            params, names = [entry.param for entry in group], [entry.name for entry in group]
+            self.attempt(functools.partial(step_adamw, params, names, state, group[0].group))
         stepped_entries = [flag for entry, flag in zip(entries, has_grad) if entry.algorithm != ADAMW]
         stepped = [stepped_entries[item.entry] for item in self._items]
         prepare = _PreparedEntries(self, rules, state, stepped_entries)
@@ -799,6 +799,7 @@ class _GroupStep:
             work = functools.partial(
                 apply_matrices,
                 [entry.param for entry in entries],
+                [entry.name for entry in entries],
                 self.rules[updates[0][0].entry],
                 [update for _, update in updates],
                 entries[0].group,

@@ -8,15 +8,18 @@ tensor (the whole of it), so the two paths cannot drift apart. Gradients are rea
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from lightning_canzona.distributed.layout import local_tensor
 from lightning_canzona.rules.adamw import adamw_step, init_adamw_state
 from lightning_canzona.rules.base import FAILURES, MatrixRule, state_part, store_state_part
+from lightning_canzona.rules.rounding import StochasticRounding
 
 State = dict[str, Tensor]
 
@@ -30,23 +33,49 @@ def _local_state(state: State) -> State:
     return {key: local_tensor(value) for key, value in state.items()}
 
 
-def step_adamw(params: Sequence[Tensor], state: dict[Tensor, State], group: dict[str, Any]) -> None:
-    """One AdamW step of this rank's parts of ``params``, all of ``group``."""
+def shard_key(param: Tensor, name: str) -> str:
+    """A name for this rank's part of ``param`` (named ``name``): the same on every rank that holds
+    the same elements (its replicas, over the mesh dimensions that replicate it), different
+    on ranks that hold others."""
+    if not isinstance(param, DTensor):
+        return name
+    coordinate = param.device_mesh.get_coordinate() or []
+    shards = [str(c) for c, placement in zip(coordinate, param.placements) if not placement.is_replicate()]
+    return f"{name}@{','.join(shards)}"
+
+
+@contextmanager
+def _written(group: dict[str, Any], targets: list[Tensor], keys: list[str]) -> Iterator[list[Tensor]]:
+    """What a step updates in place for ``targets``: themselves, or under ``stochastic_rounding``
+    float32 copies of the bf16 ones, rounded into them at the end (`rules.rounding`)."""
+    if not group.get("stochastic_rounding"):
+        yield targets
+        return
+    with StochasticRounding(group["rounding_step"]).writes(targets, keys) as work:
+        yield work
+
+
+def step_adamw(
+    params: Sequence[Tensor], names: Sequence[str], state: dict[Tensor, State], group: dict[str, Any]
+) -> None:
+    """One AdamW step of this rank's parts of ``params`` (named ``names``), all of ``group``."""
     states = []
     for param in params:
         param_state = state.setdefault(param, {})
         if not param_state:
             param_state.update(init_adamw_state(param))
         states.append(_local_state(param_state))
-    adamw_step(
-        [local_tensor(param) for param in params],
-        [local_grad(param) for param in params],
-        states,
-        lr=group["lr"],
-        betas=group["betas"],
-        eps=group["eps"],
-        weight_decay=group["weight_decay"],
-    )
+    targets = [local_tensor(param) for param in params]
+    with _written(group, targets, [shard_key(p, n) for p, n in zip(params, names)]) as written:
+        adamw_step(
+            written,
+            [local_grad(param) for param in params],
+            states,
+            lr=group["lr"],
+            betas=group["betas"],
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+        )
 
 
 def prepare_matrices(
@@ -102,18 +131,24 @@ def full_direction(rule: MatrixRule, matrix: Tensor, param_state: State) -> Tens
 
 def apply_matrices(
     params: Sequence[Tensor],
+    names: Sequence[str],
     rule: MatrixRule,
     updates: Sequence[Tensor],
     group: dict[str, Any],
     members: Sequence[int | None] | None = None,
 ) -> None:
     """Write ``updates`` (this rank's blocks of the full directions) into this rank's parts of
-    ``params`` (all of ``group``, in one call of the rule), or each into matrix ``members[i]``
-    of its local part of a stack."""
+    ``params`` (named ``names``; all of ``group``, in one call of the rule), or each into matrix
+    ``members[i]`` of its local part of a stack."""
     members = members or [None] * len(params)
     targets = [
         local_tensor(param) if member is None else local_tensor(param)[member]
         for param, member in zip(params, members)
     ]
+    keys = [
+        shard_key(param, name) + ("" if member is None else f"[{member}]")
+        for param, name, member in zip(params, names, members)
+    ]
     shapes = [param.shape for param in params]
-    rule.apply(targets, updates, lr=group["lr"], weight_decay=group["weight_decay"], shapes=shapes)
+    with _written(group, targets, keys) as written:
+        rule.apply(written, updates, lr=group["lr"], weight_decay=group["weight_decay"], shapes=shapes)

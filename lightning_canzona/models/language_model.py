@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -12,8 +13,8 @@ from torch import Tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.optim.lr_scheduler import LambdaLR
 
-from lightning_canzona.models.qwen3 import Qwen3, tensor_parallel_plan
-from lightning_canzona.optim import Muon, matrix_param_groups
+from lightning_canzona.models.qwen3 import Qwen3, tensor_parallel_constraints, tensor_parallel_plan
+from lightning_canzona.optim import MatrixOptimizer, Muon, matrix_param_groups
 
 
 class CausalLanguageModel(LightningModule):
@@ -35,6 +36,8 @@ class CausalLanguageModel(LightningModule):
         warmup_steps: int = 20,
     ) -> None:
         super().__init__()
+        if isinstance(optimizer, functools.partial) and _is_matrix_optimizer(optimizer.func):
+            optimizer.func.check_keywords(optimizer.keywords)  # here, not on every rank later
         self.save_hyperparameters(ignore=["optimizer"])
         self.optimizer_factory = optimizer
         self.model = Qwen3(preset)
@@ -42,6 +45,11 @@ class CausalLanguageModel(LightningModule):
     def tensor_parallel_plan(self) -> dict[str, ParallelStyle]:
         """The decoder's TP plan, named from this module (what `CanzonaStrategy` applies)."""
         return {f"model.{name}": style for name, style in tensor_parallel_plan(self.model).items()}
+
+    def tensor_parallel_constraints(self) -> dict[str, int]:
+        """The head counts and widths that a tensor-parallel size must divide (what
+        `CanzonaStrategy`'s ``"auto"`` sizes and its checks read)."""
+        return tensor_parallel_constraints(self.model.config)
 
     def forward(self, tokens: Tensor) -> Tensor:
         return self.model(tokens)
@@ -79,3 +87,7 @@ class CausalLanguageModel(LightningModule):
 
         scheduler = LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _is_matrix_optimizer(factory: Any) -> bool:
+    return isinstance(factory, type) and issubclass(factory, MatrixOptimizer)

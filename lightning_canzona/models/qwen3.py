@@ -30,9 +30,9 @@ class Qwen3Config:
         vocab_size: Token vocabulary size.
         hidden_size: Residual stream width.
         intermediate_size: SwiGLU hidden width.
-        num_layers: Decoder blocks.
-        num_heads: Query heads.
-        num_kv_heads: Key/value heads (grouped-query attention).
+        num_hidden_layers: Decoder blocks.
+        num_attention_heads: Query heads.
+        num_key_value_heads: Key/value heads (grouped-query attention).
         head_dim: Width of one head.
         rope_theta: RoPE base.
         rms_norm_eps: RMSNorm epsilon.
@@ -46,9 +46,9 @@ class Qwen3Config:
     vocab_size: int
     hidden_size: int
     intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
     head_dim: int = 128
     rope_theta: float = 1_000_000.0
     rms_norm_eps: float = 1e-6
@@ -136,10 +136,10 @@ class Attention(nn.Module):
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__()
         self.head_dim = config.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, config.num_heads * config.head_dim, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=False)
-        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
+        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * config.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * config.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * config.head_dim, bias=False)
+        self.o_proj = nn.Linear(config.num_attention_heads * config.head_dim, config.hidden_size, bias=False)
         self.q_norm = nn.RMSNorm(config.head_dim, eps=config.rms_norm_eps)
         self.k_norm = nn.RMSNorm(config.head_dim, eps=config.rms_norm_eps)
 
@@ -234,14 +234,14 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen3(nn.Module):
-    """The decoder: token embedding, ``num_layers`` blocks, final norm and output head."""
+    """The decoder: token embedding, ``num_hidden_layers`` blocks, final norm and output head."""
 
     def __init__(self, config: Qwen3Config | str = "tiny") -> None:
         super().__init__()
         self.config = resolve_config(config)
         config = self.config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -304,3 +304,13 @@ def tensor_parallel_plan(model: Qwen3) -> dict[str, ParallelStyle]:
         for name in ("self_attn.q_norm", "self_attn.k_norm"):
             plan[f"{prefix}.{name}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
     return plan
+
+
+def tensor_parallel_constraints(config: Qwen3Config) -> dict[str, int]:
+    """The config fields that `tensor_parallel_plan` splits over the tensor-parallel ranks: the
+    query and key/value heads (each rank computes whole heads) and, in a dense model, the
+    SwiGLU width (the experts of a mixture-of-experts model are not split over TP)."""
+    fields = ["num_attention_heads", "num_key_value_heads"] + (
+        [] if config.num_experts else ["intermediate_size"]
+    )
+    return {f"{type(config).__name__}.{field}": getattr(config, field) for field in fields}

@@ -11,6 +11,8 @@ splits a module more carefully (embeddings and output heads go to AdamW).
 from __future__ import annotations
 
 import contextlib
+import difflib
+import inspect
 import math
 import warnings
 from abc import abstractmethod
@@ -73,6 +75,11 @@ class MatrixOptimizer(Optimizer):
         adamw_weight_decay: AdamW's decoupled weight decay; ``None`` takes ``weight_decay``.
         check_finite: Raise `FloatingPointError` naming the parameter when a gradient holds
             NaN or Inf, instead of writing it into the weights. Costs one host sync per step.
+        stochastic_rounding: Write each step into bf16 parameters rounded up or down at random
+            (unbiased), from a float32 computation of the decay and the step, instead of
+            rounding each operation to nearest as ``torch.optim`` does: bf16 weights then follow
+            updates below their precision on average (`lightning_canzona.rules.rounding`).
+            Other dtypes are unaffected.
         policy: Who computes each matrix of DTensor parameters: ``canzona`` (α-balanced owners
             and micro-groups), ``lpt``, ``round_robin`` or ``sync`` (every rank, redundantly).
         alpha: ``canzona``'s balance between per-bucket uniformity (0) and global balance (1).
@@ -106,6 +113,7 @@ class MatrixOptimizer(Optimizer):
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float | None = None,
         check_finite: bool = True,
+        stochastic_rounding: bool = False,
         policy: str = "canzona",
         alpha: float = 0.5,
         cost: str = "flops",
@@ -114,12 +122,16 @@ class MatrixOptimizer(Optimizer):
         team_prices: TeamPrices = "h100",
         overlap: bool = True,
     ) -> None:
+        if not isinstance(stochastic_rounding, bool):
+            raise TypeError(f"stochastic_rounding must be True or False, got {stochastic_rounding!r}")
         self.adamw_defaults = {
             "lr": defaults["lr"] if adamw_lr is None else adamw_lr,
             "betas": tuple(adamw_betas),
             "eps": adamw_eps,
             "weight_decay": defaults["weight_decay"] if adamw_weight_decay is None else adamw_weight_decay,
+            "stochastic_rounding": stochastic_rounding,
         }
+        defaults = {**defaults, "stochastic_rounding": stochastic_rounding}
         self.check_finite = check_finite
         self.plan_settings = PlanSettings(
             policy,
@@ -134,6 +146,28 @@ class MatrixOptimizer(Optimizer):
         self.batch_matrices = True
         self.engines: dict[Any, MeshEngine] = {}
         super().__init__(params, defaults)
+
+    @classmethod
+    def check_keywords(cls, keywords: Iterable[str]) -> None:
+        """Raise a `TypeError` naming this class for a keyword it does not take, with the nearest
+        one: the class the user called, not this base, where a subclass's ``**kwargs`` end up.
+        (A model that receives an optimizer's settings can check them before any rank starts.)
+        """
+        own = [n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "params", "kwargs")]
+        shared = [
+            name
+            for name, parameter in inspect.signature(MatrixOptimizer.__init__).parameters.items()
+            if parameter.kind is inspect.Parameter.KEYWORD_ONLY
+        ]
+        unknown = [name for name in keywords if name not in own + shared]
+        if not unknown:
+            return
+        close = difflib.get_close_matches(unknown[0], own + shared, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise TypeError(
+            f"{cls.__name__}() got an unexpected keyword argument {unknown[0]!r}.{hint} It takes: "
+            f"{', '.join(own + shared)}."
+        )
 
     @abstractmethod
     def matrix_rule(self, group: dict[str, Any]) -> MatrixRule:
@@ -236,11 +270,14 @@ class MatrixOptimizer(Optimizer):
         ]
         if not named:
             return loss
+        for group in self.param_groups:
+            if group.get("stochastic_rounding"):  # numbers the step's random bits (`StochasticRounding`)
+                group["rounding_step"] = group.get("rounding_step", 0) + 1
         present = agree_on_gradients(named, self.check_finite)
         has_grad = {id(param): flag for (_, param), flag in zip(named, present)}
         failure: Exception | None = None
         try:
-            self._step_plain_tensors(has_grad)
+            self._step_plain_tensors(has_grad, {id(param): name for name, param in named})
         except Exception as error:
             failure = error
         for mesh, entries in self._distributed_entries().items():
@@ -251,19 +288,20 @@ class MatrixOptimizer(Optimizer):
         raise_on_every_rank(failure, device, f"{type(self).__name__}.step")
         return loss
 
-    def _step_plain_tensors(self, has_grad: dict[int, bool]) -> None:
+    def _step_plain_tensors(self, has_grad: dict[int, bool], names: dict[int, str]) -> None:
         """Update the parameters that are not DTensors: whole, on this rank."""
         for group in self.param_groups:
             params = [p for p in group["params"] if not isinstance(p, DTensor) and has_grad[id(p)]]
             if not params:
                 continue
+            param_names = [names[id(param)] for param in params]
             if group["algorithm"] == ADAMW:
-                step_adamw(params, self.state, group)
+                step_adamw(params, param_names, self.state, group)
                 continue
             rule = self.rule_of(group)
             prepared = prepare_matrices(params, rule, self.state, [True] * len(params))
             directions = [full_direction(rule, p, self.state[param]) for p, param in zip(prepared, params)]
-            apply_matrices(params, rule, directions, group)
+            apply_matrices(params, param_names, rule, directions, group)
 
     def plans(self) -> dict[Any, Plan]:
         """The plan of every device mesh of the DTensor parameters, built now if need be.
@@ -345,7 +383,7 @@ class MatrixOptimizer(Optimizer):
             rules = [self.rule_of(g) for g in self.param_groups if g["algorithm"] != ADAMW]
             dtypes = list(dict.fromkeys(rule.matmul_dtype() for rule in rules)) or [torch.float32]
             weights = flops_weights(self.team_prices, group, mesh.device_type, dtypes)
-            if weights is None:
+            if weights is None and group.rank() == 0:  # every rank would say the same
                 # Matmul FLOPs of different dtypes take different times (float32 about 15× bf16's
                 # on an H100), and prices given as figures say nothing of the dtypes' rates.
                 warnings.warn(

@@ -61,9 +61,9 @@ class Muon(MatrixOptimizer):
             products (``XXᵀ`` and its square) computed by blocks, 5/8 of their FLOPs (see
             `lightning_canzona.rules.newton_schulz`).
         **kwargs: AdamW-group settings (``adamw_lr``, ``adamw_betas``, ``adamw_eps``,
-            ``adamw_weight_decay``), ``check_finite``, and the distributed plan (``policy``,
-            ``alpha``, ``cost``, ``micro_group_capacity``, ``max_team``, ``overlap``): see
-            `MatrixOptimizer`.
+            ``adamw_weight_decay``), ``check_finite``, ``stochastic_rounding``, and the
+            distributed plan (``policy``, ``alpha``, ``cost``, ``micro_group_capacity``,
+            ``max_team``, ``overlap``): see `MatrixOptimizer`.
     """
 
     algorithm = "muon"
@@ -95,6 +95,7 @@ class Muon(MatrixOptimizer):
             compute_dtype=compute_dtype,
             ns_form=ns_form,
         )
+        self.check_keywords(kwargs)
         super().__init__(params, defaults, **kwargs)
 
     def matrix_rule(self, group: dict[str, Any]) -> MuonRule:
@@ -136,9 +137,9 @@ class Shampoo(MatrixOptimizer):
             before it).
         max_precond_dim: Sides longer than this are not preconditioned.
         **kwargs: AdamW-group settings (``adamw_lr``, ``adamw_betas``, ``adamw_eps``,
-            ``adamw_weight_decay``), ``check_finite``, and the distributed plan (``policy``,
-            ``alpha``, ``cost``, ``micro_group_capacity``, ``max_team``, ``overlap``): see
-            `MatrixOptimizer`.
+            ``adamw_weight_decay``), ``check_finite``, ``stochastic_rounding``, and the
+            distributed plan (``policy``, ``alpha``, ``cost``, ``micro_group_capacity``,
+            ``max_team``, ``overlap``): see `MatrixOptimizer`.
     """
 
     algorithm = "shampoo"
@@ -166,6 +167,7 @@ class Shampoo(MatrixOptimizer):
             start_preconditioning_step=start_preconditioning_step,
             max_precond_dim=max_precond_dim,
         )
+        self.check_keywords(kwargs)
         super().__init__(params, defaults, **kwargs)
 
     def matrix_rule(self, group: dict[str, Any]) -> ShampooRule:
@@ -201,9 +203,9 @@ class SOAP(MatrixOptimizer):
         precondition_frequency: Steps between QR refreshes of the eigenbases.
         max_precond_dim: Sides longer than this keep the identity basis.
         **kwargs: AdamW-group settings (``adamw_lr``, ``adamw_betas``, ``adamw_eps``,
-            ``adamw_weight_decay``), ``check_finite``, and the distributed plan (``policy``,
-            ``alpha``, ``cost``, ``micro_group_capacity``, ``max_team``, ``overlap``): see
-            `MatrixOptimizer`.
+            ``adamw_weight_decay``), ``check_finite``, ``stochastic_rounding``, and the
+            distributed plan (``policy``, ``alpha``, ``cost``, ``micro_group_capacity``,
+            ``max_team``, ``overlap``): see `MatrixOptimizer`.
     """
 
     algorithm = "soap"
@@ -229,6 +231,7 @@ class SOAP(MatrixOptimizer):
             precondition_frequency=precondition_frequency,
             max_precond_dim=max_precond_dim,
         )
+        self.check_keywords(kwargs)
         super().__init__(params, defaults, **kwargs)
 
     def matrix_rule(self, group: dict[str, Any]) -> SOAPRule:

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from lightning_canzona.rules.base import State
+from lightning_canzona.rules.rounding import scale_
 
 ALGORITHM = "adamw"
 
@@ -43,7 +44,7 @@ def adamw_step(
     The operations are ``torch.optim.AdamW``'s single-tensor ones, in the same order, each applied
     to all the tensors by one ``torch._foreach_*`` call: one kernel launch per operation instead
     of one per operation and parameter (the hundreds of norms and biases of an LLM), with the
-    same result bit for bit.
+    same result bit for bit, bf16 and fp16 tensors included (`rules.rounding.scale_`).
     """
     if not params:
         return
@@ -52,9 +53,9 @@ def adamw_step(
     torch._foreach_add_(steps, 1)
     exp_avgs = [state["exp_avg"] for state in states]
     exp_avg_sqs = [state["exp_avg_sq"] for state in states]
-    torch._foreach_mul_(params, 1.0 - lr * weight_decay)
+    scale_(params, 1.0 - lr * weight_decay)
     torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
-    torch._foreach_mul_(exp_avg_sqs, beta2)
+    scale_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
     counts = [float(step) for step in steps]  # host tensors: reading them never syncs a device
     denominators = torch._foreach_sqrt(exp_avg_sqs)

@@ -1,0 +1,138 @@
+"""The device mesh's shape: how many devices go to data parallelism and how many to tensor
+parallelism, ``"auto"`` included.
+
+Lightning's ``ModelParallelStrategy`` reads ``"auto"`` as tensor parallelism over every device of
+a node, whatever the model: a model with 2 key/value heads then fails in its first forward on 4
+devices. Here ``"auto"`` reads the model (`lightning_canzona.composition.tensor_parallel_constraints`)
+and picks the largest tensor-parallel size that divides the devices per node and every size that
+tensor parallelism splits; an explicit size is kept exactly as given, and checked.
+
+Pure: reads the module's declarations, never a process group, so the launching process chooses
+before any rank starts and every rank chooses the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from torch import nn
+
+from lightning_canzona.composition import (
+    check_composable,
+    check_tensor_parallel_size,
+    dividing_sizes,
+    has_tensor_parallel_plan,
+    tensor_parallel_constraints,
+)
+
+Size = Literal["auto"] | int
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """A ``(data_parallel, tensor_parallel)`` mesh and why it has that shape.
+
+    Attributes:
+        data_parallel_size: Devices per data-parallel group (FSDP2 shards over them).
+        tensor_parallel_size: Devices per tensor-parallel group.
+        reason: Why, in a user's words (what ``"auto"`` read, or that the sizes were given).
+    """
+
+    data_parallel_size: int
+    tensor_parallel_size: int
+    reason: str
+
+    def describe(self) -> str:
+        """One line for the log."""
+        return (
+            f"lightning_canzona: device mesh data_parallel {self.data_parallel_size} × "
+            f"tensor_parallel {self.tensor_parallel_size}: {self.reason}."
+        )
+
+
+def choose_mesh(
+    module: nn.Module | None,
+    data_parallel_size: Size,
+    tensor_parallel_size: Size,
+    num_nodes: int,
+    devices_per_node: int,
+    composes: bool = True,
+) -> MeshShape:
+    """The mesh for ``module`` on ``num_nodes × devices_per_node`` devices.
+
+    Args:
+        module: The model (``None``: nothing to read; an ``"auto"`` size follows Lightning's).
+        data_parallel_size: As given to the strategy: an integer, kept, or ``"auto"``.
+        tensor_parallel_size: As given to the strategy: an integer, kept, or ``"auto"``.
+        num_nodes: Nodes of the job.
+        devices_per_node: Devices (processes) per node.
+        composes: Whether the strategy composes the module (``False``: its ``configure_model``
+            parallelizes it, with whatever sizes the mesh has).
+
+    Raises:
+        ValueError: A size that does not divide the devices, sizes whose product is not the
+            number of devices, or a tensor-parallel size that the module cannot take
+            (`lightning_canzona.composition.check_composable`), naming the setting.
+    """
+    world = num_nodes * devices_per_node
+    devices = f"the {world} devices ({num_nodes} node(s) × {devices_per_node})"
+    for name, size in (
+        ("data_parallel_size", data_parallel_size),
+        ("tensor_parallel_size", tensor_parallel_size),
+    ):
+        if size != "auto" and (
+            isinstance(size, bool) or not isinstance(size, int) or size < 1 or world % size
+        ):
+            raise ValueError(
+                f"{name}={size!r} does not divide {devices}; choose a divisor of {world}, or 'auto'."
+            )
+    if tensor_parallel_size != "auto":
+        tp = tensor_parallel_size
+        if data_parallel_size != "auto" and data_parallel_size * tp != world:
+            raise ValueError(
+                f"data_parallel_size={data_parallel_size} × tensor_parallel_size={tp} is not {devices}; "
+                "set one of them to 'auto'."
+            )
+        shape = MeshShape(
+            world // tp, tp, "as given" if data_parallel_size != "auto" else "tensor_parallel_size as given"
+        )
+    elif data_parallel_size != "auto":
+        shape = MeshShape(data_parallel_size, world // data_parallel_size, "data_parallel_size as given")
+    else:
+        shape = _auto(module, num_nodes, devices_per_node, composes)
+    if module is not None:
+        if composes:
+            check_composable(module, shape.tensor_parallel_size)
+        else:
+            check_tensor_parallel_size(module, shape.tensor_parallel_size)
+    return shape
+
+
+def _auto(module: nn.Module | None, num_nodes: int, devices_per_node: int, composes: bool) -> MeshShape:
+    """Both sizes ``"auto"``: tensor parallelism within a node, as large as the model allows."""
+    world = num_nodes * devices_per_node
+    if module is not None and composes and not has_tensor_parallel_plan(module):
+        name = type(module).__name__
+        return MeshShape(world, 1, f"{name} declares no tensor-parallel plan, so FSDP2 over every device")
+    constraints = tensor_parallel_constraints(module) if module is not None else {}
+    if not constraints:
+        # A module that parallelizes itself and says nothing of its sizes: Lightning's convention.
+        return MeshShape(
+            num_nodes, devices_per_node, "tensor parallelism over each node's devices (Lightning's 'auto')"
+        )
+    tp = dividing_sizes(constraints.values(), devices_per_node)[-1]
+    if tp == devices_per_node:
+        reason = f"tensor parallelism over each node's {devices_per_node} devices"
+    else:
+        # The next larger size that a node's devices allow, and the first size it does not divide.
+        larger = next(d for d in range(tp + 1, devices_per_node + 1) if devices_per_node % d == 0)
+        name, size = next((n, s) for n, s in constraints.items() if s % larger)
+        limit = f"tensor_parallel_size {larger} would not divide {name}={size}"
+        reason = (
+            f"{limit}, so FSDP2 over every device"
+            if tp == 1
+            else f"the largest size that divides {devices_per_node} devices per node and every size the plan "
+            f"splits ({limit})"
+        )
+    return MeshShape(world // tp, tp, reason)

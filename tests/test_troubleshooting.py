@@ -1,0 +1,169 @@
+"""docs/troubleshooting.md stays true: each entry's message is what its mistake prints today.
+
+Every ``###`` entry of the page shows, in a ``text`` block, the error a mistake raises (``…``
+stands for a part that varies: a path, a pid). Each entry has a trigger here, which makes that
+mistake as a user would (in this process, or on two ranks where only ranks can meet it); the
+page and the triggers must name the same entries.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from collections.abc import Callable
+from contextlib import redirect_stderr
+from pathlib import Path
+
+import pytest
+import torch
+from lightning import Trainer
+from multiprocess import run_on_ranks
+from torch import nn
+
+import lightning_canzona as lc
+from lightning_canzona.checkpoint import check_compatible, check_path_exists
+from lightning_canzona.cli import CanzonaCLI
+from lightning_canzona.distributed.failures import raise_on_every_rank
+from lightning_canzona.mesh import choose_mesh
+from lightning_canzona.models import CausalLanguageModel
+
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "troubleshooting.md"
+TINY_CONFIG = PAGE.parents[1] / "examples" / "configs" / "tiny.yaml"
+
+
+def _entries() -> dict[str, str]:
+    """Each entry's heading and the message of its ``text`` block."""
+    entries = {}
+    for section in re.split(r"^### ", PAGE.read_text(), flags=re.M)[1:]:
+        heading, body = section.split("\n", 1)
+        block = re.search(r"```text\n(.*?)\n```", body, re.S)
+        assert block, f"the entry {heading!r} shows no message"
+        entries[heading.strip()] = block.group(1)
+    return entries
+
+
+def _message(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+class NoPlan(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(8, 8)
+
+
+class MissingModule(CausalLanguageModel):
+    def tensor_parallel_plan(self) -> dict:
+        return {**super().tensor_parallel_plan(), "model.layers.0.mlp.fc9": None}
+
+
+def _mesh_for_heads() -> None:
+    choose_mesh(CausalLanguageModel("tiny"), "auto", 4, 1, 4)
+
+
+def _unsupported_plan() -> None:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.Qwen3Config(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        )
+    )  # fmt: skip
+    model._tp_plan = {**model._tp_plan, "model.norm": "sequence_parallel"}
+    holder = nn.Module()
+    holder.model = model
+    choose_mesh(holder, "auto", 2, 1, 2)
+
+
+def _trainer(**kwargs) -> None:
+    Trainer(accelerator="cpu", devices=4, logger=False, **kwargs)
+
+
+def _other_model(tmp_path: Path) -> None:
+    path = tmp_path / "run.ckpt"
+    torch.save({"state_dict": {"model.embed_tokens.weight": torch.zeros(512, 128)}}, path)
+    check_compatible(path, {"model.embed_tokens.weight": (256, 128)}, strict=True)
+
+
+def _non_finite() -> None:
+    weight = nn.Parameter(torch.ones(4, 4))
+    optimizer = lc.Muon([("model.layers.0.mlp.up_proj.weight", weight)])
+    weight.grad = torch.full((4, 4), float("nan"))
+    optimizer.step()
+
+
+def _failed_on_a_rank(rank: int, world_size: int, messages: dict) -> None:
+    try:
+        failure = ValueError("shapes do not match") if rank == 1 else None
+        raise_on_every_rank(failure, torch.device("cpu"), "The optimizer step")
+    except RuntimeError as error:
+        if rank == 0:
+            Path(messages["path"]).write_text(_message(error))
+
+
+def _another_rank(tmp_path: Path) -> None:
+    path = tmp_path / "message.txt"
+    run_on_ranks(2, _failed_on_a_rank, {"path": str(path)}, timeout=30)
+    raise RuntimeError(path.read_text().removeprefix("RuntimeError: "))
+
+
+def _cli_typo() -> None:
+    stderr = io.StringIO()
+    with redirect_stderr(stderr), pytest.raises(SystemExit):
+        CanzonaCLI(
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            parser_kwargs={"parser_mode": "omegaconf"},
+            args=["--config", str(TINY_CONFIG), "--model.init_args.optimizer.init_args.lrr", "0.1"],
+            run=False,
+        )
+    line = next(line for line in stderr.getvalue().splitlines() if "is not accepted" in line)
+    raise SystemExit(line.strip())
+
+
+#: The mistake behind each entry, by its heading.
+TRIGGERS: dict[str, Callable[[Path], None]] = {
+    "A tensor-parallel size the model's heads cannot take": lambda _: _mesh_for_heads(),
+    "A size that does not divide the devices": lambda _: choose_mesh(None, "auto", 3, 1, 4),
+    "Both sizes given, and they do not fill the devices": lambda _: choose_mesh(None, 2, 1, 1, 4),
+    "Tensor parallelism for a model without a plan": lambda _: choose_mesh(NoPlan(), "auto", 2, 1, 4),
+    "A plan that names modules the model does not have": lambda _: choose_mesh(
+        MissingModule("tiny"), "auto", 2, 1, 4
+    ),
+    "A transformers plan entry with no torch equivalent": lambda _: _unsupported_plan(),
+    "A checkpoint path with nothing at it": lambda _: check_path_exists(
+        "/checkpoints/last-run.ckpt", "ckpt_path"
+    ),
+    "An unsupported precision": lambda _: _trainer(strategy=lc.CanzonaStrategy(), precision="16-true"),
+    "A strategy setting out of its range": lambda _: lc.CanzonaStrategy(policy="greedy"),
+    "An optimizer keyword that does not exist": lambda _: lc.Muon(
+        [nn.Parameter(torch.zeros(2, 2))], lrr=0.02
+    ),
+    "A hyperparameter out of its range": lambda _: lc.Muon([nn.Parameter(torch.zeros(2, 2))], momentum=1.5),
+    "A vector in a matrix group": lambda _: lc.Muon(
+        [{"params": [("model.norm.weight", nn.Parameter(torch.ones(8)))], "algorithm": "muon"}]
+    ),
+    "Row blocks that do not fit": lambda _: lc.Muon(
+        lc.matrix_param_groups(nn.Sequential(nn.Linear(8, 22)), row_blocks={"0.weight": (10, 6, 4)})
+    ),
+    "A mistyped setting in a config file": lambda _: _cli_typo(),
+    "A checkpoint of another model": _other_model,
+    "A NaN or Inf gradient": lambda _: _non_finite(),
+    "A failure on another rank": _another_rank,
+}
+
+
+def test_every_entry_has_a_trigger_and_every_trigger_an_entry() -> None:
+    assert list(_entries()) == list(TRIGGERS)
+
+
+@pytest.mark.parametrize("heading", list(TRIGGERS))
+def test_each_entry_shows_the_message_its_mistake_prints(heading, tmp_path) -> None:
+    with pytest.raises(BaseException) as caught:  # noqa: B017 (each trigger raises its own)
+        TRIGGERS[heading](tmp_path)
+    error = caught.value
+    printed = str(error) if isinstance(error, SystemExit) else _message(error)
+    documented = _entries()[heading]
+    pattern = ".*?".join(re.escape(part) for part in documented.split("…"))
+    assert re.fullmatch(pattern, printed, re.S), f"{heading}:\n{printed}"
