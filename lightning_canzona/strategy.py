@@ -18,7 +18,8 @@ FSDP2 and DTensor TP, distributed checkpoints) plus:
   same settings (its schedulers re-pointed);
 - the optimizer plan printed as a table when fitting starts, and telemetry of every optimizer
   step in the logger (`lightning_canzona.telemetry`);
-- checkpoints that hold every owner's matrix state, never destroy the last good checkpoint, and
+- checkpoints that hold every owner's matrix state, are swapped in crash-atomically, verified
+  against what was saved, tied to their optimizer, read without running code from them, and
   refuse another model's clearly (`lightning_canzona.checkpoint`);
 - trust across ranks: trainable parameters that are not DTensors get their gradients averaged
   over data parallelism and checked equal on every rank (`lightning_canzona.distributed.replicas`),
@@ -49,18 +50,26 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.model_parallel import _align_compiled_param_names_with_module
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_canzona.checkpoint import (
+    IDENTITY_KEY,
     check_compatible,
     check_path_exists,
+    check_same_optimizers,
     distributed_optimizer_state,
     full_optimizer_state,
+    load_distributed,
+    read_saved,
+    record,
+    recover,
     remove,
     replace_with,
     staging_path,
+    verify,
+    write_manifest,
 )
 from lightning_canzona.composition import compose
 from lightning_canzona.distributed.replicas import average_gradients, check_gradients_agree
@@ -104,6 +113,14 @@ class CanzonaStrategy(ModelParallelStrategy):
             FLOPs per collective)``; see `lightning_canzona.MatrixOptimizer`.
         overlap: Pipeline the micro-groups' gathers and scatters with their compute.
         save_distributed_checkpoint: Save one shard per rank (``True``) or one full file.
+        verify_checkpoints: Before loading a checkpoint, check every file against the sizes and
+            CRC-32 checksums recorded when it was saved (a distributed checkpoint's manifest, a
+            single file's zip directory): a file cut short or changed is an error, not wrong
+            weights. Costs one read of the checkpoint, shared by the ranks.
+        load_optimizer_state: Load the optimizer's state (and its schedulers') with the weights.
+            ``False`` loads the weights and the training progress only and starts the optimizer
+            afresh: to resume with another optimizer than the checkpoint's, which is otherwise an
+            error naming both.
         process_group_backend: ``nccl``, ``gloo``…; ``None`` picks the device's default.
         timeout: Timeout of collective operations.
         telemetry: Log the optimizer step's latency, compute, communication and imbalance
@@ -129,6 +146,8 @@ class CanzonaStrategy(ModelParallelStrategy):
         team_prices: TeamPrices = "h100",
         overlap: bool = True,
         save_distributed_checkpoint: bool = True,
+        verify_checkpoints: bool = True,
+        load_optimizer_state: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         telemetry: bool = True,
@@ -151,6 +170,8 @@ class CanzonaStrategy(ModelParallelStrategy):
         )
         self.team_prices = check_team_prices(team_prices)
         self.overlap = overlap
+        self.verify_checkpoints = verify_checkpoints
+        self.load_optimizer_state = load_optimizer_state
         self.telemetry = telemetry
         if start_method not in ("popen", "fork", "spawn"):
             raise ValueError(f"start_method must be 'popen', 'fork' or 'spawn', got {start_method!r}")
@@ -348,14 +369,17 @@ class CanzonaStrategy(ModelParallelStrategy):
     ) -> None:
         """Save without risking the checkpoint already at ``filepath``.
 
-        The new checkpoint is written beside it and swapped in once every rank has written its
-        part. A save that fails on any rank raises on every rank and leaves ``filepath`` as it was.
+        The new checkpoint, with the record of its optimizers, is written beside it; a distributed
+        one gets its manifest once every rank has written its part; then it is swapped in
+        (`lightning_canzona.checkpoint.swap`). A save that fails on any rank raises on every rank
+        and leaves ``filepath`` as it was.
         """
         path = Path(self.broadcast(filepath))
         staged = staging_path(path)
         if self.global_rank == 0:
             remove(staged)
         self.barrier()
+        checkpoint[IDENTITY_KEY] = record(self.optimizers)
         from torch.distributed.checkpoint import CheckpointException
 
         error: BaseException | None = None
@@ -364,7 +388,17 @@ class CanzonaStrategy(ModelParallelStrategy):
         # Every rank must learn of a failure before anyone moves on (DCP's error is a BaseException).
         except (Exception, CheckpointException) as exception:
             error = exception
-        if self.reduce_boolean_decision(error is not None, all=False):
+        failed = self.reduce_boolean_decision(error is not None, all=False)
+        if not failed and self._save_distributed_checkpoint:
+            self.barrier()  # rank 0's meta.pt is written too
+            problem = write_manifest(staged)
+            error = (
+                OSError(f"Writing the manifest of the checkpoint {path} failed: {problem}")
+                if problem
+                else None
+            )
+            failed = problem is not None  # the same on every rank
+        if failed:
             if self.global_rank == 0:
                 remove(staged)
             self.barrier()  # no rank ends the run before the partial checkpoint is gone
@@ -377,24 +411,52 @@ class CanzonaStrategy(ModelParallelStrategy):
         self.barrier()
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load a checkpoint saved at any mesh; one of another model is a clear error on every rank."""
+        """Load a checkpoint saved at any mesh, after checking it on every rank: its files against
+        what was saved (``verify_checkpoints``), its model's shapes and its optimizers against this
+        run's. Each problem is the same error on every rank, before any state is touched."""
         path = Path(self.broadcast(checkpoint_path))
         assert self.model is not None and self.lightning_module is not None
+        if self.global_rank == 0:
+            recover(path)  # a swap interrupted by a crash
+        self.barrier()
+        if self.verify_checkpoints and not verify(path):
+            rank_zero_warn(
+                f"The checkpoint {path} has no manifest (it was saved by an earlier version of "
+                "lightning_canzona or by another strategy): its files cannot be verified."
+            )
+        saved = read_saved(path, weights_only)
         expected = {name: tuple(tensor.shape) for name, tensor in self.model.state_dict().items()}
-        check_compatible(
-            path, expected, strict=self.lightning_module.strict_loading, weights_only=weights_only
-        )
+        check_compatible(path, expected, strict=self.lightning_module.strict_loading, saved=saved)
+        optimizers = self.optimizers if self.load_optimizer_state else []
+        if optimizers:
+            check_same_optimizers(saved.identity, optimizers, path)
+        elif self.optimizers:
+            rank_zero_info(
+                f"lightning_canzona: loading the weights of {path} only (load_optimizer_state=False): "
+                "the optimizer and its learning-rate schedulers start afresh."
+            )
         if path.is_dir():
             from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-            for optimizer in self.optimizers:
+            for optimizer in optimizers:
                 if isinstance(optimizer, MatrixOptimizer) and optimizer.splits_matrix_state():
                     # DCP loads into tensors of the saved shapes: a team's state must be whole on
                     # its first member (`load_state_dict` hands out the slices). Getting the
                     # state dict first creates the state of an optimizer that never stepped.
                     get_optimizer_state_dict(self.model, optimizer)
                     optimizer.gather_team_state()
-        return super().load_checkpoint(path, weights_only)
+            loaded = load_distributed(
+                path, self.model, optimizers, self.lightning_module.strict_loading, weights_only
+            )
+        else:
+            every_optimizer, self.optimizers = self.optimizers, optimizers
+            try:
+                loaded = super().load_checkpoint(path, weights_only)
+            finally:
+                self.optimizers = every_optimizer
+        if self.optimizers and not optimizers:  # the schedulers restart with the optimizer
+            loaded["lr_schedulers"] = [config.scheduler.state_dict() for config in self.lr_scheduler_configs]
+        return loaded
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)

@@ -9,6 +9,7 @@ page and the triggers must name the same entries.
 from __future__ import annotations
 
 import io
+import pickle
 import re
 from collections.abc import Callable
 from contextlib import redirect_stderr
@@ -16,12 +17,21 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from lightning import Trainer
 from multiprocess import run_on_ranks
 from torch import nn
 
 import lightning_canzona as lc
-from lightning_canzona.checkpoint import check_compatible, check_path_exists
+from lightning_canzona.checkpoint import (
+    check_compatible,
+    check_path_exists,
+    check_same_optimizers,
+    read_saved,
+    record,
+    verify,
+    write_manifest,
+)
 from lightning_canzona.cli import CanzonaCLI
 from lightning_canzona.distributed.failures import raise_on_every_rank
 from lightning_canzona.mesh import choose_mesh
@@ -84,6 +94,42 @@ def _other_model(tmp_path: Path) -> None:
     path = tmp_path / "run.ckpt"
     torch.save({"state_dict": {"model.embed_tokens.weight": torch.zeros(512, 128)}}, path)
     check_compatible(path, {"model.embed_tokens.weight": (256, 128)}, strict=True)
+
+
+def _changed_file(tmp_path: Path) -> None:
+    folder = tmp_path / "run.ckpt"
+    dcp.save({"state_dict": {"weight": torch.zeros(1024)}}, checkpoint_id=folder)
+    write_manifest(folder)
+    shard = next(folder.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-16] + bytes(16))
+    verify(folder)
+
+
+def _cut_file(tmp_path: Path) -> None:
+    path = tmp_path / "run.ckpt"
+    torch.save({"state_dict": {"weight": torch.zeros(1024)}}, path)
+    path.write_bytes(path.read_bytes()[:2000])
+    verify(path)
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (Path.touch, ("/tmp/never-created",))
+
+
+def _crafted(tmp_path: Path) -> None:
+    folder = tmp_path / "downloaded.ckpt"
+    folder.mkdir()
+    (folder / ".metadata").write_bytes(pickle.dumps(_RunsCode()))
+    read_saved(folder)
+
+
+def _other_optimizer() -> None:
+    def weights():
+        return [nn.Parameter(torch.zeros(4, 4)), nn.Parameter(torch.zeros(4))]
+
+    saved = record([lc.Muon(weights())])
+    check_same_optimizers(saved, [lc.SOAP(weights())], "/checkpoints/last.ckpt")
 
 
 def _non_finite() -> None:
@@ -149,6 +195,10 @@ TRIGGERS: dict[str, Callable[[Path], None]] = {
     ),
     "A mistyped setting in a config file": lambda _: _cli_typo(),
     "A checkpoint of another model": _other_model,
+    "A checkpoint of another optimizer": lambda _: _other_optimizer(),
+    "A file of a checkpoint that changed": _changed_file,
+    "A checkpoint file cut short": _cut_file,
+    "A checkpoint that would run code": _crafted,
     "A NaN or Inf gradient": lambda _: _non_finite(),
     "A failure on another rank": _another_rank,
 }

@@ -1,0 +1,298 @@
+"""Reading a checkpoint without trusting it.
+
+A checkpoint may come from elsewhere (a download, a shared disk), so nothing in it may run code:
+
+- a single file is unpickled with ``torch.load(weights_only=True)`` unless the caller asks
+  otherwise (``Trainer.fit(weights_only=False)``);
+- a distributed checkpoint's ``.metadata`` is a plain pickle, which torch's ``FileSystemReader``
+  unpickles as it is, and the non-tensor values in it (param-group settings) are read by DCP's
+  ``DefaultLoadPlanner`` with ``torch.load(weights_only=False)``: either can run any code.
+  `SafeReader` first unpickles ``.metadata`` with `MetadataUnpickler`, which knows only the
+  classes DCP's metadata is made of, and `SafePlanner` first loads each value with
+  ``weights_only=True``; what they refuse never reaches the unrestricted readers.
+
+Also here: loading a distributed checkpoint through them (`load_distributed`), the model's shapes
+and the optimizer record a checkpoint holds (`read_saved`), the clear error for a checkpoint of
+another model (`check_compatible`), and the check that a ``ckpt_path`` exists
+(`check_path_exists`).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.optim import Optimizer
+
+from lightning_canzona.checkpoint.swap import recover
+
+#: Where a distributed checkpoint keeps the model's tensors (Lightning saves ``state_dict``).
+MODEL_PREFIX = "state_dict."
+#: The file of a distributed checkpoint that Lightning writes everything else into.
+LIGHTNING_METADATA = "meta.pt"
+#: The key of the optimizer record (`lightning_canzona.checkpoint.identity`) in a checkpoint.
+IDENTITY_KEY = "lightning_canzona"
+
+#: ``ckpt_path`` values that Lightning resolves itself (``"registry…"`` too).
+_NAMED_CHECKPOINTS = ("best", "last", "hpc")
+
+#: What DCP's ``.metadata`` is made of: its dataclasses, and the torch and pathlib types they hold.
+_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo", "_StoragePrefix"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A checkpoint's pickle refers to something that loading it could run."""
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP ``.metadata`` and refuses every class it is not made of (`_METADATA_CLASSES`,
+    torch dtypes): a crafted file cannot call anything else."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _METADATA_CLASSES.get(module, ()) or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
+            return super().find_class(module, name)
+        raise UnsafeCheckpointError(f"{module}.{name}")
+
+
+class SafeReader(FileSystemReader):
+    """torch's ``FileSystemReader``, whose ``.metadata`` must first unpickle with `MetadataUnpickler`.
+
+    Raises:
+        ValueError: Naming the checkpoint, when ``.metadata`` refers to anything else (a crafted
+            file: nothing of it ran) or cannot be read at all (a damaged one).
+    """
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        path = Path(self.path) / ".metadata"
+        try:
+            MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+        except UnsafeCheckpointError as refused:
+            raise ValueError(
+                f"The checkpoint {self.path} was refused: its .metadata refers to {refused}, which "
+                "a distributed checkpoint's metadata never holds, so loading it could run code. "
+                "Nothing of it was run. Load only checkpoints from sources you trust."
+            ) from None
+        except Exception as error:
+            raise ValueError(
+                f"The checkpoint {self.path} is corrupt or incomplete: its .metadata cannot be read "
+                f"({type(error).__name__}: {error})."
+            ) from None
+        return super().read_metadata(*args, **kwargs)
+
+
+class SafePlanner(DefaultLoadPlanner):
+    """DCP's ``DefaultLoadPlanner``, whose non-tensor values must first load with
+    ``torch.load(weights_only=True)`` (numbers, strings, containers of them)."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        try:
+            torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as refused:
+            raise ValueError(
+                f"A value of the checkpoint ({read_item.dest_index.fqn}) was refused: it is not "
+                f"plain data, so loading it could run code ({str(refused).splitlines()[0]})."
+            ) from None
+        value.seek(0)
+        super().load_bytes(read_item, value)
+
+
+@dataclass(frozen=True)
+class Saved:
+    """What `read_saved` finds in a checkpoint.
+
+    Attributes:
+        shapes: The global shape of every model tensor, by name.
+        identity: The optimizer record (`lightning_canzona.checkpoint.identity`), or ``None`` in
+            a checkpoint saved without one.
+    """
+
+    shapes: dict[str, tuple[int, ...]]
+    identity: dict[str, Any] | None = field(default=None)
+
+
+def read_saved(path: Path, weights_only: bool | None = None) -> Saved:
+    """The model's shapes and the optimizer record in a Lightning checkpoint (a folder or a file).
+
+    A single file is unpickled with ``weights_only`` (``None``: ``True``, as ``torch.load`` does),
+    a distributed checkpoint's ``.metadata`` by `SafeReader`, so that a checkpoint from elsewhere
+    runs no code unless the caller asks for full unpickling.
+    """
+    weights_only = True if weights_only is None else weights_only
+    if path.is_dir():
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        metadata = SafeReader(path).read_metadata().state_dict_metadata
+        shapes = {
+            key.removeprefix(MODEL_PREFIX): tuple(entry.size)
+            for key, entry in metadata.items()
+            if key.startswith(MODEL_PREFIX) and isinstance(entry, TensorStorageMetadata)
+        }
+        lightning = path / LIGHTNING_METADATA
+        rest = (
+            torch.load(lightning, map_location="cpu", weights_only=weights_only)
+            if lightning.is_file()
+            else {}
+        )
+        return Saved(shapes, rest.get(IDENTITY_KEY))
+    checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+    shapes = {key: tuple(value.shape) for key, value in checkpoint["state_dict"].items()}
+    return Saved(shapes, checkpoint.get(IDENTITY_KEY))
+
+
+def check_compatible(
+    path: Path,
+    expected: Mapping[str, tuple[int, ...]],
+    strict: bool = True,
+    listed: int = 5,
+    weights_only: bool | None = None,
+    saved: Saved | None = None,
+) -> None:
+    """Raise a `ValueError` naming what differs when ``path`` holds another model's weights.
+
+    Args:
+        path: The checkpoint (a distributed checkpoint folder or a single file).
+        expected: The global shape of each tensor of the model's state dict.
+        strict: Whether missing or unexpected tensors count as differences (Lightning's
+            ``strict_loading``); differing shapes always do.
+        listed: How many names of each kind the message lists.
+        weights_only: How a single file is unpickled (see `read_saved`).
+        saved: What `read_saved` found, if it was read already.
+    """
+    shapes = (saved or read_saved(path, weights_only)).shapes
+    reshaped = [name for name, shape in expected.items() if name in shapes and shapes[name] != shape]
+    problems = [
+        f"{name!r} has shape {shapes[name]} in the checkpoint but {expected[name]} in the model"
+        for name in reshaped[:listed]
+    ]
+    if len(reshaped) > listed:
+        problems.append(f"{len(reshaped) - listed} more tensors have other shapes")
+    if strict:
+        missing = [name for name in expected if name not in shapes]
+        unexpected = [name for name in shapes if name not in expected]
+        for names, what in ((missing, "missing from the checkpoint"), (unexpected, "not in the model")):
+            if names:
+                more = f" and {len(names) - listed} more" if len(names) > listed else ""
+                problems.append(f"{len(names)} tensors {what}: {names[:listed]}{more}")
+    if problems:
+        raise ValueError(
+            f"The checkpoint {path} holds a different model: {'; '.join(problems)}. "
+            "Resume from a checkpoint of this model (the same architecture and preset); to load "
+            "a checkpoint holding only part of the model, set `strict_loading = False` on the "
+            "LightningModule."
+        )
+
+
+def safe_load(state: dict[str, Any], path: Path) -> None:
+    """``torch.distributed.checkpoint.load`` of ``state`` from ``path`` through `SafeReader` and
+    `SafePlanner` (collective); their refusal is raised as it is, not inside DCP's
+    ``CheckpointException``."""
+    from torch.distributed.checkpoint import CheckpointException, load
+
+    try:
+        load(state, storage_reader=SafeReader(path), planner=SafePlanner())
+    except CheckpointException as failed:
+        refused = [error for error, _ in failed.failures.values() if isinstance(error, ValueError)]
+        if refused:
+            raise refused[0] from None
+        raise
+
+
+def load_distributed(
+    path: Path,
+    module: torch.nn.Module,
+    optimizers: Sequence[Optimizer],
+    strict: bool = True,
+    weights_only: bool | None = None,
+) -> dict[str, Any]:
+    """Load a distributed checkpoint (Lightning's layout) into ``module`` and ``optimizers``, through
+    `SafeReader` and `SafePlanner`; returns the rest of what it holds (``meta.pt``: loops,
+    callbacks, schedulers). Collective.
+
+    ``optimizers`` may be empty (the weights only); the ``i``-th is loaded from ``optimizer_i``.
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    model_state = {"state_dict": get_model_state_dict(module)}
+    safe_load(model_state, path)
+    module.load_state_dict(model_state["state_dict"], strict=strict)
+    for index, optimizer in enumerate(optimizers):
+        key = f"optimizer_{index}"
+        state = {key: get_optimizer_state_dict(module, optimizer)}
+        safe_load(state, path)
+        options = StateDictOptions(cpu_offload=True)
+        set_optimizer_state_dict(module, optimizer, optim_state_dict=state[key], options=options)
+    weights_only = True if weights_only is None else weights_only
+    return torch.load(path / LIGHTNING_METADATA, map_location="cpu", weights_only=weights_only)
+
+
+def check_path_exists(path: str | os.PathLike | None, setting: str) -> None:
+    """Raise a `FileNotFoundError` naming ``setting`` when ``path`` is a local path with nothing at it.
+
+    A checkpoint that an interrupted swap left beside ``path`` is put back first
+    (`lightning_canzona.checkpoint.swap.recover`). ``None``, Lightning's names (``"best"``,
+    ``"last"``, ``"hpc"``, ``"registry…"``) and remote URLs (``s3://…``) are left to Lightning.
+    """
+    if path is None:
+        return
+    text = os.fspath(path)
+    if (
+        text in _NAMED_CHECKPOINTS
+        or text.startswith("registry")
+        or ("://" in text and not text.startswith("file://"))
+    ):
+        return
+    local = Path(text.removeprefix("file://"))
+    recover(local)
+    if not local.exists():
+        where = "" if local.is_absolute() else f" (looked for {local.absolute()})"
+        raise FileNotFoundError(
+            f"{setting}={text!r} does not exist{where}. Pass the path of a checkpoint file or of a "
+            "distributed checkpoint's folder, 'last', or None to start from scratch."
+        )
+
+
+__all__ = [
+    "IDENTITY_KEY",
+    "LIGHTNING_METADATA",
+    "MODEL_PREFIX",
+    "MetadataUnpickler",
+    "SafePlanner",
+    "SafeReader",
+    "Saved",
+    "check_compatible",
+    "check_path_exists",
+    "load_distributed",
+    "read_saved",
+    "safe_load",
+]

@@ -1,0 +1,70 @@
+"""The optimizer state a checkpoint holds: every owner's matrix state in a single file
+(`full_optimizer_state`), and in a distributed checkpoint teams' state whole and a stack's failure
+count whole (`distributed_optimizer_state`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_canzona.optim import MatrixOptimizer
+from lightning_canzona.rules.base import FAILURES
+
+
+def full_optimizer_state(module: nn.Module, optimizer: MatrixOptimizer) -> dict[str, Any]:
+    """The whole optimizer state on rank 0, keyed by parameter name (collective).
+
+    Sharded state is gathered by ``get_optimizer_state_dict(full_state_dict=True)``; the matrix
+    state that lives only on each matrix's owner (or in slices on a team's members) is gathered
+    from the owners.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    names = {id(param): name for name, param in module.named_parameters()}
+    with optimizer.whole_team_state():
+        state_dict = get_optimizer_state_dict(module, optimizer, options=options)
+        held = {
+            names[id(param)]: {key: value.cpu() for key, value in matrix_state.items()}
+            for param, matrix_state in optimizer.owner_held_state()
+        }
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    everyone: list[Any] = [None] * world if rank == 0 else []
+    torch.distributed.gather_object(held, everyone if rank == 0 else None, dst=0)
+    counts: dict[str, torch.Tensor] = {}
+    for owned in everyone:
+        for name, matrix_state in owned.items():
+            state_dict["state"].setdefault(name, {}).update(matrix_state)
+            if FAILURES in matrix_state:  # a stack's matrices' owners each count their own
+                counts[name] = counts.get(name, 0) + matrix_state[FAILURES]
+    for name, count in counts.items():
+        state_dict["state"][name][FAILURES] = count
+    return state_dict
+
+
+def distributed_optimizer_state(module: nn.Module, optimizer: MatrixOptimizer) -> dict[str, Any]:
+    """This rank's part of the optimizer state for a distributed checkpoint (collective).
+
+    Each rank's part holds the matrix state of the matrices it owns, a team's whole on its first
+    member (loadable at any mesh and plan). A stack's matrices have owners on several ranks,
+    each counting its own failed decompositions under the stack's one key, which the checkpoint
+    saves once: each owner's part holds the total (as `full_optimizer_state` does), and a load
+    leaves it with one owner (`MeshEngine.keep_loaded_stack_failures_on_one_owner`).
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=False, cpu_offload=True)
+    with optimizer.whole_team_state():
+        state_dict = get_optimizer_state_dict(module, optimizer, options=options)
+    stacks = [name for name, param in module.named_parameters() if param.ndim == 3]
+    if stacks:  # the same on every rank: the model's
+        counts = torch.tensor(
+            [int(state_dict["state"].get(name, {}).get(FAILURES, 0)) for name in stacks], dtype=torch.int64
+        )
+        torch.distributed.all_reduce(counts)
+        for name, count in zip(stacks, counts):
+            if FAILURES in state_dict["state"].get(name, {}):
+                state_dict["state"][name][FAILURES] = count.clone()
+    return state_dict
