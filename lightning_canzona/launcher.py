@@ -44,6 +44,9 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
+from lightning.pytorch.trainer.states import TrainerFn
+
+from lightning_canzona.checkpoint.state import full_model_state
 
 #: What a launcher checks before any rank starts, given the call's ``ckpt_path``.
 Preflight = Callable[[_PATH | None], None]
@@ -79,13 +82,20 @@ class ScriptLauncher(_SubprocessScriptLauncher):
 class InProcessLauncher(_MultiProcessingLauncher):
     """Starts the ranks from this process (``fork`` in notebooks, or ``spawn``), after ``preflight``.
 
-    Only metrics and the trainer state come back to the launching process: a model sharded over
-    the mesh has no single copy to return, so keep weights with a checkpoint.
+    Metrics and the trainer state come back to the launching process, and with ``return_weights``
+    the weights a ``fit`` trained, into the launching process's module in its own (unsharded) form.
     """
 
-    def __init__(self, strategy: Strategy, start_method: str, preflight: Preflight | None = None) -> None:
+    def __init__(
+        self,
+        strategy: Strategy,
+        start_method: str,
+        preflight: Preflight | None = None,
+        return_weights: bool = False,
+    ) -> None:
         super().__init__(strategy, start_method=start_method)
         self._preflight = preflight
+        self._return_weights = return_weights
 
     def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         """Run Lightning's launch in a new thread, and wait for it here (see the module docstring).
@@ -123,11 +133,22 @@ class InProcessLauncher(_MultiProcessingLauncher):
                 process.kill()
 
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:
+        """Rank 0's results for the launching process, and after ``fit`` (``return_weights``) the
+        trained weights, gathered whole from every rank into a temporary file: Lightning's launcher
+        then loads them into the launching process's module (`_recover_results_in_main_process`)."""
+        weights = None
+        if self._return_weights and trainer.state.fn == TrainerFn.FITTING:
+            weights = full_model_state(trainer.lightning_module)  # collective: every rank joins
         if self._strategy.local_rank != 0:
             return None
+        weights_path = None
+        if weights is not None:
+            weights_path = os.path.join(tempfile.mkdtemp(), "weights.pt")
+            torch.save(weights, weights_path)
         callback = trainer.checkpoint_callback
         best_model_path = getattr(callback, "best_model_path", None) if callback else None
-        return _WorkerOutput(best_model_path, None, trainer.state, results, self.get_extra_results(trainer))
+        extra = self.get_extra_results(trainer)
+        return _WorkerOutput(best_model_path, weights_path, trainer.state, results, extra)
 
     def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
         _die_with_launching_thread()

@@ -127,6 +127,11 @@ class CanzonaStrategy(ModelParallelStrategy):
             (`lightning_canzona.telemetry.OptimizerTelemetry`) at ``log_every_n_steps``.
         start_method: ``popen`` re-runs the script per rank (scripts, CLI, torchrun, SLURM);
             ``fork`` (notebooks) or ``spawn`` start the ranks from this process.
+        return_weights: With ``fork`` or ``spawn``: after ``fit``, gather the trained weights whole
+            and load them into the launching process's model (as Lightning's ``ddp_notebook``
+            does), so a notebook can sample, evaluate or export it. Costs one full copy of the
+            weights in host memory on rank 0 and a temporary file; ``False`` for a model too large
+            for that (keep its weights with a checkpoint).
         gradient_accumulation: With ``Trainer(accumulate_grad_batches=k)``: ``sharded``
             reduce-scatters every micro-batch's gradients and accumulates shards (as
             Lightning's ``ModelParallelStrategy``: least memory); ``unsharded`` skips the
@@ -152,6 +157,7 @@ class CanzonaStrategy(ModelParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         telemetry: bool = True,
         start_method: Literal["popen", "fork", "spawn"] = "popen",
+        return_weights: bool = True,
         gradient_accumulation: Literal["sharded", "unsharded"] = "sharded",
     ) -> None:
         super().__init__(
@@ -176,6 +182,7 @@ class CanzonaStrategy(ModelParallelStrategy):
         if start_method not in ("popen", "fork", "spawn"):
             raise ValueError(f"start_method must be 'popen', 'fork' or 'spawn', got {start_method!r}")
         self.start_method = start_method
+        self.return_weights = return_weights
         if gradient_accumulation not in ("sharded", "unsharded"):
             raise ValueError(
                 f"gradient_accumulation must be 'sharded' or 'unsharded', got {gradient_accumulation!r}"
@@ -192,7 +199,7 @@ class CanzonaStrategy(ModelParallelStrategy):
     def _configure_launcher(self) -> None:
         self._check_settings()
         if self.start_method != "popen":
-            self._launcher = InProcessLauncher(self, self.start_method, self.preflight)
+            self._launcher = InProcessLauncher(self, self.start_method, self.preflight, self.return_weights)
         elif not self.cluster_environment.creates_processes_externally:
             self._launcher = ScriptLauncher(self, self.preflight)
 

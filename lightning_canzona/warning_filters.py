@@ -1,14 +1,29 @@
 """Third-party warnings that a run of lightning_canzona triggers where they are harmless, filtered.
 
-Each filter matches one message and the module that issues it, never a whole category, and says
-why the warning does not apply; ``tests/test_quiet.py`` shows each harmless. Warnings of this
-package are never filtered: a correct run prints none of them.
+Each filter matches one message and the module (or logger) that issues it, never a whole category,
+and says why the warning does not apply; ``tests/test_quiet.py`` shows each harmless. Warnings of
+this package are never filtered: a correct run prints none of them.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import warnings
+from typing import Any
+
+
+class SequentialGathers(logging.Filter):
+    """Drops DTensor's note that gathering a tensor sharded over two mesh dimensions takes two
+    all-gathers, which "may give inconsistent results between ranks due to different reduction
+    orders": a gather reorders no sum, so only the note's latency remark applies, and the whole
+    tensors gathered here (weights handed back to a notebook, exports) are gathered once. The
+    same note for a reduction (``reduce_scatter``, ``all_reduce``) still shows."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args: Any = record.args
+        gathers = isinstance(args, tuple) and len(args) > 3 and args[3] == "all_gather"
+        return not (str(record.msg).startswith("While redistributing from") and gathers)
 
 
 def ignore_harmless_warnings() -> None:
@@ -21,6 +36,9 @@ def ignore_harmless_warnings() -> None:
         message=re.escape("`isinstance(treespec, LeafSpec)` is deprecated"),
         module=r"lightning\.pytorch\.utilities\._pytree",
     )
+    redistribute = logging.getLogger("torch.distributed.tensor._redistribute")
+    if not any(isinstance(f, SequentialGathers) for f in redistribute.filters):
+        redistribute.addFilter(SequentialGathers())
 
 
 def ignore_view_warning_of_unresharded_root(root: type) -> None:

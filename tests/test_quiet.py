@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import warnings
 from collections.abc import Iterator
 
@@ -104,3 +105,20 @@ def _root_view_is_harmless(rank: int, world_size: int) -> None:
 
 def test_fsdp2_view_warning_of_a_tensor_parallel_root_is_filtered_and_its_gradients_exact() -> None:
     run_on_ranks(2, _root_view_is_harmless)
+
+
+def test_dtensors_note_on_sequential_gathers_is_dropped_and_on_reductions_kept() -> None:
+    # What the note is about is harmless for a gather: test_weights_back gathers weights sharded over
+    # both mesh dimensions and finds them equal bit for bit to DTensor's own full_tensor().
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = seen.append
+    handler.filters = logger.filters  # the package's filter, as the logger applies it
+    note = "While redistributing from %s to %s, %d sequential %s operations will be performed. %s"
+    for collective in ("all_gather", "reduce_scatter"):
+        record = logger.makeRecord(
+            logger.name, logging.WARNING, __file__, 1, note, ("(S, S)", "(R, R)", 2, collective, ""), None
+        )
+        handler.handle(record)
+    assert [record.args[3] for record in seen] == ["reduce_scatter"]

@@ -1,6 +1,6 @@
-"""The optimizer state a checkpoint holds: every owner's matrix state in a single file
+"""The state a checkpoint holds: every owner's matrix state in a single file
 (`full_optimizer_state`), and in a distributed checkpoint teams' state whole and a stack's failure
-count whole (`distributed_optimizer_state`)."""
+count whole (`distributed_optimizer_state`); the model's weights whole (`full_model_state`)."""
 
 from __future__ import annotations
 
@@ -68,3 +68,14 @@ def distributed_optimizer_state(module: nn.Module, optimizer: MatrixOptimizer) -
             if FAILURES in state_dict["state"].get(name, {}):
                 state_dict["state"][name][FAILURES] = count.clone()
     return state_dict
+
+
+def full_model_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's state dict with every tensor whole, on rank 0's CPU (empty elsewhere; collective).
+
+    Each sharded tensor is gathered and moved to the CPU in turn: rank 0 holds one full copy of the
+    weights at most, on the host.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
