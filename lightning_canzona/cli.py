@@ -5,6 +5,7 @@
   strategy, so ``strategy: canzona`` needs no import.
 - ``canzona plan``: the optimizer plan of a model preset on a mesh, per policy, without weights.
 - ``canzona bench``: benchmarks that run canzona and its alternatives side by side.
+- ``canzona export``: a checkpoint's model as one safetensors or torch file, or a transformers folder.
 """
 
 from __future__ import annotations
@@ -72,6 +73,11 @@ def main(args: list[str] | None = None) -> None:
         from lightning_canzona.commands import plan
 
         plan.main(argv[1:])
+        return
+    if argv and argv[0] == "export":
+        from lightning_canzona.export import main as export
+
+        export(argv[1:])
         return
     if argv and argv[0] == "bench":
         from lightning_canzona.bench.__main__ import main as bench

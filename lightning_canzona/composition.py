@@ -62,7 +62,9 @@ def compose(
     if plan:
         # Applied even on a one-rank TP mesh: parameters then live on the same meshes at every
         # mesh shape, so optimizer param groups, and checkpoints, keep one structure.
+        tied = _tied_parameters(module)
         parallelize_module(module, tp_mesh, plan)
+        _tie_again(tied)
     options = {} if mp_policy is None else {"mp_policy": mp_policy}
     units = _choose_units(module)
     if len(units.roots) == 1:  # kept gathered from forward to backward (`_Units.reshard_after_forward`)
@@ -169,6 +171,47 @@ def dividing_sizes(sizes: Iterable[int], limit: int | None = None) -> list[int]:
     """The positive integers that divide every one of ``sizes`` (and ``limit``, if given)."""
     common = math.gcd(*sizes, *([limit] if limit else []))
     return [d for d in range(1, common + 1) if common % d == 0] if common else [1]
+
+
+def _tied_parameters(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Every parameter that several modules hold (a tied embedding and output head), as the
+    ``(module, name)`` places that hold it."""
+    places: dict[int, list[tuple[nn.Module, str]]] = defaultdict(list)
+    for child in module.modules():
+        for name, param in child.named_parameters(recurse=False):
+            places[id(param)].append((child, name))
+    return [held for held in places.values() if len(held) > 1]
+
+
+def _tie_again(tied: list[list[tuple[nn.Module, str]]]) -> None:
+    """Tie again what tensor parallelism untied: each ``ParallelStyle`` gives the modules it
+    splits parameters of their own, so a weight tied between an embedding and the output head
+    would train as two. Both halves must be split alike (a ``transformers`` model's vocabulary-split
+    embedding and head are) to be one parameter again.
+
+    Raises:
+        ValueError: The plan splits a tied weight in two different ways, naming its places.
+    """
+    for places in tied:
+        first_module, first_name = places[0]
+        kept = getattr(first_module, first_name)
+        for child, name in places[1:]:
+            other = getattr(child, name)
+            if other is kept:
+                continue
+            layouts = {
+                (getattr(p, "device_mesh", None), tuple(getattr(p, "placements", ())), tuple(p.shape))
+                for p in (kept, other)
+            }
+            if len(layouts) > 1:
+                raise ValueError(
+                    f"The tensor-parallel plan splits a tied weight in two different ways: "
+                    f"{type(first_module).__name__}.{first_name} and {type(child).__name__}.{name} "
+                    f"({[tuple(getattr(p, 'placements', ())) for p in (kept, other)]}). Split both "
+                    "alike (an embedding row-wise and the head column-wise split the vocabulary), or "
+                    "leave both out of the plan."
+                )
+            child.register_parameter(name, kept)
 
 
 def _check_plan_targets(module: nn.Module, plan: dict[str, Any]) -> None:

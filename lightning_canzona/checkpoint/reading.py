@@ -22,6 +22,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -208,14 +209,17 @@ def check_compatible(
         )
 
 
-def safe_load(state: dict[str, Any], path: Path) -> None:
+def safe_load(state: dict[str, Any], path: Path, no_dist: bool = False) -> None:
     """``torch.distributed.checkpoint.load`` of ``state`` from ``path`` through `SafeReader` and
-    `SafePlanner` (collective); their refusal is raised as it is, not inside DCP's
-    ``CheckpointException``."""
+    `SafePlanner` (collective, unless ``no_dist``: this process alone); their refusal is raised
+    as it is, not inside DCP's ``CheckpointException``."""
     from torch.distributed.checkpoint import CheckpointException, load
 
     try:
-        load(state, storage_reader=SafeReader(path), planner=SafePlanner())
+        with warnings.catch_warnings():
+            # DCP says it assumes a single process even when asked for one (no_dist=True).
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninit")
+            load(state, storage_reader=SafeReader(path), planner=SafePlanner(), no_dist=no_dist)
     except CheckpointException as failed:
         refused = [error for error, _ in failed.failures.values() if isinstance(error, ValueError)]
         if refused:

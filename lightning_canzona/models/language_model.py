@@ -6,6 +6,7 @@ import functools
 import math
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from lightning import LightningModule
 from lightning.pytorch.cli import OptimizerCallable
@@ -53,6 +54,33 @@ class CausalLanguageModel(LightningModule):
 
     def forward(self, tokens: Tensor) -> Tensor:
         return self.model(tokens)
+
+    @torch.no_grad()
+    def generate(self, prompt: str, max_new_bytes: int = 80, temperature: float = 0.0, seed: int = 0) -> str:
+        """Continue ``prompt`` byte by byte (the bundled models read UTF-8 bytes), in this process.
+
+        Args:
+            prompt: The text to continue.
+            max_new_bytes: How many bytes to add.
+            temperature: 0 takes the likeliest byte each time; above 0 samples from the
+                softmax at that temperature, with ``seed``.
+            seed: The sampling's random seed.
+
+        Returns:
+            The prompt and its continuation, decoded (invalid UTF-8 replaced).
+        """
+        device = next(self.parameters()).device
+        tokens = torch.tensor(list(prompt.encode()), dtype=torch.long, device=device)[None]
+        generator = torch.Generator(device=device).manual_seed(seed)
+        for _ in range(max_new_bytes):
+            logits = self.model(tokens)[0, -1].float()
+            if temperature > 0:
+                probabilities = torch.softmax(logits / temperature, dim=-1)
+                following = torch.multinomial(probabilities, 1, generator=generator)
+            else:
+                following = logits.argmax().view(1)
+            tokens = torch.cat([tokens, following.view(1, 1)], dim=1)
+        return bytes(tokens[0].tolist()).decode(errors="replace")
 
     def _loss(self, batch: Tensor) -> Tensor:
         logits = self(batch[:, :-1])

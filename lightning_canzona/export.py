@@ -1,0 +1,147 @@
+"""A checkpoint as files that other tools read: the whole model in one ``safetensors`` or torch
+file, or a Hugging Face ``transformers`` directory that ``from_pretrained`` loads.
+
+A distributed checkpoint, saved at any mesh, is consolidated in this process by DCP itself: each
+model tensor is read whole, from whichever shards hold it, into one full copy of the weights in
+host memory (the optimizer's state is left out). The checkpoint is verified first
+(`lightning_canzona.checkpoint.integrity`) and read without running any of its code
+(`lightning_canzona.checkpoint.reading`).
+
+``canzona export CHECKPOINT OUTPUT [--format …] [--config CONFIG]`` runs `export_checkpoint` from the command
+line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from lightning_canzona import huggingface
+from lightning_canzona.checkpoint.integrity import verify
+from lightning_canzona.checkpoint.reading import MODEL_PREFIX, SafeReader, safe_load
+
+log = logging.getLogger(__name__)
+
+Format = Literal["safetensors", "torch", "transformers"]
+FORMATS: tuple[Format, ...] = ("safetensors", "torch", "transformers")
+
+
+def consolidated_weights(checkpoint: str | Path) -> dict[str, Tensor]:
+    """Every model tensor of a Lightning checkpoint, whole, on the CPU, by its name in the
+    LightningModule's state dict.
+
+    Args:
+        checkpoint: A distributed checkpoint's folder (saved at any mesh) or a single file.
+
+    Raises:
+        ValueError: The checkpoint is corrupt, incomplete, or holds what loading could run.
+    """
+    path = Path(checkpoint)
+    if not verify(path):
+        log.warning("The checkpoint %s has no manifest: its files cannot be verified.", path)
+    if not path.is_dir():
+        saved = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        return dict(saved["state_dict"])
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = SafeReader(path).read_metadata().state_dict_metadata
+    state = {
+        key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+        for key, entry in metadata.items()
+        if key.startswith(MODEL_PREFIX) and isinstance(entry, TensorStorageMetadata)
+    }
+    safe_load(state, path, no_dist=True)
+    return {key.removeprefix(MODEL_PREFIX): tensor for key, tensor in state.items()}
+
+
+def export_checkpoint(
+    checkpoint: str | Path,
+    output: str | Path,
+    format: Format = "safetensors",
+    module: nn.Module | None = None,
+) -> Path:
+    """Write the model of ``checkpoint`` to ``output`` in ``format``.
+
+    Args:
+        checkpoint: A distributed checkpoint's folder (saved at any mesh) or a single file.
+        output: The file to write (``safetensors``, ``torch``), or the folder (``transformers``).
+        format: ``"safetensors"`` (one file, tensors by their names in the LightningModule),
+            ``"torch"`` (the same dict in a ``torch.save`` file) or ``"transformers"`` (a folder
+            with the model's config and ``model.safetensors``, which ``from_pretrained`` loads;
+            tied weights stored once).
+        module: For ``"transformers"``: the LightningModule that holds the ``transformers`` model
+            (its weights are not used: it may live on the meta device).
+
+    Returns:
+        ``output``.
+
+    Raises:
+        ValueError: An unknown format, or ``"transformers"`` without a module that holds exactly
+            one ``transformers`` model; a corrupt or unsafe checkpoint.
+    """
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    output = Path(output)
+    if format == "transformers":
+        models = list(huggingface.transformers_models(module)) if module is not None else []
+        if len(models) != 1:
+            raise ValueError(
+                "export_checkpoint(format='transformers') needs the LightningModule that holds one "
+                "transformers model (module=…; from the command line, --config with its `model:`); "
+                f"found {len(models)}."
+            )
+        weights = consolidated_weights(checkpoint)
+        ((prefix, model),) = models
+        own = {
+            key.removeprefix(f"{prefix}."): t for key, t in weights.items() if key.startswith(f"{prefix}.")
+        }
+        model.save_pretrained(output, state_dict=own)
+        return output
+    weights = consolidated_weights(checkpoint)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    if format == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file({key: t.contiguous() for key, t in weights.items()}, output, metadata={"format": "pt"})
+    else:
+        torch.save(weights, output)
+    return output
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``canzona export``: the command line of `export_checkpoint`."""
+    parser = argparse.ArgumentParser(
+        prog="canzona export",
+        description="Write a checkpoint's model as one safetensors or torch file, or a transformers folder.",
+    )
+    parser.add_argument("checkpoint", help="a distributed checkpoint's folder (any mesh) or a single file")
+    parser.add_argument("output", help="the file to write, or the folder (--format transformers)")
+    parser.add_argument("--format", choices=FORMATS, default="safetensors")
+    parser.add_argument(
+        "--config",
+        help="the training config whose `model:` builds the LightningModule (on the meta device); "
+        "needed for --format transformers",
+    )
+    arguments = parser.parse_args(argv)
+    module = _module_from_config(arguments.config) if arguments.config else None
+    written = export_checkpoint(arguments.checkpoint, arguments.output, arguments.format, module)
+    print(f"lightning_canzona: wrote {written} ({arguments.format})")
+
+
+def _module_from_config(config: str) -> nn.Module:
+    """The LightningModule that a training config's ``model:`` describes, built on the meta device."""
+    from jsonargparse import ArgumentParser
+    from lightning import LightningModule
+    from omegaconf import OmegaConf
+
+    described = OmegaConf.to_container(OmegaConf.load(config), resolve=True)
+    parser = ArgumentParser()
+    parser.add_subclass_arguments(LightningModule, "model", required=True)
+    parsed = parser.parse_object({"model": described["model"]})
+    with torch.device("meta"):
+        return parser.instantiate_classes(parsed).model
