@@ -134,7 +134,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _module_from_config(config: str) -> nn.Module:
-    """The LightningModule that a training config's ``model:`` describes, built on the meta device."""
+    """The LightningModule that a training config's ``model:`` describes: built on the meta device
+    (no memory for weights), or on the CPU where its constructor must load weights (a
+    ``from_pretrained`` refuses the meta device)."""
     from jsonargparse import ArgumentParser
     from lightning import LightningModule
     from omegaconf import OmegaConf
@@ -143,5 +145,8 @@ def _module_from_config(config: str) -> nn.Module:
     parser = ArgumentParser()
     parser.add_subclass_arguments(LightningModule, "model", required=True)
     parsed = parser.parse_object({"model": described["model"]})
-    with torch.device("meta"):
+    try:
+        with torch.device("meta"):
+            return parser.instantiate_classes(parsed).model
+    except Exception:  # only an optimization: on the CPU, a real error is raised as it is
         return parser.instantiate_classes(parsed).model

@@ -115,7 +115,22 @@ def test_a_pretrained_transformers_model_fine_tuned_and_exported_for_from_pretra
         expected = float(module.training_step(batch, 0))  # the pretrained weights on one process
     assert _fit(module, tmp_path, steps=2, vocab=128) == pytest.approx(expected, rel=1e-6)
 
-    exported = lc.export_checkpoint(tmp_path / "trained.ckpt", tmp_path / "tuned", "transformers", module)
+    # As a user exports it: the command, with the training config's model.
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"model:\n  class_path: test_export.Pretrained\n  init_args:\n    folder: {tmp_path / 'base'}\n"
+    )
+    exported = tmp_path / "tuned"
+    command = ["canzona", "export", str(tmp_path / "trained.ckpt"), str(exported), "--format", "transformers"]
+    tests = str(Path(__file__).parent)
+    environment = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])),
+    }
+    done = subprocess.run(
+        [*command, "--config", str(config)], capture_output=True, text=True, timeout=120, env=environment
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
     torch.save(batch, tmp_path / "batch.pt")
     script = textwrap.dedent(
         f"""
