@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import lightning_canzona.planning.plan as planner
+import lightning_canzona.planning.policies as planner
 from lightning_canzona.commands.model_matrices import make_rule, preset_matrices, rule_settings
 from lightning_canzona.planning import MatrixSpec, Plan, PlanSettings, build_plan, report
 from lightning_canzona.planning.refine import refine

@@ -28,31 +28,22 @@ import lightning_canzona as lc
 from lightning_canzona.commands.model_matrices import make_rule, preset_matrices
 from lightning_canzona.distributed import engine as engine_module
 from lightning_canzona.distributed.teams import joined_state, measure_team_costs, member_state, priced
+from lightning_canzona.geometry import long_dim, member_blocks, split_sizes
 from lightning_canzona.optim.optimizer import DTYPES
-from lightning_canzona.planning import PlanSettings, build_plan, describe, report
-from lightning_canzona.planning import plan as plan_module
+from lightning_canzona.planning import PlanSettings, build_plan, describe, policies, report
+from lightning_canzona.planning.bounds import team_bound
 from lightning_canzona.planning.matrices import MatrixSpec
 from lightning_canzona.planning.micro_groups import balanced_groups, least_busy_block
-from lightning_canzona.planning.plan import (
-    STATE_BALANCE,
-    STEP_TOLERANCE,
-    _greedy_makespan,
-    _sizes_of,
-    _team_plan,
-    estimated_step,
+from lightning_canzona.planning.plan import estimated_step
+from lightning_canzona.planning.policies import STATE_BALANCE, STEP_TOLERANCE, team_plan
+from lightning_canzona.planning.team_search import (
+    greedy_makespan,
     overflow_sizes,
     searched_sizes,
-    team_bound,
+    sizes_of,
     team_sizes,
 )
-from lightning_canzona.planning.teams import (
-    TEAM_SIZES,
-    candidate_teams,
-    local_members,
-    long_dim,
-    member_blocks,
-    split_sizes,
-)
+from lightning_canzona.planning.teams import TEAM_SIZES, candidate_teams, local_members
 from lightning_canzona.rules.base import TeamSum, UpdateCost
 from lightning_canzona.rules.blocks import RowBlockRule
 from lightning_canzona.rules.muon import MuonRule
@@ -346,7 +337,7 @@ def test_planner_splits_what_packs_badly_beside_matrices_it_cannot_split() -> No
     # one team of 4 beside a whole one, 4 + 0.76, has the shortest estimated step, but the team of
     # 2's is within STEP_TOLERANCE of it and packs shorter: that one is kept.
     candidates = [*overflow_sizes(matrices, 4, prices), *searched_sizes(matrices, 4, prices)]
-    others = [_team_plan(prices, matrices, 4, 1, sizes) for sizes in candidates]
+    others = [team_plan(prices, matrices, 4, 1, sizes) for sizes in candidates]
     shortest = min(others, key=estimated_step)
     assert max(shortest.rank_loads()) == pytest.approx(4.76) and shortest.split_matrices() == {4: 1}
     plan = build_plan(matrices, 4, 1, prices)
@@ -370,7 +361,7 @@ def test_planner_keeps_teams_only_where_the_step_with_its_gathers_and_scatters_i
     steps = {policy: project_step(plan, H100, 2, "bfloat16").pipelined for policy, plan in plans.items()}
     assert steps["canzona"] < 0.93 * min(steps["round_robin"], steps["whole"])
     mlp_in_fours = [4 if max(m.shape) == 9728 else 1 for m in matrices]
-    assert estimated_step(_team_plan(PlanSettings(), matrices, 32, 8, mlp_in_fours)) > estimated_step(
+    assert estimated_step(team_plan(PlanSettings(), matrices, 32, 8, mlp_in_fours)) > estimated_step(
         plans["whole"]
     )
     free_exchange = PlanSettings(exchange_flops_per_element=0.0, exchange_flops_per_message=0.0)
@@ -426,7 +417,7 @@ def test_planner_keeps_the_shortest_estimated_step_not_the_shortest_makespan() -
     matrices, _ = preset_matrices("14B", rule, 32, 8)
     prices = H100.repriced(PlanSettings(), rule.matmul_dtype())
     plan = build_plan(matrices, 32, 8, prices)
-    packed = _team_plan(prices, matrices, 32, 8, searched_sizes(matrices, 256, prices)[-1])
+    packed = team_plan(prices, matrices, 32, 8, searched_sizes(matrices, 256, prices)[-1])
     assert (plan.split_matrices(), packed.split_matrices()) == ({2: 200}, {2: 120, 4: 49})
     assert max(packed.rank_loads()) < 0.92 * max(plan.rank_loads())
     assert estimated_step(plan) < 0.8 * estimated_step(packed)
@@ -442,7 +433,7 @@ def test_of_plans_alike_in_speed_the_planner_keeps_one_that_balances_the_state(m
     matrices, _ = preset_matrices("14B", rule, 32, 8)
     prices = H100.repriced(PlanSettings(), rule.matmul_dtype())
     plan = build_plan(matrices, 32, 8, prices)
-    monkeypatch.setattr(plan_module, "STATE_BALANCE", 0.0)  # no plan counts as balanced
+    monkeypatch.setattr(policies, "STATE_BALANCE", 0.0)  # no plan counts as balanced
     shortest = build_plan(matrices, 32, 8, prices)
     assert (plan.split_matrices(), shortest.split_matrices()) == ({2: 200}, {2: 88, 8: 32})
     assert plan.state_max_over_mean() <= STATE_BALANCE < shortest.state_max_over_mean()
@@ -460,7 +451,7 @@ def test_the_descent_over_class_sizes_finds_a_shorter_step_than_the_packed_candi
     matrices, _ = preset_matrices("8B", rule, 32, 8)
     prices = H100.repriced(PlanSettings(), rule.matmul_dtype())
     descended = build_plan(matrices, 32, 8, prices)
-    monkeypatch.setattr(plan_module, "DESCENT_ROUNDS", 0)
+    monkeypatch.setattr(policies, "DESCENT_ROUNDS", 0)
     packed = build_plan(matrices, 32, 8, prices)
     assert (packed.split_matrices(), descended.split_matrices()) == ({4: 108}, {4: 108, 8: 72})
     assert estimated_step(descended) < 0.95 * estimated_step(packed)
@@ -476,7 +467,7 @@ def test_planner_splits_the_overflow_of_a_class_that_must_split_further() -> Non
     matrices, _ = preset_matrices("14B", make_rule("soap"), 32, 8)
     settings_ = PlanSettings()
     plans = [
-        _team_plan(settings_, matrices, 32, 8, sizes) for sizes in overflow_sizes(matrices, 256, settings_)
+        team_plan(settings_, matrices, 32, 8, sizes) for sizes in overflow_sizes(matrices, 256, settings_)
     ]
     best = min(plans, key=lambda plan: max(plan.rank_loads()))
     assert max(best.rank_loads()) < 1.21 * best.ideal
@@ -953,12 +944,12 @@ def test_a_failure_in_a_team_is_the_same_error_on_every_rank_in_seconds() -> Non
 
 def test_greedy_packing_and_even_spreading_of_searched_sizes() -> None:
     # Two items of 3 on two ranks, then a team of 2 at 2 per member: 5; three of 1: 2.
-    assert _greedy_makespan([(1, 2, (2.0, 2.0)), (2, 1, (3.0,))], 2) == 5.0
-    assert _greedy_makespan([(3, 1, (1.0,))], 2) == 2.0
+    assert greedy_makespan([(1, 2, (2.0, 2.0)), (2, 1, (3.0,))], 2) == 5.0
+    assert greedy_makespan([(3, 1, (1.0,))], 2) == 2.0
     # Members that cost differently: the busier member on the less loaded rank (3 + 1, 2 + 2).
-    assert _greedy_makespan([(1, 1, (3.0,)), (1, 1, (2.0,)), (1, 2, (1.0, 2.0))], 2) == 4.0
+    assert greedy_makespan([(1, 1, (3.0,)), (1, 1, (2.0,)), (1, 2, (1.0, 2.0))], 2) == 4.0
     # Two of a class of eight in teams of 4, spread over it in model order.
-    assert _sizes_of([list(range(8))], [{2: 6, 4: 2}], 8) == [2, 2, 4, 2, 2, 2, 4, 2]
+    assert sizes_of([list(range(8))], [{2: 6, 4: 2}], 8) == [2, 2, 4, 2, 2, 2, 4, 2]
 
 
 def test_searched_sizes_pack_what_the_packing_bound_misjudges() -> None:
@@ -967,8 +958,8 @@ def test_searched_sizes_pack_what_the_packing_bound_misjudges() -> None:
     rule = make_rule("muon")
     matrices, _ = preset_matrices("14B", rule, 64, 8)
     prices = H100.repriced(PlanSettings(), rule.matmul_dtype())
-    greedy = _team_plan(prices, matrices, 64, 8, team_sizes(matrices, 512, prices))
-    searched = [_team_plan(prices, matrices, 64, 8, s) for s in searched_sizes(matrices, 512, prices)]
+    greedy = team_plan(prices, matrices, 64, 8, team_sizes(matrices, 512, prices))
+    searched = [team_plan(prices, matrices, 64, 8, s) for s in searched_sizes(matrices, 512, prices)]
     assert max(greedy.rank_loads()) > 1.9 * greedy.ideal
     assert min(max(plan.rank_loads()) for plan in searched) < 1.57 * greedy.ideal
     assert max(build_plan(matrices, 64, 8, prices).rank_loads()) < 1.57 * greedy.ideal

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from lightning_canzona.planning.matrices import MatrixSpec
-from lightning_canzona.planning.plan import POLICIES, Plan, PlanSettings, build_plan
+from lightning_canzona.planning.plan import POLICIES, Plan, PlanSettings
+from lightning_canzona.planning.policies import build_plan
 from lightning_canzona.planning.report import PlanReport, report
 from lightning_canzona.planning.traffic import Traffic, traffic
 from lightning_canzona.simulation.device import DeviceModel

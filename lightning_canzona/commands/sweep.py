@@ -17,7 +17,9 @@ from lightning_canzona.commands.model_matrices import (
     rule_settings,
 )
 from lightning_canzona.commands.tables import PAPER_ITERATION_SPEEDUP, PAPER_STEP_SPEEDUP
-from lightning_canzona.planning.plan import PlanSettings, build_plan, ideal_load, team_bound
+from lightning_canzona.planning.bounds import team_bound
+from lightning_canzona.planning.plan import PlanSettings, ideal_load
+from lightning_canzona.planning.policies import build_plan
 from lightning_canzona.planning.report import report
 from lightning_canzona.planning.teams import TEAM_SIZES
 from lightning_canzona.rules import MatrixRule
@@ -46,7 +48,7 @@ def bound_table(
     teams, ``lpt``, ``round_robin``), and ``canzona``'s with teams ÷ the ideal ``total / ranks``
     (periodic work amortised, and averaged over its period: `Plan.average_makespan`),
     the team bound ÷ the ideal (what no plan with teams beats at these prices,
-    `lightning_canzona.planning.plan.team_bound`, and its average over the period,
+    `lightning_canzona.planning.bounds.team_bound`, and its average over the period,
     `plan.average_bound`), its teams and its per-rank state max/mean;
     and whether whole-matrix ``canzona`` met `TARGET` everywhere."""
     whole = replace(settings, max_team=1)
@@ -86,7 +88,7 @@ def team_bound_table(
     mesh: tuple[int, int] = SWEEP_MESHES[-1],
 ) -> str:
     """What keeps teams from the ideal on ``mesh``: per optimizer and preset, the team bound
-    (`lightning_canzona.planning.plan.team_bound`) ÷ the ideal with teams of up to the settings'
+    (`lightning_canzona.planning.bounds.team_bound`) ÷ the ideal with teams of up to the settings'
     ``max_team``, of up to the largest team size, and of that size with collectives free, at
     ``device``'s prices in each rule's FLOPs."""
     num_ranks = mesh[0] * mesh[1]

@@ -58,9 +58,10 @@ from lightning_canzona.distributed.updates import (
     prepare_matrices,
     step_adamw,
 )
+from lightning_canzona.geometry import long_dim, member_blocks
 from lightning_canzona.planning import Plan, PlanSettings, block_of, build_plan
 from lightning_canzona.planning.matrices import matrix_spec
-from lightning_canzona.planning.teams import local_members, long_dim, member_blocks
+from lightning_canzona.planning.teams import local_members
 from lightning_canzona.rules.adamw import ALGORITHM as ADAMW
 from lightning_canzona.rules.base import MatrixRule, state_part, store_state_part
 from lightning_canzona.rules.kronecker import FAILURES

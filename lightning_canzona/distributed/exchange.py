@@ -19,14 +19,14 @@ from torch import Tensor
 from lightning_canzona.distributed.inflight import InFlight
 from lightning_canzona.distributed.layout import Block, LocalShard, MatrixLayout, Piece
 from lightning_canzona.distributed.memory import BufferMeter
-from lightning_canzona.planning.teams import member_blocks
+from lightning_canzona.geometry import member_blocks
 
 
 class MicroGroupExchange:
     """The gather and scatter of one micro-group, seen from one rank.
 
     Each member matrix goes to the ranks that compute it: its owner (the whole matrix), its
-    team (each member a slice, `lightning_canzona.planning.teams.member_blocks`), or, under
+    team (each member a slice, `lightning_canzona.geometry.member_blocks`), or, under
     ``sync``, every rank (the whole matrix).
 
     Args:

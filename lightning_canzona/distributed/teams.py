@@ -30,8 +30,8 @@ from torch import Tensor
 from lightning_canzona.distributed.agreement import Reduction
 from lightning_canzona.distributed.clock import Clock, Intervals
 from lightning_canzona.distributed.inflight import InFlight
+from lightning_canzona.geometry import long_dim, member_blocks
 from lightning_canzona.planning import PlanSettings
-from lightning_canzona.planning.teams import long_dim, member_blocks
 from lightning_canzona.rules.base import FAILURES, State, TeamComputation, TeamRequest, TeamRows, TeamSum
 from lightning_canzona.simulation.device import H100
 

@@ -1,7 +1,8 @@
 """Pure planning (no torch.distributed): matrix specs → owners and micro-groups, and reports."""
 
 from lightning_canzona.planning.matrices import COST_KINDS, MatrixSpec, block_of, describe
-from lightning_canzona.planning.plan import POLICIES, Plan, PlanSettings, build_plan
+from lightning_canzona.planning.plan import POLICIES, Plan, PlanSettings
+from lightning_canzona.planning.policies import build_plan
 from lightning_canzona.planning.report import PlanReport, report
 from lightning_canzona.planning.traffic import Exchange, Traffic, shard_numel, traffic
 

@@ -29,10 +29,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # plan.py calls refine
-    from lightning_canzona.planning.plan import Plan
+from lightning_canzona.planning.plan import Plan
 
 #: Partner ranks tried per swap: the least loaded (makespan) or least stateful (state).
 CANDIDATES = 8

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_canzona.planning.plan import Plan, average_bound, max_over_mean, team_bound
+from lightning_canzona.planning.bounds import average_bound, team_bound
+from lightning_canzona.planning.plan import Plan, max_over_mean
 
 #: How each cost kind is printed: ``(divisor, unit)``.
 COST_UNITS = {"flops": (1e9, "GFLOP"), "numel": (1e6, "M elements")}
@@ -27,14 +28,14 @@ class PlanReport:
             (`lightning_canzona.planning.teams`) can approach once a matrix exceeds it.
         team_bound: No plan whose teams have at most the settings' ``max_team`` ranks does
             better, at the settings' prices of their collectives
-            (`lightning_canzona.planning.plan.team_bound`); at least the ideal.
+            (`lightning_canzona.planning.bounds.team_bound`); at least the ideal.
         makespan: The largest rank load (periodic work amortised).
         average_makespan: The busiest rank's load averaged over a period of the rules' periodic
             work (`Plan.average_makespan`): what a step takes on average where every step waits
             for its busiest rank.
         peak_makespan: The largest rank load on a step that runs the periodic work.
         average_bound: No plan whose teams have at most ``max_team`` ranks has a shorter
-            average makespan (`lightning_canzona.planning.plan.average_bound`).
+            average makespan (`lightning_canzona.planning.bounds.average_bound`).
         period: Steps between runs of the periodic work (1: none).
         synchronized_makespan: Σ over micro-groups of the group's largest host load: the makespan
             when every group waits for its slowest host.

@@ -3,12 +3,12 @@
 Whole-matrix ownership stops scaling where one matrix's update costs more than a rank's fair share
 of the step: the step can then never be shorter than that matrix alone. A rule whose update
 splits exactly (`MatrixRule.team_cost`) lets a *team* of ``k`` ranks compute it: each member
-holds one slice of the matrix along its long dimension (`member_blocks`) and the members combine
+holds one slice of the matrix along its long dimension (`geometry.member_blocks`) and the members combine
 small partial results through collectives among themselves.
 
 Teams are aligned blocks of consecutive ranks (`candidate_teams`): few distinct teams, so few
 process groups, and on a ``dp × tp`` mesh whose ``tp`` ranks share a node a team of up to ``tp``
-ranks stays within the node.
+ranks stays within the node. How a team slices a matrix is `lightning_canzona.geometry`'s.
 """
 
 from __future__ import annotations
@@ -18,36 +18,6 @@ from collections.abc import Hashable, Sequence
 
 #: The team sizes the planner considers (powers of two, so that aligned blocks nest).
 TEAM_SIZES: tuple[int, ...] = (2, 4, 8, 16, 32, 64)
-
-
-def split_sizes(length: int, parts: int) -> tuple[int, ...]:
-    """``length`` cut into ``parts`` near-equal sizes, the larger ones first: ``(7, 3)`` → ``(3, 2, 2)``."""
-    if parts < 1:
-        raise ValueError(f"parts must be >= 1, got {parts}")
-    base, extra = divmod(length, parts)
-    return tuple(base + (1 if index < extra else 0) for index in range(parts))
-
-
-def long_dim(shape: Sequence[int]) -> int:
-    """The dimension of a matrix that a team slices: the columns of a wide or square matrix, the
-    rows of a tall one (Newton–Schulz iterates on the wide orientation; slices of its long side
-    keep the Gram matrix whole on every member)."""
-    rows, cols = shape[-2], shape[-1]
-    return len(shape) - 2 if rows > cols else len(shape) - 1
-
-
-def member_blocks(shape: Sequence[int], size: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """``(offset, shape)`` of each member's slice of a matrix of ``shape`` in a team of ``size``."""
-    dim = long_dim(shape)
-    blocks, start = [], 0
-    for length in split_sizes(shape[dim], size):
-        offset = [0] * len(shape)
-        offset[dim] = start
-        block_shape = list(shape)
-        block_shape[dim] = length
-        blocks.append((tuple(offset), tuple(block_shape)))
-        start += length
-    return blocks
 
 
 @functools.cache

@@ -246,7 +246,7 @@ class MatrixRule(ABC):
 
     def team_sliced_keys(self, shape: Sequence[int]) -> tuple[str, ...]:
         """The matrix-state keys of a matrix of ``shape`` whose tensors a team member holds a slice
-        of, cut along the matrix's long dimension (`lightning_canzona.planning.teams.long_dim`)
+        of, cut along the matrix's long dimension (`lightning_canzona.geometry.long_dim`)
         as the matrix is; the member holds the whole of every other."""
         return ()
 
@@ -255,7 +255,7 @@ class MatrixRule(ABC):
     ) -> TeamComputation:
         """This member's slice of the update direction, computed with the other members.
 
-        ``matrix`` is the member's slice (`lightning_canzona.planning.teams.member_blocks`) of
+        ``matrix`` is the member's slice (`lightning_canzona.geometry.member_blocks`) of
         a matrix of global ``shape`` (or, for a rule that `batches_matrices`, a stack of such
         slices). ``state`` is the member's matrix state (`init_team_state`). The generator
         yields, round by round, what the team must combine (`TeamRequest`), receives the

@@ -21,7 +21,7 @@ from collections.abc import Callable, Generator, Sequence
 import torch
 from torch import Tensor
 
-from lightning_canzona.planning.teams import long_dim, member_blocks
+from lightning_canzona.geometry import long_dim, member_blocks
 from lightning_canzona.rules.base import (
     FAILURES,
     State,
@@ -230,7 +230,7 @@ def oriented(
 ) -> tuple[Tensor, State]:
     """A team member's slice and state, turned so that the sliced side is the rows.
 
-    Where a team slices the columns (`planning.teams.long_dim`), the transposed slice is worked
+    Where a team slices the columns (`geometry.long_dim`), the transposed slice is worked
     on: the left factor of ``Gᵀ`` is the right factor of ``G``, so the sides' keys swap, and the
     ``sliced`` tensors are transposed views (updates write through to the state). In the
     oriented view a left factor, where present, is the member's rows of it.

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_canzona.planning.teams import split_sizes
+from lightning_canzona.geometry import split_sizes
 from lightning_canzona.rules.base import TeamComputation, TeamRows, TeamSum
 
 Coefficients = tuple[float, float, float]
@@ -378,7 +378,7 @@ def team_newton_schulz(
 
     Args:
         matrix: This member's slice of the matrix (or of each matrix of a stack): columns of a
-            wide matrix, rows of a tall one (`lightning_canzona.planning.teams.member_blocks`).
+            wide matrix, rows of a tall one (`lightning_canzona.geometry.member_blocks`).
         shape: The whole matrix's shape.
         schedule: The coefficients per step.
         ns_steps: Number of iterations.

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_canzona.planning.teams import long_dim, split_sizes
+from lightning_canzona.geometry import long_dim, split_sizes
 from lightning_canzona.rules import kronecker
 from lightning_canzona.rules.base import MatrixRule, State, TeamComputation, TeamRows, TeamSum, UpdateCost
 

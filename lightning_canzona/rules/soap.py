@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_canzona.planning.teams import long_dim, split_sizes
+from lightning_canzona.geometry import long_dim, split_sizes
 from lightning_canzona.rules import kronecker
 from lightning_canzona.rules.base import (
     FAILURES,
@@ -63,7 +63,7 @@ def _project(matrix: Tensor, state: State, *, back: bool = False, rows: slice | 
     """``Q_Lᵀ·X·Q_R`` (or ``Q_L·X·Q_Rᵀ`` with ``back``), skipping sides without a basis; only the
     result's ``rows`` (a team member's, of a whole ``X``) if given.
 
-    The rotation turns the long side first (`planning.teams.long_dim`; a member's ``rows`` are
+    The rotation turns the long side first (`geometry.long_dim`; a member's ``rows`` are
     of the long side), so that a team, which turns its slices of the long side first, forms the
     same products: the Adam ratio that follows grows their rounding where a rotated entry is near
     zero (where the gradient is close to the bases' own).
