@@ -194,30 +194,17 @@ def test_damaged_metadata_and_a_cut_file_are_named(saved, tmp_path) -> None:
 
 @pytest.mark.parametrize("form", ["distributed", "single-file"])
 def test_another_optimizers_state_is_refused_or_left_out_when_asked(saved, tmp_path, form) -> None:
-    path = saved[form]
+    resume = functools.partial(
+        _fit, tmp_path, "soap", ckpt_path=str(saved[form]), distributed=form == "distributed", mesh=(2, 1)
+    )
     with pytest.raises(
         Exception,
         match=r"holds the state of lightning_canzona\.Muon \[param groups: muon \(momentum_buffer\), adamw "
         r"\(exp_avg, exp_avg_sq, step\)\], but this run's optimizer is lightning_canzona\.SOAP \[param "
         r"groups: soap \(.*\)\].*CanzonaStrategy\(load_optimizer_state=False\)",
     ):
-        _fit(
-            tmp_path,
-            "soap",
-            ckpt_path=str(path),
-            distributed=form == "distributed",
-            mesh=(2, 1),
-            optimizer=SOAP,
-        )
-    losses = _fit(
-        tmp_path,
-        "soap",
-        ckpt_path=str(path),
-        distributed=form == "distributed",
-        mesh=(2, 1),
-        optimizer=SOAP,
-        load_optimizer_state=False,
-    )
+        resume(optimizer=SOAP)
+    losses = resume(optimizer=SOAP, load_optimizer_state=False)
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))  # from step 3, SOAP afresh
 
 
