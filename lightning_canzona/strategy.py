@@ -7,7 +7,6 @@ FSDP2 and DTensor TP, distributed checkpoints) plus:
   ``"auto"`` mesh sizes the model can take, explicit ones checked against it
   (`lightning_canzona.mesh`), and the checkpoint path; a failure on the ranks printed in full
   once (`lightning_canzona.launcher.report_failures_briefly`);
-
 - **composition** for LightningModules that do not override ``configure_model``: the module's
   ``tensor_parallel_plan()`` is applied on the TP mesh, then ``fully_shard`` wraps its units
   (blocks, experts, top-level submodules) bottom-up over the DP mesh
@@ -396,15 +395,11 @@ class CanzonaStrategy(ModelParallelStrategy):
         except (Exception, CheckpointException) as exception:
             error = exception
         failed = self.reduce_boolean_decision(error is not None, all=False)
-        if not failed and self._save_distributed_checkpoint:
-            self.barrier()  # rank 0's meta.pt is written too
+        if not failed and self._save_distributed_checkpoint:  # every part is on disk, meta.pt too
             problem = write_manifest(staged)
-            error = (
-                OSError(f"Writing the manifest of the checkpoint {path} failed: {problem}")
-                if problem
-                else None
-            )
-            failed = problem is not None  # the same on every rank
+            error = OSError(f"Writing the manifest of {path} failed: {problem}") if problem else None
+            # Rank 0 alone writes the file: only it learns that writing it failed.
+            failed = self.reduce_boolean_decision(error is not None, all=False)
         if failed:
             if self.global_rank == 0:
                 remove(staged)

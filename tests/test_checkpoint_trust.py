@@ -17,12 +17,14 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from lightning import Callback
 from multiprocess import run_on_ranks
 from test_checkpoints import _fit, _RunsCode
 
 import lightning_canzona as lc
 from lightning_canzona.checkpoint import (
     check_path_exists,
+    integrity,
     read_saved,
     recover,
     replace_with,
@@ -143,6 +145,37 @@ def test_a_checkpoint_left_beside_its_name_is_recovered_when_a_run_resumes(saved
 
 
 # -- Integrity -----------------------------------------------------------------------------------
+
+
+class ManifestFailsOnRankZero(Callback):
+    """Saves at step 2; at step 4 saves again, and rank 0 cannot write the manifest. A rank whose
+    save raises leaves what it raised."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == 2:
+            trainer.save_checkpoint(self.path)
+        elif trainer.global_step == 4:
+            if trainer.global_rank == 0:
+                integrity.json.dumps = mock.Mock(side_effect=OSError("disk full (injected)"))
+            try:
+                trainer.save_checkpoint(self.path)
+            except Exception as error:
+                (self.path.parent / f"raised-{trainer.global_rank}").write_text(str(error))
+                raise
+
+
+def test_a_manifest_that_rank_zero_cannot_write_fails_the_save_on_every_rank(tmp_path) -> None:
+    path = tmp_path / "latest.ckpt"
+    failing = ManifestFailsOnRankZero(path)
+    with pytest.raises(Exception, match="disk full|still holds the previous checkpoint"):
+        _fit(tmp_path, "failed", mesh=(2, 1), optimizer=MUON, checkpoints=False, extra=[failing])
+    # The rank that wrote no manifest learnt of the failure from the save, not from a peer gone.
+    assert "still holds the previous checkpoint" in (tmp_path / "raised-1").read_text()
+    assert torch.load(path / "meta.pt", weights_only=False)["global_step"] == 2  # the previous one
+    assert not staging_path(path).exists()
 
 
 @pytest.mark.parametrize(

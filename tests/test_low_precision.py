@@ -92,7 +92,8 @@ def test_a_float32_step_into_bf16_weights_is_rounded_once(optimizer) -> None:
     # Shampoo and SOAP (and Muon computing in float32) hand float32 directions to bf16 weights.
     param = torch.nn.Parameter((0.3 * (1 + 0.1 * torch.randn(48, 64))).bfloat16())
     direction = torch.randn(48, 64) * 0.05
-    rule = optimizer([param]).rule_of({**optimizer([param]).param_groups[0]})
+    built = optimizer([param])
+    rule = built.rule_of(built.param_groups[0])
     lr, decay = 0.02, 0.1
     decayed = param.detach() * (1 - lr * decay)  # rounded once, as Tensor.mul_
     scale = rule.lr_scale(param.shape)

@@ -31,7 +31,8 @@ def write_manifest(folder: Path) -> str | None:
     group is initialized).
 
     Returns:
-        What went wrong on any rank (the same text on every rank), or ``None``.
+        What went wrong, or ``None``: a checksum's failure on any rank is returned on every rank,
+        the manifest's own write (rank 0's) on rank 0 only.
     """
     rank, world = _ranks()
     names = (
