@@ -153,10 +153,18 @@ class InProcessLauncher(_MultiProcessingLauncher):
     def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
         _die_with_launching_thread()
         super()._wrapping_function(*args, **kwargs)
-        # The rank's process ends here: its groups go while the interpreter is whole, not in its
-        # shutdown, where a gloo thread that still frees a tensor aborts the rank (`inflight`).
+        # The rank's process ends here, its results sent (a SimpleQueue writes them at once). A
+        # gloo thread may still be freeing the tensors of a collective that ran last and that the
+        # package does not keep (`inflight`): the gather of the weights handed back runs DTensor's.
+        # Freed during the interpreter's shutdown, it aborts the rank after a successful run
+        # ("terminate called without an active exception", seen once under load): so the groups
+        # go while the interpreter is whole, and a successful rank exits without that shutdown,
+        # as the test harness's ranks do. A failed rank never gets here: torch reports its error.
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _die_with_launching_thread() -> None:
