@@ -7,12 +7,21 @@ third-party warnings that are harmless in its runs (`lightning_canzona.warning_f
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_canzona.config import PlanConfig
 from lightning_canzona.export import export_checkpoint
 from lightning_canzona.optim import SOAP, Muon, Shampoo, matrix_param_groups
 from lightning_canzona.strategy import CanzonaStrategy
 from lightning_canzona.warning_filters import ignore_harmless_warnings
 
-__all__ = ["SOAP", "CanzonaStrategy", "Muon", "Shampoo", "export_checkpoint", "matrix_param_groups"]
+__all__ = [
+    "SOAP",
+    "CanzonaStrategy",
+    "Muon",
+    "PlanConfig",
+    "Shampoo",
+    "export_checkpoint",
+    "matrix_param_groups",
+]
 __version__ = "0.1.0"
 
 ignore_harmless_warnings()

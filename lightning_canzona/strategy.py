@@ -25,7 +25,7 @@ FSDP2 and DTensor TP, distributed checkpoints) plus:
   and decisions of callbacks (`reduce_boolean_decision`) are agreed over all ranks.
 
 Launching (`lightning_canzona.launcher`), metrics (`lightning_canzona.metrics`), clipping
-(`lightning_canzona.precision`) and the optimizer conversion (`lightning_canzona.optim.conversion`)
+(`lightning_canzona.precision`) and the optimizer conversion (`lightning_canzona.optim.binding`)
 live in modules of their own; this class wires them into Lightning.
 """
 
@@ -71,14 +71,14 @@ from lightning_canzona.checkpoint import (
     write_manifest,
 )
 from lightning_canzona.composition import compose
+from lightning_canzona.config import PlanConfig
 from lightning_canzona.distributed.replicas import average_gradients, check_gradients_agree
-from lightning_canzona.distributed.teams import TeamPrices, check_team_prices
 from lightning_canzona.launcher import InProcessLauncher, ScriptLauncher, report_failures_briefly
 from lightning_canzona.mesh import MeshShape, choose_mesh
 from lightning_canzona.metrics import prepare_metrics
 from lightning_canzona.optim import MatrixOptimizer
-from lightning_canzona.optim.conversion import convert_torch_muon, is_torch_muon, repoint_scheduler
-from lightning_canzona.planning import PlanSettings, report
+from lightning_canzona.optim.binding import bind_optimizer
+from lightning_canzona.planning import report
 from lightning_canzona.precision import clip_across_meshes, mixed_precision_policy
 from lightning_canzona.rules.blocks import describe_row_blocks
 from lightning_canzona.telemetry import OptimizerTelemetry
@@ -97,20 +97,11 @@ class CanzonaStrategy(ModelParallelStrategy):
             and key/value heads, feed-forward widths: `lightning_canzona.mesh`), 1 (FSDP2 only)
             for a model without a tensor-parallel plan. Explicit sizes are kept as given, and
             checked against the model before any rank starts.
-        policy: Who computes each matrix update: ``canzona`` (α-balanced owners, micro-groups),
-            ``lpt``, ``round_robin`` or ``sync`` (every rank, redundantly).
-        alpha: ``canzona``'s balance between per-bucket uniformity (0) and global balance (1).
-        cost: What the plan balances: ``flops`` of the updates or ``numel`` of the matrices.
-        micro_group_capacity: Largest per-rank cost of one micro-group, in the cost's unit;
-            ``None`` derives it from the model.
-        max_team: Most ranks that compute one matrix's update together (``canzona``; a power
-            of two, 1 keeps every matrix whole): the plan splits the costliest matrices over
-            teams where the rule allows (Muon, Shampoo and SOAP: any 2-D matrix) and its cost
-            model says it pays.
-        team_prices: What the cost model charges for a team's collectives: ``"h100"``,
-            ``"measure"`` (on the job's own devices and links) or ``(FLOPs per element sent,
-            FLOPs per collective)``; see `lightning_canzona.MatrixOptimizer`.
-        overlap: Pipeline the micro-groups' gathers and scatters with their compute.
+        plan: How each matrix update is planned and run (`lightning_canzona.PlanConfig`:
+            ``policy``, ``alpha``, ``cost``, ``micro_group_capacity``, ``max_team``,
+            ``team_prices``, ``overlap``), for every lightning_canzona optimizer that gives none
+            of its own; one that gives a different one is an error. ``None``: each optimizer's
+            own (the defaults unless it sets one).
         save_distributed_checkpoint: Save one shard per rank (``True``) or one full file.
         verify_checkpoints: Before loading a checkpoint, check every file against the sizes and
             CRC-32 checksums recorded when it was saved (a distributed checkpoint's manifest, a
@@ -142,13 +133,7 @@ class CanzonaStrategy(ModelParallelStrategy):
         self,
         data_parallel_size: Literal["auto"] | int = "auto",
         tensor_parallel_size: Literal["auto"] | int = "auto",
-        policy: str = "canzona",
-        alpha: float = 0.5,
-        cost: str = "flops",
-        micro_group_capacity: float | None = None,
-        max_team: int = 8,
-        team_prices: TeamPrices = "h100",
-        overlap: bool = True,
+        plan: PlanConfig | None = None,
         save_distributed_checkpoint: bool = True,
         verify_checkpoints: bool = True,
         load_optimizer_state: bool = True,
@@ -166,15 +151,9 @@ class CanzonaStrategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self.plan_settings = PlanSettings(
-            policy,
-            alpha,
-            cost,  # type: ignore[arg-type]
-            micro_group_capacity,
-            max_team=max_team,
-        )
-        self.team_prices = check_team_prices(team_prices)
-        self.overlap = overlap
+        if plan is not None and not isinstance(plan, PlanConfig):
+            raise TypeError(f"plan must be a lightning_canzona.PlanConfig or None, got {plan!r}")
+        self.plan_config = plan
         self.verify_checkpoints = verify_checkpoints
         self.load_optimizer_state = load_optimizer_state
         self.telemetry = telemetry
@@ -473,20 +452,8 @@ class CanzonaStrategy(ModelParallelStrategy):
                     rank_zero_info(f"lightning_canzona: {describe_row_blocks(optimizer.row_blocks())}")
 
     def _bind(self, optimizer: Optimizer) -> Optimizer:
-        """Hand the plan settings to a lightning_canzona optimizer; convert a torch.optim.Muon."""
-        if isinstance(optimizer, MatrixOptimizer):
-            optimizer.plan_settings, optimizer.overlap = self.plan_settings, self.overlap
-            optimizer.team_prices = self.team_prices
-            return optimizer
-        if is_torch_muon(optimizer):
-            converted = convert_torch_muon(optimizer, self.lightning_module, self.plan_settings, self.overlap)
-            converted.team_prices = self.team_prices
-            for config in self.lr_scheduler_configs:
-                if config.scheduler.optimizer is optimizer:
-                    repoint_scheduler(config.scheduler, converted)
-            rank_zero_info(
-                "lightning_canzona: converted torch.optim.Muon to lightning_canzona.Muon with the same "
-                "settings, so that each matrix update is computed once, on one owner."
-            )
-            return converted
-        return optimizer
+        schedulers = [config.scheduler for config in self.lr_scheduler_configs]
+        bound, message = bind_optimizer(optimizer, self.lightning_module, self.plan_config, schedulers)
+        if message:
+            rank_zero_info(message)
+        return bound

@@ -132,7 +132,7 @@ TEAM_OPTIMIZERS = {
 def test_checkpoint_of_matrices_computed_by_teams_resumes_exactly(tmp_path, optimizer, distributed) -> None:
     teams = {
         "optimizer": TEAM_OPTIMIZERS[optimizer],
-        "team_prices": (0.0, 0.0),
+        "plan": lc.PlanConfig(team_prices=(0.0, 0.0)),
         "extra": [CountTeams()],
         "distributed": distributed,
     }

@@ -16,7 +16,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import lightning_canzona as lc
-from lightning_canzona.planning import PlanSettings
 from lightning_canzona.rules.muon import MuonRule
 
 
@@ -70,7 +69,9 @@ def _counts(rank: int, world_size: int) -> None:
     try:
         for policy in ("canzona", "lpt", "round_robin", "sync"):
             model = _sharded_blocks(mesh)
-            optimizer = lc.Muon(lc.matrix_param_groups(model), policy=policy, micro_group_capacity=1.0)
+            optimizer = lc.Muon(
+                lc.matrix_param_groups(model), plan=lc.PlanConfig(policy, micro_group_capacity=1.0)
+            )
             for _ in range(2):
                 for param in model.parameters():
                     param.grad = torch.ones_like(param)
@@ -116,7 +117,7 @@ def _buffers_per_group_in_flight(rank: int, world_size: int) -> None:
     groups = lc.matrix_param_groups(model)
     for overlap in (True, False):
         # A capacity below any matrix's cost: each of the 16 matrices is a micro-group of its own.
-        optimizer = lc.Muon(groups, policy="canzona", micro_group_capacity=1.0, overlap=overlap)
+        optimizer = lc.Muon(groups, plan=lc.PlanConfig(micro_group_capacity=1.0, overlap=overlap))
         for param in model.parameters():
             param.grad = torch.ones_like(param)
         for _ in range(2):
@@ -265,7 +266,7 @@ def _experts_where_they_lie(rank: int, world_size: int) -> None:
         sent = {}
         for locality in (True, False):
             optimizer = lc.Muon(groups, lr=0.02, compute_dtype="float32")
-            optimizer.plan_settings = PlanSettings(locality=locality)
+            optimizer.locality = locality
             for layer in model:
                 layer.weight.grad = torch.ones_like(layer.weight)
             shapes.clear()

@@ -121,7 +121,7 @@ def _run_combination(rank: int, mesh, optimizer_name: str, plan: dict, overlap: 
     torch.manual_seed(0)
     model = _parallelize(Net(), mesh)  # the same initial weights, sharded
     reference = optimizer_class(_groups(reference_model), **kwargs)
-    optimizer = optimizer_class(_groups(model), **kwargs, **plan, overlap=overlap)
+    optimizer = optimizer_class(_groups(model), **kwargs, plan=lc.PlanConfig(**plan, overlap=overlap))
     shapes = {name: p.shape for name, p in reference_model.named_parameters()}
     params = dict(model.named_parameters())
     for step in range(STEPS):

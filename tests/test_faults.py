@@ -52,7 +52,7 @@ def _one_rank_fails(rank: int, world_size: int) -> None:
     optimizer = lc.Muon(
         [("plain", plain), ("head", head), *((f"matrix{i}", m) for i, m in enumerate(matrices))],
         **MUON,
-        policy="round_robin",
+        plan=lc.PlanConfig(policy="round_robin"),
     )
     for param in params:
         param.grad = torch.ones_like(param)
@@ -147,7 +147,11 @@ def _decomposition_fails_on_the_owner(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     weight = _sharded(torch.randn(3 * world_size, 5), mesh, [Shard(0)])
     optimizer = lc.Shampoo(
-        [("weight", weight)], lr=0.01, start_preconditioning_step=1, precondition_frequency=1, policy="lpt"
+        [("weight", weight)],
+        lr=0.01,
+        start_preconditioning_step=1,
+        precondition_frequency=1,
+        plan=lc.PlanConfig(policy="lpt"),
     )
     eigh = torch.linalg.eigh
 

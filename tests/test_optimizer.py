@@ -228,3 +228,30 @@ def test_non_finite_gradient_is_named_and_nothing_is_written(optimizer_class, kw
         optimizer.step()
     for key, value in model.state_dict().items():
         assert torch.equal(value, before[key]), key
+
+
+def test_the_plan_is_set_in_one_place_never_overwritten_silently() -> None:
+    from lightning_canzona.optim.binding import bind_optimizer
+
+    model = nn.Linear(4, 4)
+    lpt = lc.PlanConfig(policy="lpt", overlap=False)
+    own = lc.Muon(lc.matrix_param_groups(model))
+    assert bind_optimizer(own, model, lpt) == (own, None) and own.plan_config == lpt  # none of its own
+    given = lc.Muon(lc.matrix_param_groups(model), plan=lc.PlanConfig(max_team=1))
+    bind_optimizer(given, model, None)  # the strategy sets none: the optimizer keeps its own
+    assert given.plan_config == lc.PlanConfig(max_team=1)
+    bind_optimizer(given, model, lc.PlanConfig(max_team=1))  # the same in both places
+    with pytest.raises(ValueError, match=r"max_team: 8 on CanzonaStrategy, 1 on Muon"):
+        bind_optimizer(given, model, lc.PlanConfig())
+    converted, said = bind_optimizer(torch.optim.Muon([model.weight]), model, lpt)
+    assert isinstance(converted, lc.Muon) and converted.plan_config == lpt and "converted" in said
+    # What the engine plans with is the config's.
+    assert own.plan_settings().policy == "lpt" and given.plan_settings().max_team == 1
+    with pytest.raises(TypeError, match=r"plan=PlanConfig\(alpha=\.\.\.\)"):
+        lc.SOAP(lc.matrix_param_groups(model), alpha=0.3)
+    with pytest.raises(TypeError, match="plan must be a lightning_canzona.PlanConfig"):
+        lc.Muon(lc.matrix_param_groups(model), plan={"policy": "lpt"})
+    assert lc.PlanConfig(team_prices=[1, 2]).team_prices == (1.0, 2.0)  # as a YAML list reads
+    for bad, message in (({"team_prices": "a100"}, "team_prices must be"), ({"max_team": 3}, "max_team")):
+        with pytest.raises(ValueError, match=message):
+            lc.PlanConfig(**bad)

@@ -63,7 +63,7 @@ def test_import_registers_the_strategies_once() -> None:
             lambda: _trainer(lc.CanzonaStrategy(), precision="16-true"),
             r"precision='16-true' is not supported",
         ),
-        (lambda: lc.CanzonaStrategy(policy="greedy"), r"policy must be one of"),
+        (lambda: lc.CanzonaStrategy(plan=lc.PlanConfig(policy="greedy")), r"policy must be one of"),
     ],
 )
 def test_bad_settings_fail_before_any_process_starts(build, message) -> None:
@@ -103,7 +103,7 @@ class CheckComposition(Callback):
         # Its gradient differs per data-parallel rank: averaged, the replicas stay equal.
         assert _same_on_every_rank(pl_module.loss_scale) and pl_module.loss_scale != 1
         optimizer = trainer.optimizers[0]
-        assert isinstance(optimizer, lc.Muon) and optimizer.plan_settings.policy == "lpt"
+        assert isinstance(optimizer, lc.Muon) and optimizer.plan_config.policy == "lpt"
         engine = optimizer.engines[q_proj.device_mesh]
         assert engine.plan is not None and engine.stats.all_to_alls == 2 * len(engine.plan.micro_groups)
         # QK-norm weights serve every head while each TP rank holds only its heads: their
@@ -118,7 +118,7 @@ class CheckComposition(Callback):
 def test_fit_composes_tp_and_fsdp2_and_binds_the_plan_settings() -> None:
     module = WithRootParameter(preset="tiny", warmup_steps=1)
     strategy = lc.CanzonaStrategy(
-        data_parallel_size=2, tensor_parallel_size=2, policy="lpt", start_method="fork"
+        data_parallel_size=2, tensor_parallel_size=2, plan=lc.PlanConfig(policy="lpt"), start_method="fork"
     )
     trainer = _trainer(strategy, callbacks=[CheckComposition()])
     trainer.fit(module, datamodule=ByteTextDataModule(seq_len=32, batch_size=4))

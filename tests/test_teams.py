@@ -566,7 +566,7 @@ def _mixed_compute_dtypes(rank: int, world_size: int) -> None:
             {"params": weights[1:2], "compute_dtype": "float32"},
             {"params": weights[2:], "compute_dtype": "float64"},
         ]
-        return lc.Muon(groups, lr=0.02, team_prices=team_prices)
+        return lc.Muon(groups, lr=0.02, plan=lc.PlanConfig(team_prices=team_prices))
 
     for weight in weights:
         weight.grad = distribute_tensor(torch.randn(weight.shape), mesh, [Shard(0)], src_data_rank=None)
@@ -629,8 +629,10 @@ def _with_free_teams(optimizer_class):
     class WithFreeTeams(optimizer_class):
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
-            self.plan_settings = dataclasses.replace(self.plan_settings, **FREE_TEAMS)
             CREATED.append(self)
+
+        def plan_settings(self) -> PlanSettings:
+            return dataclasses.replace(super().plan_settings(), **FREE_TEAMS)
 
     WithFreeTeams.__name__ = f"Team{optimizer_class.__name__}"
     return WithFreeTeams

@@ -36,6 +36,7 @@ from lightning_canzona.cli import CanzonaCLI
 from lightning_canzona.distributed.failures import raise_on_every_rank
 from lightning_canzona.mesh import choose_mesh
 from lightning_canzona.models import CausalLanguageModel
+from lightning_canzona.optim.binding import bind_optimizer
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "troubleshooting.md"
 TINY_CONFIG = PAGE.parents[1] / "examples" / "configs" / "tiny.yaml"
@@ -182,7 +183,15 @@ TRIGGERS: dict[str, Callable[[Path], None]] = {
         "/checkpoints/last-run.ckpt", "ckpt_path"
     ),
     "An unsupported precision": lambda _: _trainer(strategy=lc.CanzonaStrategy(), precision="16-true"),
-    "A strategy setting out of its range": lambda _: lc.CanzonaStrategy(policy="greedy"),
+    "A plan setting out of its range": lambda _: lc.CanzonaStrategy(plan=lc.PlanConfig(policy="greedy")),
+    "A plan setting given to the optimizer as a keyword": lambda _: lc.Muon(
+        [nn.Parameter(torch.zeros(2, 2))], policy="lpt"
+    ),
+    "The strategy and the optimizer set different plans": lambda _: bind_optimizer(
+        lc.Muon([nn.Parameter(torch.zeros(2, 2))], plan=lc.PlanConfig()),
+        nn.Module(),
+        lc.PlanConfig(policy="lpt"),
+    ),
     "An optimizer keyword that does not exist": lambda _: lc.Muon(
         [nn.Parameter(torch.zeros(2, 2))], lrr=0.02
     ),

@@ -47,7 +47,7 @@ import socket
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -60,8 +60,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, parallelize_module
 
 import lightning_canzona as lc
+from lightning_canzona.config import PlanConfig
 from lightning_canzona.models.qwen3 import Qwen3, tensor_parallel_plan
-from lightning_canzona.planning import PlanSettings, report
+from lightning_canzona.planning import report
 
 VARIANTS = (
     "sync",
@@ -156,7 +157,7 @@ def _build(variant: str, groups: list[dict], optimizer_name: str = "muon") -> ob
     if variant in MOE_VARIANTS:
         optimizer = optimizer_class(groups, **settings)
         if variant == "canzona (locality-blind)":
-            optimizer.plan_settings = replace(optimizer.plan_settings, locality=False)
+            optimizer.locality = False
         else:
             optimizer.batch_matrices = False
         return optimizer
@@ -168,11 +169,10 @@ def _build(variant: str, groups: list[dict], optimizer_name: str = "muon") -> ob
         "canzona (whole matrices)": ("canzona", True),
         "canzona (teams, measured)": ("canzona", True),
     }[variant]
-    max_team = 1 if variant == "canzona (whole matrices)" else PlanSettings.max_team
+    max_team = 1 if variant == "canzona (whole matrices)" else PlanConfig.max_team
     prices = "measure" if variant == "canzona (teams, measured)" else "h100"
-    return optimizer_class(
-        groups, **settings, policy=policy, overlap=overlap, max_team=max_team, team_prices=prices
-    )
+    plan = PlanConfig(policy=policy, overlap=overlap, max_team=max_team, team_prices=prices)
+    return optimizer_class(groups, **settings, plan=plan)
 
 
 def _state_bytes(optimizer: object) -> int:

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_canzona.config import TeamPrices
 from lightning_canzona.distributed.agreement import Reduction
 from lightning_canzona.distributed.clock import Clock, Intervals
 from lightning_canzona.distributed.inflight import InFlight
@@ -349,22 +349,6 @@ def flops_weights(
     else:
         return None
     return {dtype: each / seconds[0] for dtype, each in zip(dtypes, seconds)}
-
-
-#: What the planner charges for collectives (see `MatrixOptimizer`'s ``team_prices``).
-TeamPrices = Literal["h100", "measure"] | tuple[float, float]
-
-
-def check_team_prices(prices: TeamPrices) -> TeamPrices:
-    """``prices`` if valid, else a `ValueError` naming the setting."""
-    if prices in ("h100", "measure"):
-        return prices
-    if isinstance(prices, (tuple, list)) and len(prices) == 2 and all(float(p) >= 0 for p in prices):
-        return (float(prices[0]), float(prices[1]))
-    raise ValueError(
-        f"team_prices must be 'h100', 'measure' or (FLOPs per element sent, FLOPs per collective) "
-        f">= 0, got {prices!r}"
-    )
 
 
 def priced(

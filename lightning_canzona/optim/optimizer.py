@@ -17,6 +17,7 @@ import math
 import warnings
 from abc import abstractmethod
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import fields, replace
 from typing import Any, ClassVar
 
 import torch
@@ -24,17 +25,20 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_canzona.config import PlanConfig
 from lightning_canzona.distributed.engine import Entry, MeshEngine, entry_rules, mesh_process_group
 from lightning_canzona.distributed.failures import raise_on_every_rank
 from lightning_canzona.distributed.gradients import agree_on_gradients
 from lightning_canzona.distributed.layout import local_tensor, planning_mesh
-from lightning_canzona.distributed.teams import TeamPrices, check_team_prices, flops_weights, priced
+from lightning_canzona.distributed.teams import flops_weights, priced
 from lightning_canzona.distributed.updates import apply_matrices, full_direction, prepare_matrices, step_adamw
 from lightning_canzona.planning import Plan, PlanSettings
 from lightning_canzona.rules.adamw import ALGORITHM as ADAMW
 from lightning_canzona.rules.base import MatrixRule
 from lightning_canzona.rules.blocks import RowBlockRule, RowBlocks, as_row_blocks, row_block_sizes
 
+#: The settings of `PlanConfig`, which the optimizers take as ``plan=PlanConfig(...)``.
+PLAN_FIELDS = frozenset(f.name for f in fields(PlanConfig))
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 
 
@@ -80,24 +84,9 @@ class MatrixOptimizer(Optimizer):
             rounding each operation to nearest as ``torch.optim`` does: bf16 weights then follow
             updates below their precision on average (`lightning_canzona.rules.rounding`).
             Other dtypes are unaffected.
-        policy: Who computes each matrix of DTensor parameters: ``canzona`` (α-balanced owners
-            and micro-groups), ``lpt``, ``round_robin`` or ``sync`` (every rank, redundantly).
-        alpha: ``canzona``'s balance between per-bucket uniformity (0) and global balance (1).
-        cost: What the plan balances: ``flops`` of the updates or ``numel`` of the matrices.
-        micro_group_capacity: Largest per-rank cost of one micro-group, in the cost's unit;
-            ``None`` derives it from the model.
-        max_team: Most ranks that compute one matrix's update together (``canzona``; a power
-            of two, 1 keeps every matrix whole): the plan splits the costliest matrices over
-            teams where the rule allows (Muon, Shampoo and SOAP: any 2-D matrix) and its cost
-            model says it pays.
-        team_prices: What the cost model charges for a team's collectives: ``"h100"`` (H100s
-            on NVLink within a node and InfiniBand across, in FLOPs of the rule's matrix
-            products: `simulation.DeviceModel.plan_prices`), ``"measure"`` (measured on the
-            job's own devices and links when the first plan is built, the gathers' and
-            scatters' prices too: `distributed.teams.measure_team_costs`), or ``(FLOPs per
-            element sent, FLOPs per collective)``.
-        overlap: Pipeline the micro-groups: gather the next and scatter the previous group while
-            the current one computes.
+        plan: How the matrix updates of DTensor parameters are planned and run (`PlanConfig`);
+            ``None``: the defaults, or the strategy's ``plan`` when it gives one
+            (`adopt_plan_config`).
     """
 
     #: The value of ``param_groups[i]["algorithm"]`` for the matrix groups.
@@ -114,13 +103,7 @@ class MatrixOptimizer(Optimizer):
         adamw_weight_decay: float | None = None,
         check_finite: bool = True,
         stochastic_rounding: bool = False,
-        policy: str = "canzona",
-        alpha: float = 0.5,
-        cost: str = "flops",
-        micro_group_capacity: float | None = None,
-        max_team: int = 8,
-        team_prices: TeamPrices = "h100",
-        overlap: bool = True,
+        plan: PlanConfig | None = None,
     ) -> None:
         if not isinstance(stochastic_rounding, bool):
             raise TypeError(f"stochastic_rounding must be True or False, got {stochastic_rounding!r}")
@@ -133,17 +116,15 @@ class MatrixOptimizer(Optimizer):
         }
         defaults = {**defaults, "stochastic_rounding": stochastic_rounding}
         self.check_finite = check_finite
-        self.plan_settings = PlanSettings(
-            policy,
-            alpha,
-            cost,  # type: ignore[arg-type]
-            micro_group_capacity,
-            max_team=max_team,
-        )
-        self.team_prices = check_team_prices(team_prices)
-        self.overlap = overlap
-        #: Batch same-shape matrix updates (see `MeshEngine`); read when an engine is created.
+        if plan is not None and not isinstance(plan, PlanConfig):
+            raise TypeError(f"plan must be a lightning_canzona.PlanConfig or None, got {plan!r}")
+        #: How the DTensor parameters' matrix updates are planned and run.
+        self.plan_config = plan or PlanConfig()
+        self._plan_config_given = plan is not None
+        #: Batch same-shape matrix updates, and plan with locality (see `MeshEngine`): the
+        #: baselines of ``canzona bench step`` turn them off; read when an engine is created.
         self.batch_matrices = True
+        self.locality = True
         self.engines: dict[Any, MeshEngine] = {}
         super().__init__(params, defaults)
 
@@ -162,12 +143,46 @@ class MatrixOptimizer(Optimizer):
         unknown = [name for name in keywords if name not in own + shared]
         if not unknown:
             return
+        if unknown[0] in PLAN_FIELDS:
+            raise TypeError(
+                f"{cls.__name__}() got an unexpected keyword argument {unknown[0]!r}: it is a setting of "
+                f"the plan, given as {cls.__name__}(params, plan=PlanConfig({unknown[0]}=...)) or on the "
+                "strategy (lightning_canzona.PlanConfig)."
+            )
         close = difflib.get_close_matches(unknown[0], own + shared, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise TypeError(
             f"{cls.__name__}() got an unexpected keyword argument {unknown[0]!r}.{hint} It takes: "
             f"{', '.join(own + shared)}."
         )
+
+    def adopt_plan_config(self, config: PlanConfig, source: str) -> None:
+        """Take ``config`` (that of ``source``, a strategy) as this optimizer's plan configuration.
+
+        Raises:
+            ValueError: This optimizer was given a different one: the two would otherwise
+                silently disagree. Give it in one place.
+            RuntimeError: The optimizer has planned already (it stepped before the strategy
+                took it).
+        """
+        if config == self.plan_config:
+            return
+        if self._plan_config_given:
+            name, own = type(self).__name__, self.plan_config
+            differ = "; ".join(
+                f"{field}: {getattr(config, field)!r} on {source}, {getattr(own, field)!r} on {name}"
+                for field in config.differences(own)
+            )
+            raise ValueError(
+                f"{source}(plan=...) and {name}(plan=...) differ ({differ}). Give "
+                "plan=PlanConfig(...) to one of them only: the strategy's applies to every optimizer "
+                "that sets none of its own."
+            )
+        if self.engines:
+            raise RuntimeError(
+                f"{type(self).__name__} has planned its step already; it cannot adopt {source}'s plan."
+            )
+        self.plan_config = config
 
     @abstractmethod
     def matrix_rule(self, group: dict[str, Any]) -> MatrixRule:
@@ -377,12 +392,17 @@ class MatrixOptimizer(Optimizer):
                     distributed.setdefault(planning_mesh(param.device_mesh), []).append(entry)
         return distributed
 
+    def plan_settings(self) -> PlanSettings:
+        """The planner's settings from `plan_config`, before its team prices are applied
+        (`distributed.teams.priced`), with `locality`."""
+        return replace(self.plan_config.settings(), locality=self.locality)
+
     def _engine(self, mesh: Any) -> MeshEngine:
         if mesh not in self.engines:
             group = mesh_process_group(mesh)
             rules = [self.rule_of(g) for g in self.param_groups if g["algorithm"] != ADAMW]
             dtypes = list(dict.fromkeys(rule.matmul_dtype() for rule in rules)) or [torch.float32]
-            weights = flops_weights(self.team_prices, group, mesh.device_type, dtypes)
+            weights = flops_weights(self.plan_config.team_prices, group, mesh.device_type, dtypes)
             if weights is None and group.rank() == 0:  # every rank would say the same
                 # Matmul FLOPs of different dtypes take different times (float32 about 15× bf16's
                 # on an H100), and prices given as figures say nothing of the dtypes' rates.
@@ -396,8 +416,10 @@ class MatrixOptimizer(Optimizer):
                     UserWarning,
                     stacklevel=3,
                 )
-            settings = priced(self.plan_settings, self.team_prices, group, mesh.device_type, dtypes[0])
-            self.engines[mesh] = MeshEngine(mesh, settings, self.overlap, self.batch_matrices, weights or {})
+            config = self.plan_config
+            settings = priced(self.plan_settings(), config.team_prices, group, mesh.device_type, dtypes[0])
+            overlap, batch = config.overlap, self.batch_matrices
+            self.engines[mesh] = MeshEngine(mesh, settings, overlap, batch, weights or {})
         return self.engines[mesh]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -1,16 +1,52 @@
-"""``torch.optim.Muon`` → `lightning_canzona.Muon`, group for group."""
+"""How a strategy takes the user's optimizer: `bind_optimizer`.
+
+A lightning_canzona optimizer adopts the strategy's `PlanConfig` (or keeps its own: two different
+ones are an error); a ``torch.optim.Muon`` becomes a `lightning_canzona.Muon`, group for group,
+with its learning-rate schedulers re-pointed at it. Shared by every strategy of the package.
+"""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from lightning_canzona.config import PlanConfig
+from lightning_canzona.optim.optimizer import MatrixOptimizer
 from lightning_canzona.optim.optimizers import Muon
-from lightning_canzona.planning import PlanSettings
+
+
+def bind_optimizer(
+    optimizer: Optimizer,
+    module: nn.Module,
+    config: PlanConfig | None,
+    schedulers: Sequence[LRScheduler] = (),
+    source: str = "CanzonaStrategy",
+) -> tuple[Optimizer, str | None]:
+    """``optimizer`` as the strategy ``source`` runs it, and a line to tell the user, if any.
+
+    A `MatrixOptimizer` adopts ``config`` where one is given (`MatrixOptimizer.adopt_plan_config`);
+    a ``torch.optim.Muon`` is converted (`convert_torch_muon`) and ``schedulers`` built on it are
+    re-pointed; any other optimizer is returned as it is.
+    """
+    if isinstance(optimizer, MatrixOptimizer):
+        if config is not None:
+            optimizer.adopt_plan_config(config, source)
+        return optimizer, None
+    if not is_torch_muon(optimizer):
+        return optimizer, None
+    converted = convert_torch_muon(optimizer, module, config)
+    for scheduler in schedulers:
+        if scheduler.optimizer is optimizer:
+            repoint_scheduler(scheduler, converted)
+    return converted, (
+        "lightning_canzona: converted torch.optim.Muon to lightning_canzona.Muon with the same "
+        "settings, so that each matrix update is computed once, on one owner."
+    )
 
 
 def is_torch_muon(optimizer: Optimizer) -> bool:
@@ -18,9 +54,7 @@ def is_torch_muon(optimizer: Optimizer) -> bool:
     return type(optimizer).__name__ == "Muon" and type(optimizer).__module__.startswith("torch.optim")
 
 
-def convert_torch_muon(
-    optimizer: Optimizer, module: nn.Module, settings: PlanSettings, overlap: bool
-) -> Muon:
+def convert_torch_muon(optimizer: Optimizer, module: nn.Module, config: PlanConfig | None = None) -> Muon:
     """A `Muon` with ``optimizer``'s param groups, one to one, and their hyperparameters.
 
     `Muon` takes ``torch.optim.Muon``'s keywords with the same meaning. Groups keep their order
@@ -37,15 +71,7 @@ def convert_torch_muon(
         }
         for group in optimizer.param_groups
     ]
-    return Muon(
-        groups,
-        policy=settings.policy,
-        alpha=settings.alpha,
-        cost=settings.cost,
-        micro_group_capacity=settings.capacity,
-        max_team=settings.max_team,
-        overlap=overlap,
-    )
+    return Muon(groups, plan=config)
 
 
 def repoint_scheduler(scheduler: LRScheduler, optimizer: Optimizer) -> None:
