@@ -34,6 +34,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_canzona import huggingface
+from lightning_canzona.compat import transformers_tp_plan
 from lightning_canzona.warning_filters import ignore_view_warning_of_unresharded_root
 
 if TYPE_CHECKING:
@@ -84,7 +85,7 @@ def has_tensor_parallel_plan(module: nn.Module) -> bool:
     model's own (see `lightning_canzona.huggingface`)."""
     if callable(getattr(module, "tensor_parallel_plan", None)):
         return True
-    return any(getattr(model, "_tp_plan", None) for _, model in huggingface.transformers_models(module))
+    return any(transformers_tp_plan(model) for _, model in huggingface.transformers_models(module))
 
 
 def declared_plan(module: nn.Module, tp_size: int) -> dict[str, Any]:

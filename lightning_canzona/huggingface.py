@@ -31,7 +31,13 @@ from torch.distributed.tensor import (
     distribute_tensor,
 )
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
-from torch.distributed.tensor.placement_types import _StridedShard
+
+from lightning_canzona.compat import (
+    StridedShard,
+    substituted_parameters,
+    transformers_no_split_modules,
+    transformers_tp_plan,
+)
 
 
 class HeadNormParallel(ParallelStyle):
@@ -121,13 +127,10 @@ def _replicated_inputs(
 @contextlib.contextmanager
 def _local_parameters(module: nn.Module, names: Iterable[str]) -> Iterator[None]:
     """Run ``module`` with the local blocks of its DTensor parameters ``names`` (differentiably)."""
-    held = {name: module._parameters[name] for name in names}
-    try:
-        for name, param in held.items():
-            module._parameters[name] = param.to_local() if isinstance(param, DTensor) else param
+    params = dict(module.named_parameters(recurse=False))
+    local = {name: params[name].to_local() for name in names if isinstance(params[name], DTensor)}
+    with substituted_parameters(module, local):
         yield
-    finally:
-        module._parameters.update(held)
 
 
 #: ``transformers`` TP plan strings for single parameters (of an experts module) and their
@@ -135,8 +138,8 @@ def _local_parameters(module: nn.Module, names: Iterable[str]) -> Iterator[None]
 PARAMETER_PLACEMENTS: dict[str, Callable[[int], Placement]] = {
     "colwise": lambda ndim: Shard(ndim - 2),
     "rowwise": lambda ndim: Shard(ndim - 1),
-    "packed_colwise": lambda ndim: _StridedShard(ndim - 2, split_factor=2),
-    "packed_rowwise": lambda ndim: _StridedShard(ndim - 1, split_factor=2),
+    "packed_colwise": lambda ndim: StridedShard(ndim - 2, split_factor=2),
+    "packed_rowwise": lambda ndim: StridedShard(ndim - 1, split_factor=2),
 }
 
 
@@ -188,7 +191,7 @@ def tensor_parallel_plan(module: nn.Module) -> dict[str, ParallelStyle]:
     plan: dict[str, ParallelStyle] = {}
     unsupported: dict[str, str] = {}
     for prefix, model in transformers_models(module):
-        declared = dict(getattr(model, "_tp_plan", None) or {})
+        declared = transformers_tp_plan(model)
         placements: dict[str, dict[str, Placement]] = {}
         for pattern, style in list(declared.items()):
             parent, _, name = pattern.rpartition(".")
@@ -228,8 +231,9 @@ def _parameter_ndim(model: nn.Module, parent: str, name: str) -> int | None:
     """The dimensions of parameter ``name`` of the modules matching ``parent`` (``None``: the
     pattern names modules, not a parameter)."""
     for module_name, child in model.named_modules():
-        if fnmatchcase(module_name, parent) and name in child._parameters:
-            return child._parameters[name].ndim
+        params = dict(child.named_parameters(recurse=False))
+        if fnmatchcase(module_name, parent) and name in params:
+            return params[name].ndim
     return None
 
 
@@ -238,7 +242,7 @@ def fsdp_unit_classes(module: nn.Module) -> set[str]:
     ``_no_split_modules``: decoder layers): each instance is an FSDP2 unit of its own."""
     names: set[str] = set()
     for _, model in transformers_models(module):
-        names.update(getattr(model, "_no_split_modules", None) or ())
+        names.update(transformers_no_split_modules(model))
     return names
 
 

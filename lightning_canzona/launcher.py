@@ -40,22 +40,22 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import Strategy
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_canzona.checkpoint.state import full_model_state
+from lightning_canzona.compat import MultiProcessingLauncher, PathLike, SubprocessScriptLauncher, WorkerOutput
 
 #: What a launcher checks before any rank starts, given the call's ``ckpt_path``.
-Preflight = Callable[[_PATH | None], None]
+Preflight = Callable[[PathLike | None], None]
 
 #: ``prctl`` option: the signal a process gets when the thread that created it ends.
 _PR_SET_PDEATHSIG = 1
 
 
-def ckpt_path_of(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> _PATH | None:
+def ckpt_path_of(
+    function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> PathLike | None:
     """The ``ckpt_path`` argument of a call of the trainer's ``_fit_impl``, ``_validate_impl``…"""
     try:
         bound = inspect.signature(function).bind(*args, **kwargs)
@@ -64,7 +64,7 @@ def ckpt_path_of(function: Callable[..., Any], args: tuple[Any, ...], kwargs: di
     return bound.arguments.get("ckpt_path")
 
 
-class ScriptLauncher(_SubprocessScriptLauncher):
+class ScriptLauncher(SubprocessScriptLauncher):
     """Lightning's launcher that re-runs the script once per rank, after ``preflight``.
 
     The launching process becomes rank 0; the others start only once ``preflight`` has passed.
@@ -79,7 +79,7 @@ class ScriptLauncher(_SubprocessScriptLauncher):
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
-class InProcessLauncher(_MultiProcessingLauncher):
+class InProcessLauncher(MultiProcessingLauncher):
     """Starts the ranks from this process (``fork`` in notebooks, or ``spawn``), after ``preflight``.
 
     Metrics and the trainer state come back to the launching process, and with ``return_weights``
@@ -132,7 +132,7 @@ class InProcessLauncher(_MultiProcessingLauncher):
             if process.is_alive():
                 process.kill()
 
-    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:
+    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> WorkerOutput | None:
         """Rank 0's results for the launching process, and after ``fit`` (``return_weights``) the
         trained weights, gathered whole from every rank into a temporary file: Lightning's launcher
         then loads them into the launching process's module (`_recover_results_in_main_process`)."""
@@ -148,7 +148,7 @@ class InProcessLauncher(_MultiProcessingLauncher):
         callback = trainer.checkpoint_callback
         best_model_path = getattr(callback, "best_model_path", None) if callback else None
         extra = self.get_extra_results(trainer)
-        return _WorkerOutput(best_model_path, weights_path, trainer.state, results, extra)
+        return WorkerOutput(best_model_path, weights_path, trainer.state, results, extra)
 
     def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
         _die_with_launching_thread()

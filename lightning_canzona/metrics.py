@@ -22,8 +22,7 @@ def prepare_metrics(module: nn.Module, group: dist.ProcessGroup) -> None:
             continue
         if metric.process_group is None:
             metric.process_group = group
-        for name in metric._defaults:
-            value = getattr(metric, name)
+        for name, value in metric.metric_state.items():
             if isinstance(value, Tensor) and value.is_shared():
                 setattr(metric, name, value.clone())
             elif isinstance(value, list):

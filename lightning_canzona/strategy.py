@@ -41,12 +41,8 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies.model_parallel import _materialize_distributed_module
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.strategies.model_parallel import _align_compiled_param_names_with_module
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -69,6 +65,13 @@ from lightning_canzona.checkpoint import (
     staging_path,
     verify,
     write_manifest,
+)
+from lightning_canzona.compat import (
+    PathLike,
+    align_compiled_param_names,
+    materialize_distributed_module,
+    optimizers_to_device,
+    set_device_mesh,
 )
 from lightning_canzona.composition import compose
 from lightning_canzona.config import PlanConfig
@@ -193,7 +196,7 @@ class CanzonaStrategy(ModelParallelStrategy):
                 "and owner-computed matrix updates do not implement.)"
             )
 
-    def preflight(self, ckpt_path: _PATH | None = None) -> None:
+    def preflight(self, ckpt_path: PathLike | None = None) -> None:
         """Check what the launching process can know before any rank starts, and choose the mesh.
 
         The phases: the mesh (`lightning_canzona.mesh.choose_mesh`: ``"auto"`` sizes that the
@@ -244,9 +247,9 @@ class CanzonaStrategy(ModelParallelStrategy):
             # Once: validate/test reuse it.
             compose(self.lightning_module, self.device_mesh, mixed_precision_policy(self.precision_plugin))
             # The module is now sharded like one whose configure_model did the work.
-            self.lightning_module._device_mesh = self.device_mesh
+            set_device_mesh(self.lightning_module, self.device_mesh)
         prepare_metrics(self.lightning_module, self.device_mesh["data_parallel"].get_group())
-        _materialize_distributed_module(self.model, self.root_device)
+        materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._find_plain_parameters()  # materialized: the parameters are the final objects
@@ -257,7 +260,7 @@ class CanzonaStrategy(ModelParallelStrategy):
                 trainer.callbacks.append(OptimizerTelemetry())
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)
 
     def _find_plain_parameters(self) -> None:
         named = self.lightning_module.named_parameters()
@@ -333,7 +336,7 @@ class CanzonaStrategy(ModelParallelStrategy):
         but keeps only rank 0's plain tensors, so the matrix state of matrices owned elsewhere is
         gathered here explicitly.
         """
-        inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        inner = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         if not isinstance(inner, MatrixOptimizer):
             return super().optimizer_state(optimizer)
         assert self.model is not None
@@ -344,13 +347,13 @@ class CanzonaStrategy(ModelParallelStrategy):
         state_dict = full_optimizer_state(self.model, inner)
         if self.global_rank != 0:
             return state_dict
-        state_dict = _align_compiled_param_names_with_module(state_dict, self.model)
+        state_dict = align_compiled_param_names(state_dict, self.model)
         return FullyShardedDataParallel.rekey_optim_state_dict(
             state_dict, OptimStateKeyType.PARAM_ID, self.model
         )
 
     def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+        self, checkpoint: dict[str, Any], filepath: PathLike, storage_options: Any | None = None
     ) -> None:
         """Save without risking the checkpoint already at ``filepath``.
 
@@ -391,7 +394,7 @@ class CanzonaStrategy(ModelParallelStrategy):
             replace_with(staged, path)
         self.barrier()
 
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: PathLike, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a checkpoint saved at any mesh, after checking it on every rank: its files against
         what was saved (``verify_checkpoints``), its model's shapes and its optimizers against this
         run's. Each problem is the same error on every rank, before any state is touched."""

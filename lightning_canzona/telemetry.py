@@ -10,7 +10,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torchmetrics import CatMetric
 
-from lightning_canzona.distributed.engine import StepStats
+from lightning_canzona.compat import should_update_logs
+from lightning_canzona.distributed.runtime import StepStats
 from lightning_canzona.optim import MatrixOptimizer
 
 #: Logged names; the first two also go to the progress bar.
@@ -84,7 +85,7 @@ class OptimizerTelemetry(Callback):
             self._pending = StepStats()
             for engine in engines:
                 self._pending.add(engine.stats)
-        if trainer._logger_connector.should_update_logs:
+        if should_update_logs(trainer):
             self._read_pending()
             if self._steps:
                 for name, value in self._summarize(pl_module.device).items():

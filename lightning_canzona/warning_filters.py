@@ -12,6 +12,8 @@ import re
 import warnings
 from typing import Any
 
+from lightning_canzona.compat import PYTREE_MODULE_PATTERN, REDISTRIBUTE_LOGGER
+
 
 class SequentialGathers(logging.Filter):
     """Drops DTensor's note that gathering a tensor sharded over two mesh dimensions takes two
@@ -34,9 +36,9 @@ def ignore_harmless_warnings() -> None:
     warnings.filterwarnings(
         "ignore",
         message=re.escape("`isinstance(treespec, LeafSpec)` is deprecated"),
-        module=r"lightning\.pytorch\.utilities\._pytree",
+        module=PYTREE_MODULE_PATTERN,
     )
-    redistribute = logging.getLogger("torch.distributed.tensor._redistribute")
+    redistribute = logging.getLogger(REDISTRIBUTE_LOGGER)
     if not any(isinstance(f, SequentialGathers) for f in redistribute.filters):
         redistribute.addFilter(SequentialGathers())
 

@@ -79,7 +79,7 @@ def _counts(rank: int, world_size: int) -> None:
                 collectives.clear()
                 optimizer.step()
             engine = next(iter(optimizer.engines.values()))
-            names = {id(optimizer.state[entry.param]): entry.name for entry in engine._entries}
+            names = {id(optimizer.state[entry.param]): entry.name for entry in engine.entries}
             computed = [names[call] for call in calls]
             everyone: list[list[str]] = [None] * world_size  # type: ignore[list-item]
             dist.all_gather_object(everyone, computed)

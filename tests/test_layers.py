@@ -9,6 +9,8 @@ so a package's ``__init__`` counts as imported too.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -16,10 +18,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lightning_canzona"
 
 #: Top-level modules and subpackages of the package, by layer, lowest first.
 LAYERS: list[set[str]] = [
-    {"geometry"},  # how a matrix is cut into slices
+    {"compat", "geometry"},  # private torch/Lightning names; how a matrix is cut into slices
     {"rules"},  # the per-matrix math and its cost
-    {"planning"},  # pure planning
-    {"simulation"},  # the device model and projections
+    {"planning"},  # pure planning, and the device model whose prices it charges
+    {"config"},  # the one configuration of the plan
     {"distributed"},  # the engine
     {"optim"},  # the optimizers users construct
     {  # the strategy's parts
@@ -36,8 +38,11 @@ LAYERS: list[set[str]] = [
     },
     {"strategy"},
     {""},  # lightning_canzona/__init__.py
-    {"bench", "cli", "commands", "data", "models"},  # the tools and the bundled model
+    {"bench", "cli", "commands", "data", "models", "simulation"},  # the tools and the bundled model
 ]
+
+#: The tools: loaded when their command or example runs, never by ``import lightning_canzona``.
+TOOLS = LAYERS[-1]
 
 
 def _modules() -> dict[str, Path]:
@@ -127,3 +132,55 @@ def test_no_modules_import_each_other_in_a_circle() -> None:
     for module in sorted(_modules()):
         circle = circle_from(module, [])
         assert circle is None, " -> ".join(circle)
+
+
+def test_importing_the_library_loads_none_of_its_tools() -> None:
+    code = "import sys, lightning_canzona; print(' '.join(sorted(sys.modules)))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    tools = {m for m in loaded.split() if m.startswith("lightning_canzona.") and m.split(".")[1] in TOOLS}
+    assert not tools, tools
+
+
+#: Private names of other libraries that a module may use outside `compat`: public in fact.
+PUBLIC_IN_FACT = {"_exit"}  # os._exit
+
+
+def _own_private_names(tree: ast.AST) -> set[str]:
+    """The ``_`` names that a module defines: functions, classes, and attributes it sets."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+    return {name for name in names if name.startswith("_")}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def test_private_names_of_other_modules_and_libraries_are_reached_through_compat_only() -> None:
+    """No module reads another module's ``_`` names, nor a library's outside `compat`: a
+    subclass's own (``self._x``, ``super()._x``) and the module's own definitions excepted."""
+    found = []
+    for module, path in _modules().items():
+        if module == "lightning_canzona.compat":
+            continue
+        tree = ast.parse(path.read_text())
+        own = _own_private_names(tree) | PUBLIC_IN_FACT
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or "", *(alias.name for alias in node.names)]
+                if any(_private(part) for name in names for part in name.split(".")):
+                    found.append(f"{module}:{node.lineno} imports from {node.module}")
+            elif isinstance(node, ast.Attribute) and _private(node.attr) and node.attr not in own:
+                owner = node.value
+                if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                    continue  # a subclass's own surface (Lightning's strategy and launcher hooks)
+                if isinstance(owner, ast.Call) and getattr(owner.func, "id", None) == "super":
+                    continue
+                found.append(f"{module}:{node.lineno} reads .{node.attr}")
+    assert not found, found

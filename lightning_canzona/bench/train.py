@@ -34,6 +34,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.tensor import DTensor
 
 import lightning_canzona as lc
+from lightning_canzona.compat import REDISTRIBUTE_LOGGER
 from lightning_canzona.composition import compose
 from lightning_canzona.data import ByteTextDataModule
 from lightning_canzona.launcher import InProcessLauncher
@@ -128,7 +129,7 @@ class _Timer(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         torch.set_num_threads(self.threads)  # ranks share the cores: the same for every variant
         # torch.optim.Muon on DTensors warns on every redistribution of every step and rank.
-        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+        logging.getLogger(REDISTRIBUTE_LOGGER).setLevel(logging.ERROR)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.start = self.step_start = time.perf_counter()

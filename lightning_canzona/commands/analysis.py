@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from lightning_canzona.planning.devices import DeviceModel
 from lightning_canzona.planning.matrices import MatrixSpec
 from lightning_canzona.planning.plan import POLICIES, Plan, PlanSettings
 from lightning_canzona.planning.policies import build_plan
 from lightning_canzona.planning.report import PlanReport, report
 from lightning_canzona.planning.traffic import Traffic, traffic
-from lightning_canzona.simulation.device import DeviceModel
 from lightning_canzona.simulation.iteration import IterationProjection, Workload, project_iteration
 from lightning_canzona.simulation.optimizer_step import StepProjection, project_step
 

@@ -9,12 +9,12 @@ import torch
 
 from lightning_canzona.models.qwen3 import Qwen3
 from lightning_canzona.optim.param_groups import matrix_param_groups
+from lightning_canzona.planning.devices import DeviceModel
 from lightning_canzona.planning.matrices import MatrixSpec, describe
 from lightning_canzona.planning.plan import PlanSettings
 from lightning_canzona.rules import MatrixRule, MuonRule, RowBlockRule, ShampooRule, SOAPRule
 from lightning_canzona.rules.blocks import RowBlocks
 from lightning_canzona.rules.newton_schulz import PRESETS as SCHEDULES
-from lightning_canzona.simulation.device import DeviceModel
 
 OPTIMIZERS: tuple[str, ...] = ("muon", "shampoo", "soap")
 

@@ -29,10 +29,10 @@ from lightning_canzona.commands.model_matrices import (
     rule_settings,
 )
 from lightning_canzona.models.qwen3 import PRESETS
+from lightning_canzona.planning.devices import DEVICES
 from lightning_canzona.planning.matrices import COST_KINDS
 from lightning_canzona.planning.plan import PlanSettings
 from lightning_canzona.rules import MatrixRule
-from lightning_canzona.simulation.device import DEVICES
 from lightning_canzona.simulation.iteration import Workload
 
 

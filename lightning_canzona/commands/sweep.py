@@ -18,12 +18,12 @@ from lightning_canzona.commands.model_matrices import (
 )
 from lightning_canzona.commands.tables import PAPER_ITERATION_SPEEDUP, PAPER_STEP_SPEEDUP
 from lightning_canzona.planning.bounds import team_bound
+from lightning_canzona.planning.devices import DeviceModel
 from lightning_canzona.planning.plan import PlanSettings, ideal_load
 from lightning_canzona.planning.policies import build_plan
 from lightning_canzona.planning.report import report
 from lightning_canzona.planning.teams import TEAM_SIZES
 from lightning_canzona.rules import MatrixRule
-from lightning_canzona.simulation.device import DeviceModel
 from lightning_canzona.simulation.optimizer_step import project_step
 
 SWEEP_PRESETS: tuple[str, ...] = ("0.6B", "1.7B", "4B", "8B", "14B", "32B")

@@ -7,9 +7,9 @@ from dataclasses import replace
 
 from lightning_canzona.commands.analysis import PolicyResult, Scenario
 from lightning_canzona.planning import build_plan, report
+from lightning_canzona.planning.devices import DeviceModel
 from lightning_canzona.planning.report import COST_UNITS
 from lightning_canzona.planning.traffic import traffic
-from lightning_canzona.simulation.device import DeviceModel
 from lightning_canzona.simulation.iteration import Workload
 
 MIB = 2**20

@@ -1,5 +1,7 @@
 """The distributed engine: DTensor layouts, packed all-to-all exchanges, the micro-group pipeline."""
 
-from lightning_canzona.distributed.engine import Entry, MeshEngine, StepStats
+from lightning_canzona.distributed.engine import MeshEngine
+from lightning_canzona.distributed.items import Entry
+from lightning_canzona.distributed.runtime import StepStats
 
 __all__ = ["Entry", "MeshEngine", "StepStats"]

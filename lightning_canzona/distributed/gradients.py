@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from lightning_canzona.compat import local_shape
 from lightning_canzona.distributed.agreement import agree_on_maximum
 from lightning_canzona.rules.base import non_finite
 
@@ -105,7 +105,7 @@ def _redistribute(named: Sequence[tuple[str, Tensor]]) -> None:
             )
         (placements,) = layouts
         if param.grad is None:
-            shape, _ = compute_local_shape_and_global_offset(param.shape, param.device_mesh, placements)
+            shape = local_shape(param.shape, param.device_mesh, placements)
             zeros = torch.zeros(shape, dtype=param.dtype, device=_local(param).device)
             param.grad = DTensor.from_local(
                 zeros, param.device_mesh, placements, shape=param.shape, stride=param.stride()

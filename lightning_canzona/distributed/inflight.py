@@ -21,6 +21,8 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_canzona.compat import use_count
+
 #: How long `InFlight.wait` waits for the backend to let go of the tensors. It takes
 #: microseconds, or a scheduling quantum when the backend's thread is preempted.
 PATIENCE_SECONDS = 10.0
@@ -44,7 +46,7 @@ class InFlight:
         # NCCL's watchdog may keep them longer, and nothing needs to wait for it.
         self._tensors = [arg for arg in args if isinstance(arg, Tensor) and arg.device.type == "cpu"]
         # References before the launch (Python's): as torch.utils.swap_tensors, by _use_count.
-        self._references = [tensor._use_count() for tensor in self._tensors]
+        self._references = [use_count(tensor) for tensor in self._tensors]
         self._work: dist.Work | None = collective(*args, async_op=True, **kwargs)
 
     def wait(self) -> None:
@@ -53,7 +55,7 @@ class InFlight:
         self._work.wait()
         self._work = None  # the handle holds the tensors too
         deadline = time.monotonic() + PATIENCE_SECONDS
-        while any(t._use_count() > n for t, n in zip(self._tensors, self._references)):
+        while any(use_count(t) > n for t, n in zip(self._tensors, self._references)):
             if time.monotonic() > deadline:
                 warnings.warn(
                     f"A collective's backend still held its tensors {PATIENCE_SECONDS:g} s after it "

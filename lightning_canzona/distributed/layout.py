@@ -26,7 +26,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.placement_types import _StridedShard
+
+from lightning_canzona.compat import StridedShard, root_mesh
 
 #: ``(start, length)``: consecutive global indices along one dimension.
 Run = tuple[int, int]
@@ -152,7 +153,7 @@ def planning_mesh(mesh: DeviceMesh) -> DeviceMesh:
     Planned on the slice, every TP coordinate would compute every one of their updates; planned on
     the whole mesh, as replicated over TP, each is computed once and sent to its replicas.
     """
-    root = mesh._get_root_mesh()
+    root = root_mesh(mesh)
     names, root_names = mesh.mesh_dim_names, root.mesh_dim_names
     if root is mesh or root.ndim > 2 or not names or not root_names or not set(names) <= set(root_names):
         return mesh
@@ -185,7 +186,7 @@ def local_shard(param: DTensor, mesh: DeviceMesh | None = None) -> LocalShard:
     runs = []
     for dim, size in enumerate(param.shape):
         along = [
-            p if isinstance(p, (Shard, _StridedShard)) and p.dim % param.ndim == dim else Replicate()
+            p if isinstance(p, (Shard, StridedShard)) and p.dim % param.ndim == dim else Replicate()
             for p in placements
         ]
         shape = [size if d == dim else 1 for d in range(param.ndim)]

@@ -32,8 +32,8 @@ from lightning_canzona.distributed.clock import Clock, Intervals
 from lightning_canzona.distributed.inflight import InFlight
 from lightning_canzona.geometry import long_dim, member_blocks
 from lightning_canzona.planning import PlanSettings
+from lightning_canzona.planning.devices import H100
 from lightning_canzona.rules.base import FAILURES, State, TeamComputation, TeamRequest, TeamRows, TeamSum
-from lightning_canzona.simulation.device import H100
 
 Round = tuple[TeamRequest, ...]
 #: torch 2.13 renamed ``all_gather_into_tensor`` (same signature) and warns on the old name.

@@ -7,14 +7,13 @@ with its learning-rate schedulers re-pointed at it. Shared by every strategy of 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
-from typing import Any
 
 from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from lightning_canzona.compat import track_optimizer_steps
 from lightning_canzona.config import PlanConfig
 from lightning_canzona.optim.optimizer import MatrixOptimizer
 from lightning_canzona.optim.optimizers import Muon
@@ -83,14 +82,4 @@ def repoint_scheduler(scheduler: LRScheduler, optimizer: Optimizer) -> None:
     or every run would warn that the order is wrong.
     """
     scheduler.optimizer = optimizer
-    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
-        return
-    step = optimizer.step
-
-    @functools.wraps(step)
-    def tracked_step(*args: Any, **kwargs: Any) -> Any:
-        optimizer._opt_called = True  # type: ignore[attr-defined]
-        return step(*args, **kwargs)
-
-    tracked_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = tracked_step  # type: ignore[method-assign]
+    track_optimizer_steps(optimizer)

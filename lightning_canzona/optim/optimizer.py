@@ -26,9 +26,11 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_canzona.config import PlanConfig
-from lightning_canzona.distributed.engine import Entry, MeshEngine, entry_rules, mesh_process_group
+from lightning_canzona.distributed.custody import MatrixStateCustody
+from lightning_canzona.distributed.engine import MeshEngine, mesh_process_group
 from lightning_canzona.distributed.failures import raise_on_every_rank
 from lightning_canzona.distributed.gradients import agree_on_gradients
+from lightning_canzona.distributed.items import Entry, entry_rules
 from lightning_canzona.distributed.layout import local_tensor, planning_mesh
 from lightning_canzona.distributed.teams import flops_weights, priced
 from lightning_canzona.distributed.updates import apply_matrices, full_direction, prepare_matrices, step_adamw
@@ -51,13 +53,15 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     raise ValueError(f"compute_dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
 
 
-def _check_non_negative(**settings: float) -> None:
+def check_non_negative(**settings: float) -> None:
+    """A `ValueError` naming the first of ``settings`` that is not a finite number >= 0."""
     for name, value in settings.items():
         if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0.0):
             raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
 
-def _check_betas(name: str, betas: tuple[float, float]) -> None:
+def check_betas(name: str, betas: tuple[float, float]) -> None:
+    """A `ValueError` naming ``name`` unless ``betas`` are two numbers in [0, 1)."""
     if len(betas) != 2 or not all(0.0 <= beta < 1.0 for beta in betas):
         raise ValueError(f"{name} must be two numbers in [0, 1), got {betas!r}")
 
@@ -220,10 +224,10 @@ class MatrixOptimizer(Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
-            _check_non_negative(lr=group["lr"], weight_decay=group["weight_decay"])
+            check_non_negative(lr=group["lr"], weight_decay=group["weight_decay"])
             if algorithm == ADAMW:
-                _check_betas("betas", group["betas"])
-                _check_non_negative(eps=group["eps"])
+                check_betas("betas", group["betas"])
+                check_non_negative(eps=group["eps"])
             else:
                 self.matrix_rule(group)
         except ValueError as error:
@@ -340,9 +344,9 @@ class MatrixOptimizer(Optimizer):
     def owner_held_state(self) -> list[tuple[Tensor, dict[str, Tensor]]]:
         """``(param, matrix state)`` of every matrix this rank owns (empty under ``sync``)."""
         held = []
-        for engine, rules in self._planned_engines():
-            for index, matrix_state in engine.owned_matrix_state(self.state, rules).items():
-                held.append((engine._entries[index].param, matrix_state))
+        for engine, custody in self._custodies():
+            for index, matrix_state in custody.owned().items():
+                held.append((engine.entries[index].param, matrix_state))
         return held
 
     @contextlib.contextmanager
@@ -362,24 +366,24 @@ class MatrixOptimizer(Optimizer):
     def splits_matrix_state(self) -> bool:
         """Whether a plan has teams whose members hold slices of a matrix's state (Shampoo's
         and SOAP's; Muon's teams hold none)."""
-        return any(engine._stateful_team_items(rules) for engine, rules in self._planned_engines())
+        return any(custody.stateful_team_items() for _, custody in self._custodies())
 
     def gather_team_state(self) -> None:
         """Put every team's matrix state whole on its first member (collective; see
         `whole_team_state`); the next step or load hands it out again (`scatter_team_state`)."""
-        for engine, rules in self._planned_engines():
-            engine.gather_team_state(self.state, rules)
+        for _, custody in self._custodies():
+            custody.gather_team_state()
 
     def scatter_team_state(self) -> None:
         """Give every team's members their slices of the state its first member holds whole."""
-        for engine, rules in self._planned_engines():
-            engine.scatter_team_state(self.state, rules)
+        for _, custody in self._custodies():
+            custody.scatter_team_state()
 
-    def _planned_engines(self) -> Iterator[tuple[MeshEngine, list[MatrixRule]]]:
-        """Every engine that has a plan, with the rules of its matrices."""
+    def _custodies(self) -> Iterator[tuple[MeshEngine, MatrixStateCustody]]:
+        """Every engine that has a plan, with the custody of its matrix state."""
         for engine in self.engines.values():
             if engine.plan is not None:
-                yield engine, entry_rules(engine._entries, self.rule_of)
+                yield engine, engine.custody(self.state, entry_rules(engine.entries, self.rule_of))
 
     def _distributed_entries(self) -> dict[Any, list[Entry]]:
         """The DTensor parameters by the mesh they are planned on (`planning_mesh`), in
@@ -433,10 +437,10 @@ class MatrixOptimizer(Optimizer):
             if mesh in self.engines and self.engines[mesh].plan is not None:
                 engine = self.engines[mesh]
                 engine.prepare(entries, self.state, self.rule_of)  # re-read the new param groups
-                rules = entry_rules(engine._entries, self.rule_of)
-                engine.scatter_team_state(self.state, rules)
-                engine.drop_foreign_matrix_state(self.state, rules)
-                engine.keep_loaded_stack_failures_on_one_owner(self.state)
+                custody = engine.custody(self.state, entry_rules(engine.entries, self.rule_of))
+                custody.scatter_team_state()
+                custody.drop_foreign()
+                custody.keep_loaded_stack_failures_on_one_owner()
         params = (param for group in self.param_groups for param in group["params"])
         for index, param in enumerate(params):
             for key, saved in state_dict["state"].get(index, {}).items():

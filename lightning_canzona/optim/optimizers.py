@@ -11,8 +11,8 @@ from typing import Any
 
 from lightning_canzona.optim.optimizer import (
     MatrixOptimizer,
-    _check_betas,
-    _check_non_negative,
+    check_betas,
+    check_non_negative,
     resolve_dtype,
 )
 from lightning_canzona.rules.muon import ADJUST_LR_FNS, MuonRule
@@ -101,7 +101,7 @@ class Muon(MatrixOptimizer):
     def matrix_rule(self, group: dict[str, Any]) -> MuonRule:
         _check_positive_int(ns_steps=group["ns_steps"])
         _check_unit_interval(momentum=group["momentum"])
-        _check_non_negative(eps=group["eps"])
+        check_non_negative(eps=group["eps"])
         adjust_lr_fn = group["adjust_lr_fn"] or "original"
         if adjust_lr_fn not in ADJUST_LR_FNS:
             raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS} or None, got {adjust_lr_fn!r}")
@@ -171,8 +171,8 @@ class Shampoo(MatrixOptimizer):
         super().__init__(params, defaults, **kwargs)
 
     def matrix_rule(self, group: dict[str, Any]) -> ShampooRule:
-        _check_betas("betas", group["betas"])
-        _check_non_negative(eps=group["eps"], epsilon=group["epsilon"])
+        check_betas("betas", group["betas"])
+        check_non_negative(eps=group["eps"], epsilon=group["epsilon"])
         _check_positive_int(
             precondition_frequency=group["precondition_frequency"],
             start_preconditioning_step=group["start_preconditioning_step"],
@@ -235,8 +235,8 @@ class SOAP(MatrixOptimizer):
         super().__init__(params, defaults, **kwargs)
 
     def matrix_rule(self, group: dict[str, Any]) -> SOAPRule:
-        _check_betas("betas", group["betas"])
-        _check_non_negative(eps=group["eps"])
+        check_betas("betas", group["betas"])
+        check_non_negative(eps=group["eps"])
         if group["shampoo_beta"] is not None:
             _check_unit_interval(shampoo_beta=group["shampoo_beta"])
         _check_positive_int(

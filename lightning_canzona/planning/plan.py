@@ -13,11 +13,16 @@ import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from lightning_canzona.planning.devices import H100
 from lightning_canzona.planning.matrices import COST_KINDS, CostKind, MatrixSpec, Step
 from lightning_canzona.planning.pipeline import averaged_over_period, pipelined_time
 from lightning_canzona.planning.teams import TEAM_SIZES
 
 POLICIES: tuple[str, ...] = ("canzona", "lpt", "round_robin", "sync")
+
+
+#: The default prices of collectives: an H100's, in bf16 FLOPs of 2-byte elements.
+_H100_BF16 = H100.plan_prices("bfloat16", 2)
 
 
 @dataclass(frozen=True)
@@ -39,7 +44,7 @@ class PlanSettings:
         flops_per_element: What sending one element to another rank costs, in FLOPs of the same
             time (``flops`` cost only; it prices teams' collectives). Default: an H100's
             effective bf16 matmul rate (593.6 TFLOP/s) over NVLink's 450 GB/s, at 2 bytes per
-            element (`simulation.DeviceModel.plan_prices` gives a device's, in a rule's dtype).
+            element (`devices.DeviceModel.plan_prices` gives a device's, in a rule's dtype).
         flops_per_message: What one collective costs in latency, in FLOPs (default: 3 µs at
             593.6 TFLOP/s; it prices teams' collectives and sets how many micro-groups pay).
         exchange_flops_per_element: What a micro-group's gather or scatter costs per element
@@ -58,10 +63,10 @@ class PlanSettings:
     capacity: float | None = None
     locality: bool = True
     max_team: int = 8
-    flops_per_element: float = 2638.4
-    flops_per_message: float = 1.78092e9
-    exchange_flops_per_element: float = 23745.6
-    exchange_flops_per_message: float = 3.56184e9
+    flops_per_element: float = _H100_BF16["flops_per_element"]
+    flops_per_message: float = _H100_BF16["flops_per_message"]
+    exchange_flops_per_element: float = _H100_BF16["exchange_flops_per_element"]
+    exchange_flops_per_message: float = _H100_BF16["exchange_flops_per_message"]
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

@@ -14,6 +14,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lightning_canzona.compat import (
+    foreach_add_,
+    foreach_addcdiv_,
+    foreach_addcmul_,
+    foreach_div_,
+    foreach_lerp_,
+    foreach_sqrt,
+)
 from lightning_canzona.rules.base import State
 from lightning_canzona.rules.rounding import scale_
 
@@ -50,15 +58,15 @@ def adamw_step(
         return
     beta1, beta2 = betas
     steps = [state["step"] for state in states]
-    torch._foreach_add_(steps, 1)
+    foreach_add_(steps, 1)
     exp_avgs = [state["exp_avg"] for state in states]
     exp_avg_sqs = [state["exp_avg_sq"] for state in states]
     scale_(params, 1.0 - lr * weight_decay)
-    torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
+    foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
     scale_(exp_avg_sqs, beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
+    foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
     counts = [float(step) for step in steps]  # host tensors: reading them never syncs a device
-    denominators = torch._foreach_sqrt(exp_avg_sqs)
-    torch._foreach_div_(denominators, [(1.0 - beta2**count) ** 0.5 for count in counts])
-    torch._foreach_add_(denominators, eps)
-    torch._foreach_addcdiv_(params, exp_avgs, denominators, [-lr / (1.0 - beta1**count) for count in counts])
+    denominators = foreach_sqrt(exp_avg_sqs)
+    foreach_div_(denominators, [(1.0 - beta2**count) ** 0.5 for count in counts])
+    foreach_add_(denominators, eps)
+    foreach_addcdiv_(params, exp_avgs, denominators, [-lr / (1.0 - beta1**count) for count in counts])

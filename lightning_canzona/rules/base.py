@@ -27,6 +27,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from lightning_canzona.compat import foreach_add_, foreach_norm
 from lightning_canzona.rules.rounding import scale_
 
 State = dict[str, Tensor]
@@ -226,7 +227,7 @@ class MatrixRule(ABC):
                     targets.append(param)
                     steps.append(direction)
             if targets:
-                torch._foreach_add_(targets, steps, alpha=-lr * scale)
+                foreach_add_(targets, steps, alpha=-lr * scale)
 
     @abstractmethod
     def cost(self, shape: Sequence[int]) -> UpdateCost:
@@ -284,7 +285,7 @@ def non_finite(tensors: Sequence[Tensor]) -> Tensor:
     dtype = torch.float64 if any(t.dtype == torch.float64 for t in held) else torch.float32
 
     def unbounded(checked: list[Tensor], order: float) -> Tensor:
-        return ~torch.isfinite(torch.stack(torch._foreach_norm(checked, order, dtype=dtype)))
+        return ~torch.isfinite(torch.stack(foreach_norm(checked, order, dtype=dtype)))
 
     if flags.device.type != "cpu":
         flags[present] = unbounded(held, math.inf)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lightning_canzona.compat import foreach_lerp, foreach_lerp_
 from lightning_canzona.rules.base import MatrixRule, State, TeamComputation, UpdateCost, matrix_dims
 from lightning_canzona.rules.newton_schulz import (
     NewtonSchulzSchedule,
@@ -63,8 +64,8 @@ class MuonRule(MatrixRule):
     def prepare(self, grads: Sequence[Tensor], states: Sequence[State]) -> list[Tensor]:
         buffers = [state["momentum_buffer"] for state in states]
         grads = list(grads)
-        torch._foreach_lerp_(buffers, grads, 1.0 - self.momentum)
-        return list(torch._foreach_lerp(grads, buffers, self.momentum)) if self.nesterov else buffers
+        foreach_lerp_(buffers, grads, 1.0 - self.momentum)
+        return list(foreach_lerp(grads, buffers, self.momentum)) if self.nesterov else buffers
 
     def init_matrix_state(self, shape: torch.Size, device: torch.device) -> State:
         return {}

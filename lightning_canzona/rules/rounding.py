@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lightning_canzona.compat import foreach_mul_
+
 #: Dtypes that stochastic rounding writes into (bf16 keeps float32's exponent: its values are
 #: float32 values with the low 16 bits zero).
 STOCHASTIC_DTYPES = (torch.bfloat16,)
@@ -41,9 +43,9 @@ def scale_(tensors: Sequence[Tensor], factor: float) -> None:
     if not tensors:
         return
     if tensors[0].device.type == "cpu":
-        torch._foreach_mul_(list(tensors), torch.tensor(factor, dtype=torch.float64))
+        foreach_mul_(list(tensors), torch.tensor(factor, dtype=torch.float64))
     else:
-        torch._foreach_mul_(list(tensors), factor)
+        foreach_mul_(list(tensors), factor)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_canzona.simulation.device import DeviceModel
+from lightning_canzona.planning.devices import DeviceModel
 from lightning_canzona.simulation.optimizer_step import StepProjection
 
 

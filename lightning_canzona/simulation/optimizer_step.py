@@ -25,11 +25,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from lightning_canzona.planning.devices import DeviceModel
 from lightning_canzona.planning.pipeline import averaged_over_period, pipelined_time, sequential_time
 from lightning_canzona.planning.plan import Plan
 from lightning_canzona.planning.traffic import Exchange, Traffic, traffic
 from lightning_canzona.rules.base import UpdateCost
-from lightning_canzona.simulation.device import DeviceModel
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""What a GPU and its interconnect can do: the numbers the simulator turns work into time.
+"""What a GPU and its interconnect can do: the prices the planner charges for collectives, and
+the numbers the simulator (`lightning_canzona.simulation`) turns work into time.
 
 Defaults are datasheet peaks scaled by an achievable fraction, never measurements:
 
@@ -19,10 +20,12 @@ Defaults are datasheet peaks scaled by an achievable fraction, never measurement
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
-from lightning_canzona.planning.plan import PlanSettings
+if TYPE_CHECKING:
+    from lightning_canzona.planning.plan import PlanSettings
 
 _TERA = 1e12
 _GIGA = 1e9

@@ -1,0 +1,191 @@
+"""Custody of matrix state: where each matrix's state lives, and moving it there.
+
+Matrix state (Shampoo's and SOAP's factors and bases, step counters) lives with the matrix's owner,
+in full, and nowhere else; a team's members hold their slices of what the rule slices
+(`MatrixRule.team_sliced_keys`) and the whole of the rest. When a rebuilt plan gives a matrix to
+other ranks, its state moves to them (`MatrixStateCustody.move`); checkpoints hold a team's state
+whole on its first member (`gather_team_state`, `scatter_team_state`); a full checkpoint loaded on
+every rank is trimmed to what each rank holds (`drop_foreign`). Every method that moves state is
+collective over the mesh.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_canzona.distributed.items import PlannedMatrices
+from lightning_canzona.distributed.teams import joined_state, member_state
+from lightning_canzona.distributed.updates import member_prefix
+from lightning_canzona.geometry import long_dim
+from lightning_canzona.rules.base import MatrixRule, State
+from lightning_canzona.rules.kronecker import FAILURES
+
+#: Who computed each item under a previous plan, by `PlannedMatrices.key`.
+Teams = dict[tuple[int, int | None], tuple[int, ...] | None]
+
+
+class MatrixStateCustody:
+    """The matrix state of one mesh's planned matrices in the optimizer's ``state``.
+
+    Args:
+        planned: The matrices as planned.
+        rules: Each entry's rule.
+        state: The optimizer's state, by parameter.
+    """
+
+    def __init__(
+        self, planned: PlannedMatrices, rules: Sequence[MatrixRule], state: dict[Tensor, State]
+    ) -> None:
+        self.planned, self.rules, self.state = planned, rules, state
+
+    def teams(self) -> Teams:
+        """Who computes each item now: what `move` compares a later plan with."""
+        planned = self.planned
+        return {planned.key(index): planned.team(index) for index in range(len(planned.items))}
+
+    def move(self, previous: Teams | None) -> None:
+        """Hand matrix state over where this plan gives a matrix to other ranks than
+        ``previous`` did (none: the first plan, whose state, if any, is a loaded checkpoint's)."""
+        planned = self.planned
+        for index in range(len(planned.items)):
+            old = (previous or {}).get(planned.key(index), planned.team(index))
+            if old != planned.team(index):
+                self.hand_over(index, old, planned.team(index))
+        self.drop_foreign()
+        if not previous:
+            self.keep_loaded_stack_failures_on_one_owner()
+
+    def hand_over(self, index: int, old: tuple[int, ...] | None, new: tuple[int, ...] | None) -> None:
+        """Move item ``index``'s matrix state from the ranks ``old`` to the ranks ``new`` (an
+        owner holds it whole, a team's members in slices; ``None``: every rank whole, as under
+        ``sync``). Every source broadcasts what it holds."""
+        planned = self.planned
+        item, param = planned.items[index], planned.entry_of(index).param
+        held = self.state.get(param, {})
+        mine = {key: held.pop(key) for key in self.state_keys(index)}
+        parts = []
+        for source in (0,) if old is None else old:
+            payload = [mine if source == planned.rank else None]
+            source_rank = dist.get_global_rank(planned.group, source)
+            dist.broadcast_object_list(payload, src=source_rank, group=planned.group)
+            parts.append(payload[0] or {})
+        if new is not None and planned.rank not in new or not parts[0]:
+            return
+        sliced = self.sliced_keys(index)
+        whole = parts[0] if len(parts) == 1 else joined_state(parts, sliced, item.layout.shape)
+        if new is not None and len(new) > 1:
+            whole = member_state(whole, sliced, item.layout.shape, new.index(planned.rank), len(new))
+        self.state.setdefault(param, {}).update({key: value.to(param.device) for key, value in whole.items()})
+
+    def state_keys(self, index: int) -> list[str]:
+        """The keys of item ``index``'s matrix state in its parameter's state: all of it, or
+        those of one matrix of a stack (`updates.member_prefix`)."""
+        item = self.planned.items[index]
+        held = self.state.get(self.planned.entry_of(index).param, {})
+        keys = list(self.rules[item.entry].matrix_state(held))
+        if item.member is None:
+            return keys
+        return [key for key in keys if key.startswith(member_prefix(item.member))]
+
+    def sliced_keys(self, index: int) -> set[str]:
+        """The keys of item ``index``'s state that a team member holds a slice of."""
+        item = self.planned.items[index]
+        prefix = "" if item.member is None else member_prefix(item.member)
+        return {prefix + key for key in self.rules[item.entry].team_sliced_keys(item.layout.shape)}
+
+    def stateful_team_items(self) -> list[int]:
+        """The items that a team computes and whose members hold slices of matrix state."""
+        planned = self.planned
+        return [
+            index
+            for index, item in enumerate(planned.items)
+            if len(planned.team(index) or ()) > 1
+            and self.rules[item.entry].team_sliced_keys(item.layout.shape)
+        ]
+
+    def drop_foreign(self) -> None:
+        """Keep only the matrix state that this rank holds under the plan (a full, single-file
+        checkpoint loads every owner's state on every rank): a team member its slice of it."""
+        planned = self.planned
+        for index, item in enumerate(planned.items):
+            if planned.owner(index) is None:
+                continue
+            held = self.state.get(planned.entry_of(index).param, {})
+            keys = self.state_keys(index)
+            team = planned.team(index) or ()
+            if planned.rank not in team:
+                for key in keys:
+                    del held[key]
+            elif len(team) > 1 and self.is_whole(index, held):
+                member = member_state(
+                    {key: held[key] for key in keys},
+                    self.sliced_keys(index),
+                    item.layout.shape,
+                    team.index(planned.rank),
+                    len(team),
+                )
+                held.update(member)
+
+    def keep_loaded_stack_failures_on_one_owner(self) -> None:
+        """After a load, leave a stack's failure count (one per parameter, the total of its
+        owners' in a checkpoint) with the owner of the stack's first matrix only: the other
+        owners count theirs from zero, and the next checkpoint adds them up (`owned`)."""
+        planned = self.planned
+        first_owner: dict[int, int | None] = {}
+        for index, item in enumerate(planned.items):
+            if item.member is not None:
+                first_owner.setdefault(item.entry, planned.owner(index))
+        for entry, owner in first_owner.items():
+            if owner is not None and owner != planned.rank:
+                self.state.get(planned.entries[entry].param, {}).pop(FAILURES, None)
+
+    def is_whole(self, index: int, held: State) -> bool:
+        """Whether ``held`` has item ``index``'s sliced state at the matrix's whole shape."""
+        shape = tuple(self.planned.items[index].layout.shape)
+        dim = long_dim(shape)
+        sliced = [held[key] for key in self.sliced_keys(index) if key in held]
+        return bool(sliced) and all(value.shape[dim] == shape[dim] for value in sliced)
+
+    def gather_team_state(self) -> None:
+        """Put the matrix state of every matrix computed by a team whole on the team's first
+        member (its owner of record), as a checkpoint holds it."""
+        for index in self.stateful_team_items():
+            team = self.planned.team(index)
+            assert team is not None
+            self.hand_over(index, team, team[:1])
+
+    def scatter_team_state(self) -> None:
+        """Give every team's members their slices of the state that its first member holds whole
+        (`gather_team_state`, or a loaded checkpoint); state already in slices stays."""
+        planned = self.planned
+        for index in self.stateful_team_items():
+            team = planned.team(index)
+            assert team is not None
+            held = self.state.get(planned.entry_of(index).param, {})
+            whole = [planned.rank == team[0] and self.is_whole(index, held)]
+            source = dist.get_global_rank(planned.group, team[0])
+            dist.broadcast_object_list(whole, src=source, group=planned.group)
+            if whole[0]:
+                self.hand_over(index, team[:1], team)
+
+    def owned(self) -> dict[int, State]:
+        """This rank's matrix state of the matrices it owns (a team's first member: its part, or
+        the whole after `gather_team_state`), by index of the parameter among the entries.
+
+        A stack whose matrices several ranks own has a failure count on each: a checkpoint holds
+        their sum (`lightning_canzona.checkpoint.full_optimizer_state`)."""
+        planned = self.planned
+        if planned.plan.owners is None:
+            return {}
+        owned: dict[int, State] = {}
+        for index, item in enumerate(planned.items):
+            if planned.owner(index) == planned.rank:
+                held = self.state.get(planned.entry_of(index).param, {})
+                part = {key: held[key] for key in self.state_keys(index)}
+                if item.member is not None and FAILURES in held:
+                    part[FAILURES] = held[FAILURES]
+                owned.setdefault(item.entry, {}).update(part)
+        return {entry: part for entry, part in owned.items() if part}
