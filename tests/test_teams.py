@@ -27,7 +27,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_modul
 import lightning_canzona as lc
 from lightning_canzona.commands.model_matrices import make_rule, preset_matrices
 from lightning_canzona.distributed import engine as engine_module
-from lightning_canzona.distributed.teams import joined_state, measure_team_costs, member_state, priced
+from lightning_canzona.distributed.prices import measure_team_costs, priced
+from lightning_canzona.distributed.team_collectives import joined_state, member_state
 from lightning_canzona.geometry import long_dim, member_blocks, split_sizes
 from lightning_canzona.optim.optimizer import DTYPES
 from lightning_canzona.planning import PlanSettings, build_plan, describe, policies, report

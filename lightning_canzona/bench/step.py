@@ -26,7 +26,7 @@ mixture-of-experts variants).
 ``canzona`` lets teams of ranks compute one matrix's update together (`planning.teams`) where its
 cost model, with an H100's prices of collectives, says that they pay; ``canzona (whole
 matrices)`` never does; ``canzona (teams, measured)`` prices the collectives as measured on this
-machine (`distributed.teams.measure_team_costs`). The ``wide`` and ``square`` presets are models
+machine (`distributed.prices.measure_team_costs`). The ``wide`` and ``square`` presets are models
 whose largest matrix is most of the update work (`LargeMatrixModel`), where whole-matrix ownership
 leaves three of four ranks waiting for the owner of that one matrix.
 

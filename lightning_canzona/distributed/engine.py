@@ -35,7 +35,7 @@ from lightning_canzona.distributed.items import Entry, PlannedMatrices, build_it
 from lightning_canzona.distributed.layout import Block, exchange_layouts, holders
 from lightning_canzona.distributed.memory import BufferMeter
 from lightning_canzona.distributed.runtime import StepRun, StepStats
-from lightning_canzona.distributed.teams import TeamGroup
+from lightning_canzona.distributed.team_collectives import TeamGroup
 from lightning_canzona.distributed.updates import step_adamw
 from lightning_canzona.geometry import member_blocks
 from lightning_canzona.planning import Plan, PlanSettings, block_of, build_plan
@@ -77,7 +77,7 @@ class MeshEngine:
             their rule where it allows (`MatrixRule.batches_matrices`); ``False`` calls it once per
             matrix (the baseline that ``canzona bench step`` compares with).
         flops_weights: What a FLOP of each matmul dtype costs in FLOPs of the plan's unit
-            (`distributed.teams.flops_weights`): each matrix's FLOPs are weighted by its rule's
+            (`distributed.prices.flops_weights`): each matrix's FLOPs are weighted by its rule's
             dtype, so that one plan balances rules that multiply in different dtypes by time.
     """
 

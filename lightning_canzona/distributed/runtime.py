@@ -4,7 +4,7 @@ Every matrix entry's elementwise part (`MatrixRule.prepare`) runs on its shards;
 micro-groups run through the pipeline (`distributed.pipeline`): one packed all-to-all gathers the
 shards to the owners, each owner computes the full updates of its matrices
 (`MatrixRule.direction`), a team's members theirs together (`MatrixRule.team_direction`,
-`distributed.teams`), one packed all-to-all returns the update blocks, and every rank applies its
+`distributed.team_collectives`), one packed all-to-all returns the update blocks, and every rank applies its
 blocks (`MatrixRule.apply`).
 
 An exception in this rank's own work (an update rule, out of memory) must not leave the other
@@ -29,7 +29,7 @@ from lightning_canzona.distributed.exchange import MicroGroupExchange
 from lightning_canzona.distributed.items import Item, PlannedMatrices
 from lightning_canzona.distributed.layout import local_tensor
 from lightning_canzona.distributed.memory import BufferMeter
-from lightning_canzona.distributed.teams import TeamGroup, TeamRun, run_teams
+from lightning_canzona.distributed.team_collectives import TeamGroup, TeamRun, run_teams
 from lightning_canzona.distributed.updates import (
     apply_matrices,
     member_direction,
@@ -268,7 +268,7 @@ class GroupStep:
     def _team_directions(self, slices: dict[int, Tensor]) -> None:
         """The slices of the updates that this rank computes in teams: per team, same-shape
         matrices of a rule without matrix state in one batched computation, all teams in
-        lockstep (`distributed.teams`)."""
+        lockstep (`distributed.team_collectives`)."""
         run, planned = self.run, self.run.planned
         batches: dict[Any, list[int]] = {}
         for m in slices:

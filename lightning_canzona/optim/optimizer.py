@@ -32,7 +32,7 @@ from lightning_canzona.distributed.failures import raise_on_every_rank
 from lightning_canzona.distributed.gradients import agree_on_gradients
 from lightning_canzona.distributed.items import Entry, entry_rules
 from lightning_canzona.distributed.layout import local_tensor, planning_mesh
-from lightning_canzona.distributed.teams import flops_weights, priced
+from lightning_canzona.distributed.prices import flops_weights, priced
 from lightning_canzona.distributed.updates import apply_matrices, full_direction, prepare_matrices, step_adamw
 from lightning_canzona.planning import Plan, PlanSettings
 from lightning_canzona.rules.adamw import ALGORITHM as ADAMW
@@ -398,7 +398,7 @@ class MatrixOptimizer(Optimizer):
 
     def plan_settings(self) -> PlanSettings:
         """The planner's settings from `plan_config`, before its team prices are applied
-        (`distributed.teams.priced`), with `locality`."""
+        (`distributed.prices.priced`), with `locality`."""
         return replace(self.plan_config.settings(), locality=self.locality)
 
     def _engine(self, mesh: Any) -> MeshEngine:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from lightning_canzona.planning.devices import H100
 from lightning_canzona.planning.matrices import COST_KINDS, CostKind, MatrixSpec, Step
-from lightning_canzona.planning.pipeline import averaged_over_period, pipelined_time
+from lightning_canzona.planning.schedule import averaged_over_period, pipelined_time
 from lightning_canzona.planning.teams import TEAM_SIZES
 
 POLICIES: tuple[str, ...] = ("canzona", "lpt", "round_robin", "sync")

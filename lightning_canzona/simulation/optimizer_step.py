@@ -26,8 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from lightning_canzona.planning.devices import DeviceModel
-from lightning_canzona.planning.pipeline import averaged_over_period, pipelined_time, sequential_time
 from lightning_canzona.planning.plan import Plan
+from lightning_canzona.planning.schedule import averaged_over_period, pipelined_time, sequential_time
 from lightning_canzona.planning.traffic import Exchange, Traffic, traffic
 from lightning_canzona.rules.base import UpdateCost
 

@@ -1,0 +1,117 @@
+"""What the planner charges for collectives and for each dtype's FLOPs, on the job's devices.
+
+`priced` turns a `PlanConfig`'s ``team_prices`` into the planner's settings: an H100's prices
+(`planning.devices.H100`) in FLOPs of the rule's dtype, figures measured on the job's own devices
+and links (`measure_team_costs`), or given figures; `flops_weights` weighs the FLOPs of rules that
+multiply in different dtypes by time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from lightning_canzona.config import TeamPrices
+from lightning_canzona.distributed.agreement import Reduction
+from lightning_canzona.distributed.clock import Clock, Intervals
+from lightning_canzona.distributed.team_collectives import summed_dtype
+from lightning_canzona.planning import PlanSettings
+from lightning_canzona.planning.devices import H100
+
+
+def measure_team_costs(
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    size: int = 1024,
+) -> dict[str, float]:
+    """The planner's prices of collectives (`PlanSettings` ``flops_per_element`` and
+    ``flops_per_message``, and the gathers' and scatters' ``exchange_flops_per_element`` and
+    ``exchange_flops_per_message``), measured on this machine instead of the H100 defaults.
+
+    Times a ``size × size`` matmul in ``dtype`` (the compute rate), sums of one element
+    (latency) and of ``2²⁰`` elements (bandwidth) over ``group`` (the whole job by default: a
+    team's links are no faster), summed as teams sum ``dtype`` (`agreement.Reduction`: on gloo
+    the one element in one round, as a team's Gram matrices), and turns the collectives into
+    FLOPs of the same time. The gathers and scatters cross the same links: their price per
+    element is the same, and the measured latency is spread over the peers that the planner
+    charges an exchange a message for (`plan.estimated_step`). Collective: the ranks agree on the
+    slowest figures, so that all plan alike.
+    """
+    device = torch.device(device)
+    matmul = _seconds_per_flop(device, dtype, size)
+    summed = summed_dtype(dtype, group)
+    one, many = torch.zeros(1, dtype=summed, device=device), torch.zeros(2**20, dtype=summed, device=device)
+    latency = _seconds(lambda: Reduction(one, dist.ReduceOp.SUM, group).wait(), 20, device)
+    # A ring all-reduce sends 2·(w − 1)/w elements per element reduced (what `team_numel` counts).
+    world = dist.get_world_size(group)
+    sent = 2 * (world - 1) / world * many.numel() if world > 1 else many.numel()
+    summing_many = _seconds(lambda: Reduction(many, dist.ReduceOp.SUM, group).wait(), 3, device)
+    per_element = max(summing_many - latency, 0.0) / sent
+    figures = torch.tensor([latency, per_element, matmul], dtype=torch.float64, device=device)
+    dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=group)
+    latency, per_element, seconds_per_flop = figures.tolist()
+    return {
+        "flops_per_element": per_element / seconds_per_flop,
+        "flops_per_message": latency / seconds_per_flop,
+        "exchange_flops_per_element": per_element / seconds_per_flop,
+        "exchange_flops_per_message": latency / seconds_per_flop / max(world - 1, 1),
+    }
+
+
+def _seconds(work: Callable[[], object], repeats: int, device: torch.device) -> float:
+    """Seconds of one call of ``work`` on ``device``, after a warm-up call."""
+    clock = Clock(device)
+    work()
+    interval = Intervals()
+    start = clock.mark()
+    for _ in range(repeats):
+        work()
+    interval.add(start, clock.mark())
+    return interval.seconds / repeats
+
+
+def _seconds_per_flop(device: torch.device, dtype: torch.dtype, size: int = 1024) -> float:
+    """Seconds per FLOP of a ``size × size`` matmul in ``dtype`` on ``device``."""
+    matrix = torch.randn(size, size, device=device).to(dtype)
+    return _seconds(lambda: matrix @ matrix, 5, device) / (2 * size**3)
+
+
+def flops_weights(
+    prices: TeamPrices, group: dist.ProcessGroup, device: str, dtypes: Sequence[torch.dtype]
+) -> dict[torch.dtype, float] | None:
+    """What one FLOP of each of ``dtypes`` (the rules' matmul dtypes) costs in FLOPs of the first
+    one's time: so that one plan weighs param groups that multiply in different dtypes by time
+    (float32 products are 14.8× slower than bf16's on an H100). From an H100's rates (``"h100"``),
+    measured on ``device`` (``"measure"``; collective: the ranks agree on the slowest rates), or
+    ``None`` where ``prices`` are given as figures, which say nothing of the dtypes' rates."""
+    if len(set(dtypes)) <= 1:
+        return dict.fromkeys(dtypes, 1.0)
+    if prices == "h100":
+        seconds = [1.0 / H100.matmul_flops(str(dtype).removeprefix("torch.")) for dtype in dtypes]
+    elif prices == "measure":
+        measured = [_seconds_per_flop(torch.device(device), dtype) for dtype in dtypes]
+        agreed = torch.tensor(measured, dtype=torch.float64, device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+        seconds = agreed.tolist()
+    else:
+        return None
+    return {dtype: each / seconds[0] for dtype, each in zip(dtypes, seconds)}
+
+
+def priced(
+    settings: PlanSettings, prices: TeamPrices, group: dist.ProcessGroup, device: str, dtype: torch.dtype
+) -> PlanSettings:
+    """``settings`` with the team prices ``prices``, in FLOPs of matrix products in ``dtype``
+    (the rule's `matmul_dtype`): ``"h100"``, the settings' own (an H100's by default) turned into
+    FLOPs of ``dtype`` for elements of ``dtype`` (`DeviceModel.repriced`); ``"measure"``,
+    measured by collectives over ``group`` on ``device``; or the given pair."""
+    if prices == "h100":
+        return H100.repriced(settings, dtype)
+    if prices == "measure":
+        return replace(settings, **measure_team_costs(group, device, dtype))
+    per_element, per_message = prices  # type: ignore[misc]
+    return replace(settings, flops_per_element=per_element, flops_per_message=per_message)
