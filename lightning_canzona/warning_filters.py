@@ -1,7 +1,7 @@
 """Third-party warnings that a run of lightning_canzona triggers where they are harmless, filtered.
 
 Each filter matches one message and the module (or logger) that issues it, never a whole category,
-and says why the warning does not apply; ``tests/test_quiet.py`` shows each harmless. Warnings of
+and says why the warning does not apply; ``tests/distributed/test_quiet.py`` shows each harmless. Warnings of
 this package are never filtered: a correct run prints none of them.
 """
 

@@ -1,7 +1,40 @@
+"""Fixtures that every layer of tests shares.
+
+The tests are by layer: ``unit`` (one process, pure logic and single-device math), ``distributed``
+(gloo ranks on the CPU, against the single-process optimizer) and ``integration`` (Trainer, CLI,
+notebooks, scripts, checkpoints on disk). Helper modules beside this file (``multiprocess``,
+``free_teams``) are importable from all of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
+from lightning import Trainer
 
 
 @pytest.fixture(autouse=True)
 def _deterministic() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def quiet_trainer() -> Callable[..., Trainer]:
+    """Builds a Trainer on 4 CPU devices that logs, checkpoints and prints nothing of its own;
+    keywords add to or override those settings."""
+
+    def build(**settings: Any) -> Trainer:
+        quiet = {
+            "accelerator": "cpu",
+            "devices": 4,
+            "logger": False,
+            "enable_checkpointing": False,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+        }
+        return Trainer(**{**quiet, **settings})
+
+    return build

@@ -217,7 +217,7 @@ def test_matrix_param_groups_name_a_row_blocks_pattern_that_does_not_apply(row_b
 
 
 def test_the_documented_example_trains_with_split_weights(tmp_path) -> None:
-    example = Path(__file__).parent.parent / "examples" / "models" / "fused_weights.py"
+    example = Path(__file__).resolve().parents[2] / "examples" / "models" / "fused_weights.py"
     # As a user runs it: a script that Lightning re-runs once per rank.
     done = subprocess.run(
         [sys.executable, str(example), "--max_steps", "8", "--per_head"],

@@ -14,7 +14,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "lightning_canzona"
+PACKAGE = Path(__file__).resolve().parents[2] / "lightning_canzona"
 
 #: Top-level modules and subpackages of the package, by layer, lowest first.
 LAYERS: list[set[str]] = [

@@ -7,7 +7,7 @@ import functools
 
 import pytest
 import torch
-from lightning import Callback, Trainer
+from lightning import Callback
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
@@ -65,20 +65,16 @@ class SaveFinalWeights(Callback):
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
-def test_the_trained_weights_come_back_to_the_launching_process(tmp_path, capfd, start_method) -> None:
+def test_the_trained_weights_come_back_to_the_launching_process(
+    tmp_path, capfd, start_method, quiet_trainer
+) -> None:
     torch.manual_seed(0)
     module = FineTune("tiny")
     initial = {name: tensor.clone() for name, tensor in module.state_dict().items()}
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=4,
+    trainer = quiet_trainer(
         strategy=lc.CanzonaStrategy(data_parallel_size=2, tensor_parallel_size=2, start_method=start_method),
         max_steps=STEPS,
         use_distributed_sampler=False,  # every rank the same batches: the one process's
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[SaveFinalWeights(tmp_path / "ranks.pt")],
     )
     trainer.fit(module, DataLoader(_batches(), batch_size=BATCH))

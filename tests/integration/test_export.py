@@ -153,7 +153,7 @@ def test_a_pretrained_transformers_model_fine_tuned_and_exported_for_from_pretra
 def test_the_command_builds_the_module_of_a_training_config_without_weights() -> None:
     from lightning_canzona.export import _module_from_config
 
-    config = Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny.yaml"
+    config = Path(__file__).resolve().parents[2] / "examples" / "configs" / "tiny.yaml"
     module = _module_from_config(str(config))
     assert isinstance(module, CausalLanguageModel) and next(module.parameters()).is_meta
     with pytest.raises(ValueError, match=r"format must be one of \('safetensors', 'torch', 'transformers'\)"):

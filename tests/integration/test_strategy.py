@@ -21,7 +21,7 @@ from lightning_canzona.cli import CanzonaCLI
 from lightning_canzona.data import ByteTextDataModule
 from lightning_canzona.models import CausalLanguageModel
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY_CONFIG = ROOT / "examples" / "configs" / "tiny.yaml"
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from lightning import Callback, LightningModule, Trainer
+from lightning import Callback, LightningModule
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
@@ -100,17 +100,11 @@ class SaveFullWeights(Callback):
             torch.save({n: p.detach().clone() for n, p in full.items()}, self.path)
 
 
-def _train_under_strategy(tmp_path, module: CausalLM, dp, tp) -> dict[str, torch.Tensor]:
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=4,
+def _train_under_strategy(quiet_trainer, tmp_path, module: CausalLM, dp, tp) -> dict[str, torch.Tensor]:
+    trainer = quiet_trainer(
         strategy=lc.CanzonaStrategy(data_parallel_size=dp, tensor_parallel_size=tp, start_method="fork"),
         max_steps=STEPS,
         use_distributed_sampler=False,  # the same batches on every rank
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[SaveFullWeights(tmp_path / "weights.pt")],
     )
     trainer.fit(module, DataLoader(_batches(), batch_size=BATCH))
@@ -136,7 +130,9 @@ def _train_in_one_process(module: CausalLM) -> dict[str, torch.Tensor]:
     [("qwen3", "auto", "auto"), ("llama", "auto", "auto"), ("qwen3_moe", 2, 2), ("gpt2", "auto", "auto")],
     ids=["qwen3-auto", "llama-auto", "qwen3_moe-dp2xtp2", "gpt2-auto"],
 )
-def test_a_transformers_model_trains_exactly_with_its_own_plan(tmp_path, caplog, name, dp, tp) -> None:
+def test_a_transformers_model_trains_exactly_with_its_own_plan(
+    tmp_path, caplog, name, dp, tp, quiet_trainer
+) -> None:
     torch.manual_seed(0)
     module = CausalLM(name)
     initial = {n: p.detach().clone() for n, p in module.named_parameters()}
@@ -156,7 +152,7 @@ def test_a_transformers_model_trains_exactly_with_its_own_plan(tmp_path, caplog,
     mesh = choose_mesh(module, dp, tp, 1, 4)
     assert (mesh.data_parallel_size, mesh.tensor_parallel_size) == ((4, 1) if name == "gpt2" else (2, 2))
     with caplog.at_level(logging.INFO):
-        distributed = _train_under_strategy(tmp_path, module, dp, tp)
+        distributed = _train_under_strategy(quiet_trainer, tmp_path, module, dp, tp)
     assert mesh.describe() in caplog.messages
     reference_module = CausalLM(name)
     reference_module.load_state_dict(initial, strict=False)  # tied weights appear once
@@ -223,7 +219,7 @@ def test_the_package_never_imports_transformers_itself() -> None:
     ids=["transformers-moe", "own-model"],
 )
 def test_the_documented_examples_train(tmp_path, script, arguments) -> None:
-    example = Path(__file__).parent.parent / "examples" / "models" / script
+    example = Path(__file__).resolve().parents[2] / "examples" / "models" / script
     # As a user runs it: a script that Lightning re-runs once per rank.
     done = subprocess.run(
         [sys.executable, str(example), *arguments, "--max_steps", "8"],

@@ -11,7 +11,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-NOTEBOOKS = Path(__file__).resolve().parents[1] / "examples" / "notebooks"
+NOTEBOOKS = Path(__file__).resolve().parents[2] / "examples" / "notebooks"
 #: What each notebook must print: the export's check, and lines found before and after the fine-tune.
 CHECKS = {
     "finetune.ipynb": ["export equals the fine-tuned model: True", "lightning_canzona plan on mesh (2, 2)"],

@@ -38,7 +38,7 @@ from lightning_canzona.mesh import choose_mesh
 from lightning_canzona.models import CausalLanguageModel
 from lightning_canzona.optim.binding import bind_optimizer
 
-PAGE = Path(__file__).resolve().parents[1] / "docs" / "troubleshooting.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "troubleshooting.md"
 TINY_CONFIG = PAGE.parents[1] / "examples" / "configs" / "tiny.yaml"
 
 

@@ -1,0 +1,84 @@
+"""A failure in a team is the same error on every rank, in seconds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from free_teams import TeamMuon, with_free_teams
+from multiprocess import run_on_ranks
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+import lightning_canzona as lc
+from lightning_canzona.rules.muon import MuonRule
+from lightning_canzona.rules.shampoo import ShampooRule
+from lightning_canzona.rules.soap import SOAPRule
+
+FAILING_TEAMS = {
+    "muon": (MuonRule, lambda params: TeamMuon(params, lr=0.02, compute_dtype="float32")),
+    "soap": (
+        SOAPRule,
+        lambda params: with_free_teams(lc.SOAP)(
+            params, lr=0.01, precondition_frequency=2, max_precond_dim=64
+        ),
+    ),
+    "shampoo": (
+        ShampooRule,
+        lambda params: with_free_teams(lc.Shampoo)(
+            params, lr=0.01, precondition_frequency=2, start_preconditioning_step=2
+        ),
+    ),
+}
+
+
+def _a_member_fails(rank: int, world_size: int, optimizer_name: str) -> None:
+    rule_class, build = FAILING_TEAMS[optimizer_name]
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    weight = nn.Parameter(distribute_tensor(torch.randn(12, 200), mesh, [Shard(1)], src_data_rank=None))
+    optimizer = build([("weight", weight)])
+    weight.grad = distribute_tensor(torch.randn(12, 200), mesh, [Shard(1)], src_data_rank=None)
+    optimizer.step()
+    (engine,) = optimizer.engines.values()
+    assert engine.plan.teams == ((0, 1, 2, 3),)
+    original = rule_class.team_direction
+    failures = []
+
+    def fails_in_the_second_round(self, matrix, shape, member, size, state):
+        steps = original(self, matrix, shape, member, size, state)
+        reply = yield next(steps)
+        if not failures:  # once: the rank then rejoins its team's rounds on zeros
+            failures.append(member)
+            raise torch.OutOfMemoryError("injected in a team")
+        return (yield from _forward(steps, reply))
+
+    rule_class.team_direction = fails_in_the_second_round if rank == world_size - 1 else original
+    try:
+        with pytest.raises(RuntimeError, match=r"failed on rank 3: OutOfMemoryError\('injected in a team'\)"):
+            optimizer.step()
+    finally:
+        rule_class.team_direction = original
+    dist.barrier()  # every rank got here: nobody is left in a team's collective
+    assert failures == ([3] if rank == 3 else [])
+    optimizer.step()  # the next step runs normally
+    assert engine.stats.team_collectives > 0
+
+
+def _forward(steps, reply):
+    """Hand ``reply`` on to ``steps`` and relay the rest of its rounds; its result."""
+    try:
+        while True:
+            reply = yield steps.send(reply)
+    except StopIteration as done:
+        return done.value
+
+
+def _members_fail(rank: int, world_size: int) -> None:
+    for optimizer_name in FAILING_TEAMS:
+        _a_member_fails(rank, world_size, optimizer_name)
+
+
+def test_a_failure_in_a_team_is_the_same_error_on_every_rank_in_seconds() -> None:
+    run_on_ranks(4, _members_fail, timeout=30.0)
