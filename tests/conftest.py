@@ -9,11 +9,13 @@ notebooks, scripts, checkpoints on disk). Helper modules beside this file (``mul
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
-from lightning import Trainer
+
+if TYPE_CHECKING:
+    from lightning import Trainer
 
 
 @pytest.fixture(autouse=True)
@@ -27,6 +29,10 @@ def quiet_trainer() -> Callable[..., Trainer]:
     keywords add to or override those settings."""
 
     def build(**settings: Any) -> Trainer:
+        # Imported here: Lightning, imported before pytest captures logs, stops its loggers from
+        # propagating to the root logger, and `caplog` would see none of their records.
+        from lightning import Trainer
+
         quiet = {
             "accelerator": "cpu",
             "devices": 4,

@@ -51,7 +51,7 @@ def distributed_optimizer_state(module: nn.Module, optimizer: MatrixOptimizer) -
     member (loadable at any mesh and plan). A stack's matrices have owners on several ranks,
     each counting its own failed decompositions under the stack's one key, which the checkpoint
     saves once: each owner's part holds the total (as `full_optimizer_state` does), and a load
-    leaves it with one owner (`MeshEngine.keep_loaded_stack_failures_on_one_owner`).
+    leaves it with one owner (`MatrixStateCustody.keep_loaded_stack_failures_on_one_owner`).
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 

@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_canzona.distributed.clock import Clock
 from lightning_canzona.distributed.custody import MatrixStateCustody
 from lightning_canzona.distributed.exchange import MicroGroupExchange
-from lightning_canzona.distributed.items import Entry, PlannedMatrices, build_items, entry_rules
+from lightning_canzona.distributed.items import Entry, Item, PlannedMatrices, build_items, entry_rules
 from lightning_canzona.distributed.layout import Block, exchange_layouts, holders
 from lightning_canzona.distributed.memory import BufferMeter
 from lightning_canzona.distributed.runtime import StepRun, StepStats
@@ -207,12 +207,10 @@ class MeshEngine:
             ).weighted(self.flops_weights.get(rules[item.entry].matmul_dtype(), 1.0))
             for item in items
         ]
-        plan = build_plan(specs, *mesh_sizes(self.mesh), self.settings)
+        plan = self._local_team_members(build_plan(specs, *mesh_sizes(self.mesh), self.settings), items)
         self.planned = PlannedMatrices(plan, matrices, items, first_item, self.group, self.rank)
-        self.planned.plan = self._local_team_members(plan)
         self._key = key
         item_layouts = [item.layout for item in items]
-        plan = self.planned.plan
         self.exchanges = [
             MicroGroupExchange(members, item_layouts, plan.teams, self.rank, self.world)
             for members in plan.micro_groups
@@ -228,16 +226,15 @@ class MeshEngine:
         self._create_team_groups()
         self.custody(state, rules).move(previous)
 
-    def _local_team_members(self, plan: Plan) -> Plan:
-        """``plan`` with each team's members on the ranks that hold their slices, where members
-        that cost alike can trade ranks (`planning.teams.local_members`)."""
+    def _local_team_members(self, plan: Plan, items: Sequence[Item]) -> Plan:
+        """``plan`` of ``items`` with each team's members on the ranks that hold their slices,
+        where members that cost alike can trade ranks (`planning.teams.local_members`)."""
         if plan.teams is None:
             return plan
-        assert self.planned is not None
         teams = []
         for index, team in enumerate(plan.teams):
             if len(team) > 1:
-                layout = self.planned.items[index].layout
+                layout = items[index].layout
                 slices = [Block(*block) for block in member_blocks(layout.shape, len(team))]
                 held = [[layout.held_numel(rank, block) for rank in team] for block in slices]
                 loads = list(zip(plan.loads[index], plan.steady[index], plan.peaks[index]))

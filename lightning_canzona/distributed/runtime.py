@@ -135,7 +135,7 @@ class StepRun:
         stepped_items = [stepped[item.entry] for item in self.planned.items]
         prepare = PreparedEntries(self, stepped)
         steps = [
-            GroupStep(self, exchange, dtype, prepare, stepped_items)
+            MicroGroupStep(self, exchange, dtype, prepare, stepped_items)
             for exchange, dtype in zip(exchanges, dtypes)
         ]
         pipeline.run(steps, overlap)
@@ -208,7 +208,7 @@ def _zeros_like_each(tensors: Sequence[Tensor]) -> list[Tensor]:
     return [torch.zeros_like(t) for t in tensors]
 
 
-class GroupStep:
+class MicroGroupStep:
     """One micro-group's gather, compute, scatter and apply (see `pipeline.GroupStep`).
 
     Each phase drops the buffers that later phases do not need, so that the step holds the

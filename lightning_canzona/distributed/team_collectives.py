@@ -83,7 +83,7 @@ def run_teams(
         runs: This rank's computations, in the same order on every member of each team.
         groups: The process group of each team.
         attempt: Runs a callable and returns its result, or keeps its exception as this rank's
-            failure and returns ``None`` (`MeshEngine.attempt`).
+            failure and returns ``None`` (`StepRun.attempt`).
         failed: Whether this rank has failed in this step.
 
     Returns:

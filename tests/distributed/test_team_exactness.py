@@ -107,7 +107,7 @@ def _members_in_reverse(plan):
 
 def _kronecker_teams(rank: int, world_size: int, mesh_name: str, reverse: bool = False) -> None:
     if reverse:  # members out of rank order, as the packer and locality may list them: gathers reordered
-        engine_module.MeshEngine._local_team_members = lambda self, plan: _members_in_reverse(plan)
+        engine_module.MeshEngine._local_team_members = lambda self, plan, items: _members_in_reverse(plan)
     shape, names = MESHES[mesh_name]
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     placements = KRONECKER_PLACEMENTS[mesh.ndim]

@@ -254,17 +254,14 @@ def test_cli_help_shows_every_strategy_argument() -> None:
     for argument in (
         "data_parallel_size",
         "tensor_parallel_size",
-        "policy",
-        "alpha",
-        "cost",
-        "micro_group_capacity",
-        "overlap",
+        "plan",
         "save_distributed_checkpoint",
         "process_group_backend",
         "timeout",
     ):
         assert f"--trainer.strategy.{argument}" in result.stdout, argument
-    assert "balance between per-bucket uniformity" in result.stdout
+    for setting in ("policy", "alpha", "cost", "micro_group_capacity", "max_team", "team_prices", "overlap"):
+        assert f"``{setting}``" in result.stdout, setting  # named in the description of `plan`
 
 
 def _fit_with_cli(tmp_path, *overrides: str, config: Path = TINY_CONFIG) -> str:
