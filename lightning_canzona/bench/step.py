@@ -42,6 +42,7 @@ latency, which depends on how the scheduler interleaves the ranks.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import statistics
@@ -60,6 +61,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, parallelize_module
 
 import lightning_canzona as lc
+from lightning_canzona.compat import REDISTRIBUTE_LOGGER
 from lightning_canzona.config import PlanConfig
 from lightning_canzona.models.qwen3 import Qwen3, tensor_parallel_plan
 from lightning_canzona.planning import report
@@ -201,6 +203,8 @@ def _worker(
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    # torch.optim.Muon on DTensors notes on every rank that their norms take two all-reduces.
+    logging.getLogger(REDISTRIBUTE_LOGGER).setLevel(logging.ERROR)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=10))
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
