@@ -1,20 +1,24 @@
 """lightning_canzona: exact, non-redundant, load-balanced matrix optimizers for Lightning.
 
 Importing the package registers the strategies ``"canzona"`` and ``"canzona_notebook"`` (which
-starts its ranks by forking, for Jupyter) in Lightning's strategy registry, and filters the
-third-party warnings that are harmless in its runs (`lightning_canzona.warning_filters`).
+starts its ranks by forking, for Jupyter) in Lightning's strategy registry, ``"canzona"`` in
+Fabric's, and filters the third-party warnings that are harmless in its runs
+(`lightning_canzona.warning_filters`).
 """
 
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_canzona.config import PlanConfig
 from lightning_canzona.export import export_checkpoint
+from lightning_canzona.fabric import CanzonaFabricStrategy
 from lightning_canzona.optim import SOAP, Muon, Shampoo, matrix_param_groups
 from lightning_canzona.strategy import CanzonaStrategy
 from lightning_canzona.warning_filters import ignore_harmless_warnings
 
 __all__ = [
     "SOAP",
+    "CanzonaFabricStrategy",
     "CanzonaStrategy",
     "Muon",
     "PlanConfig",
@@ -36,4 +40,8 @@ if "canzona_notebook" not in StrategyRegistry:
         CanzonaStrategy,
         description="CanzonaStrategy that forks its ranks (Jupyter notebooks)",
         start_method="fork",
+    )
+if "canzona" not in FABRIC_STRATEGIES:
+    FABRIC_STRATEGIES.register(
+        "canzona", CanzonaFabricStrategy, description="FSDP2 × TP with exact, non-redundant matrix optimizers"
     )

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from lightning.fabric.strategies.model_parallel import _materialize_distributed_module
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
@@ -31,6 +32,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.placement_types import _StridedShard
 
 __all__ = [
+    "BackwardSyncControl",
     "PYTREE_MODULE_PATTERN",
     "REDISTRIBUTE_LOGGER",
     "MultiProcessingLauncher",
@@ -144,6 +146,10 @@ def transformers_no_split_modules(model: nn.Module) -> tuple[str, ...]:
 
 #: A path as Lightning's hooks take it (Lightning's own alias, ``_PATH``, is private).
 PathLike = str | os.PathLike[str]
+
+#: How Fabric's ``no_backward_sync`` asks a strategy to skip gradient synchronisation
+#: (`lightning_canzona.fabric`). Public alternative: none (Fabric exports no base to extend).
+BackwardSyncControl = _BackwardSyncControl
 
 #: The launchers that the package's own extend (`lightning_canzona.launcher`). Public
 #: alternative: none (Lightning exports no launcher base to extend).

@@ -31,7 +31,6 @@ live in modules of their own; this class wires them into Lightning.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -75,15 +74,19 @@ from lightning_canzona.compat import (
 )
 from lightning_canzona.composition import compose
 from lightning_canzona.config import PlanConfig
-from lightning_canzona.distributed.replicas import average_gradients, check_gradients_agree
 from lightning_canzona.launcher import InProcessLauncher, ScriptLauncher, report_failures_briefly
 from lightning_canzona.mesh import MeshShape, choose_mesh
 from lightning_canzona.metrics import prepare_metrics
 from lightning_canzona.optim import MatrixOptimizer
-from lightning_canzona.optim.binding import bind_optimizer
-from lightning_canzona.planning import report
 from lightning_canzona.precision import clip_across_meshes, mixed_precision_policy
-from lightning_canzona.rules.blocks import describe_row_blocks
+from lightning_canzona.preparation import (
+    bind_and_describe,
+    check_not_fsdp1,
+    share_cpu_cores,
+    synchronise_unsharded,
+    unsharded_parameters,
+    without_gradient_sync,
+)
 from lightning_canzona.telemetry import OptimizerTelemetry
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
@@ -218,9 +221,7 @@ class CanzonaStrategy(ModelParallelStrategy):
         check_path_exists(ckpt_path, "ckpt_path")
 
     def setup_environment(self) -> None:
-        if self.root_device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-            # Ranks on one CPU share its cores: oversubscribed threads would fight each other.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.num_processes))
+        share_cpu_cores(self.root_device, self.num_processes)
         if self._mesh_shape is None:  # started by torchrun or SLURM: no launcher ran the preflight
             module = self.lightning_module
             self.preflight(module.trainer.ckpt_path if module is not None else None)
@@ -233,15 +234,9 @@ class CanzonaStrategy(ModelParallelStrategy):
 
     def setup(self, trainer: pl.Trainer) -> None:
         # ModelParallelStrategy.setup, with composition where it would demand configure_model.
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
-        if any(isinstance(module, FullyShardedDataParallel) for module in self.model.modules()):
-            raise TypeError(
-                "Found modules wrapped with torch.distributed.fsdp.FullyShardedDataParallel (FSDP1); "
-                "CanzonaStrategy shards with FSDP2 (fully_shard). Remove the FSDP1 wrapping."
-            )
+        check_not_fsdp1(self.model, type(self).__name__)
         already_sharded = any(isinstance(p, DTensor) for p in self.lightning_module.parameters())
         if not is_overridden("configure_model", self.lightning_module) and not already_sharded:
             # Once: validate/test reuse it.
@@ -252,7 +247,8 @@ class CanzonaStrategy(ModelParallelStrategy):
         materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        self._find_plain_parameters()  # materialized: the parameters are the final objects
+        # Materialized: the parameters are the final objects.
+        self._plain_parameters = unsharded_parameters(self.lightning_module, self.world_size)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -261,17 +257,6 @@ class CanzonaStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
-
-    def _find_plain_parameters(self) -> None:
-        named = self.lightning_module.named_parameters()
-        self._plain_parameters = [(n, p) for n, p in named if p.requires_grad and not isinstance(p, DTensor)]
-        if self._plain_parameters and self.world_size > 1:
-            names = [name for name, _ in self._plain_parameters]
-            rank_zero_info(
-                f"lightning_canzona: {len(names)} trainable parameters are not sharded ({names[:5]}"
-                f"{' …' if len(names) > 5 else ''}): their gradients are averaged over the "
-                "data-parallel group after each backward and checked to agree on every rank."
-            )
 
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         """Synchronise the gradients of the trainable parameters that are not DTensors.
@@ -282,10 +267,7 @@ class CanzonaStrategy(ModelParallelStrategy):
         super().post_backward(closure_loss)
         if not self._plain_parameters or self.world_size == 1 or self._gradient_sync_blocked:
             return
-        average_gradients(
-            [param for _, param in self._plain_parameters], self.device_mesh["data_parallel"].get_group()
-        )
-        check_gradients_agree(self._plain_parameters)
+        synchronise_unsharded(self._plain_parameters, self.device_mesh["data_parallel"].get_group())
 
     def setup_precision_plugin(self) -> None:
         super().setup_precision_plugin()
@@ -295,21 +277,15 @@ class CanzonaStrategy(ModelParallelStrategy):
     def block_backward_sync(self) -> Iterator[None]:
         """Under ``gradient_accumulation="unsharded"``, skip gradient synchronisation (FSDP2's
         reduce-scatter, the plain parameters' all-reduce) on micro-batches that do not step."""
-        from torch.distributed.fsdp import FSDPModule
-
         if self.gradient_accumulation == "sharded":
             yield None
             return
-        modules = [m for m in self.model.modules() if isinstance(m, FSDPModule)] if self.model else []
-        for module in modules:
-            module.set_requires_gradient_sync(False, recurse=False)
         self._gradient_sync_blocked = True
         try:
-            yield None
+            with without_gradient_sync(self.model):
+                yield None
         finally:
             self._gradient_sync_blocked = False
-            for module in modules:
-                module.set_requires_gradient_sync(True, recurse=False)
 
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         """Reduce over the data-parallel group: tensor-parallel ranks hold replicas of one value."""
@@ -444,19 +420,8 @@ class CanzonaStrategy(ModelParallelStrategy):
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
-        self.optimizers = [self._bind(optimizer) for optimizer in self.optimizers]
-        for optimizer in self.optimizers:
-            if isinstance(optimizer, MatrixOptimizer):
-                for mesh, plan in optimizer.plans().items():
-                    if plan.matrices:  # a mesh of AdamW parameters only has nothing to show
-                        table = report(plan).table()
-                        rank_zero_info(f"lightning_canzona plan on mesh {tuple(mesh.shape)}:\n{table}")
-                if optimizer.row_blocks():
-                    rank_zero_info(f"lightning_canzona: {describe_row_blocks(optimizer.row_blocks())}")
-
-    def _bind(self, optimizer: Optimizer) -> Optimizer:
         schedulers = [config.scheduler for config in self.lr_scheduler_configs]
-        bound, message = bind_optimizer(optimizer, self.lightning_module, self.plan_config, schedulers)
-        if message:
-            rank_zero_info(message)
-        return bound
+        self.optimizers = [
+            bind_and_describe(optimizer, self.lightning_module, self.plan_config, schedulers)
+            for optimizer in self.optimizers
+        ]

@@ -17,15 +17,24 @@ from lightning_canzona.compat import PYTREE_MODULE_PATTERN, REDISTRIBUTE_LOGGER
 
 class SequentialGathers(logging.Filter):
     """Drops DTensor's note that gathering a tensor sharded over two mesh dimensions takes two
-    all-gathers, which "may give inconsistent results between ranks due to different reduction
-    orders": a gather reorders no sum, so only the note's latency remark applies, and the whole
-    tensors gathered here (weights handed back to a notebook, exports) are gathered once. The
-    same note for a reduction (``reduce_scatter``, ``all_reduce``) still shows."""
+    collectives, which "may give inconsistent results between ranks due to different reduction
+    orders", where that cannot happen:
+
+    - all-gathers: a gather reorders no sum, so only the note's latency remark applies, and the
+      whole tensors gathered here (weights handed back to a notebook, exports) are gathered once;
+    - the all-reduces of a norm (``_NormPartial``: the gradient norm of clipping across meshes,
+      `distributed.clipping`): one scalar per mesh, reduced in the same order on every rank.
+
+    The same note for any other reduction (``reduce_scatter``, a sum's ``all_reduce``) still shows.
+    """
 
     def filter(self, record: logging.LogRecord) -> bool:
         args: Any = record.args
-        gathers = isinstance(args, tuple) and len(args) > 3 and args[3] == "all_gather"
-        return not (str(record.msg).startswith("While redistributing from") and gathers)
+        if not (str(record.msg).startswith("While redistributing from") and isinstance(args, tuple)):
+            return True
+        gathers = len(args) > 3 and args[3] == "all_gather"
+        norms = len(args) > 3 and args[3] == "all_reduce" and "_NormPartial" in str(args[0])
+        return not (gathers or norms)
 
 
 def ignore_harmless_warnings() -> None:

@@ -260,6 +260,15 @@ class Qwen3(nn.Module):
             elif isinstance(module, nn.RMSNorm):
                 nn.init.ones_(module.weight)
 
+    def tensor_parallel_plan(self) -> dict[str, ParallelStyle]:
+        """The decoder's TP plan (module function `tensor_parallel_plan`): what the strategies
+        compose with FSDP2 when the model is given to them as it is (Fabric)."""
+        return tensor_parallel_plan(self)
+
+    def tensor_parallel_constraints(self) -> dict[str, int]:
+        """The head counts and widths that a tensor-parallel size must divide."""
+        return tensor_parallel_constraints(self.config)
+
     def forward(self, tokens: Tensor) -> Tensor:
         """Logits ``(batch, seq, vocab)`` for token ids ``(batch, seq)``."""
         cos, sin = rotary_tables(tokens.shape[1], self.config.head_dim, self.config.rope_theta, tokens.device)

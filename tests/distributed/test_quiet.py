@@ -107,7 +107,7 @@ def test_fsdp2_view_warning_of_a_tensor_parallel_root_is_filtered_and_its_gradie
     run_on_ranks(2, _root_view_is_harmless)
 
 
-def test_dtensors_note_on_sequential_gathers_is_dropped_and_on_reductions_kept() -> None:
+def test_dtensors_note_on_sequential_gathers_and_norms_is_dropped_and_on_sums_kept() -> None:
     # What the note is about is harmless for a gather: test_weights_back gathers weights sharded over
     # both mesh dimensions and finds them equal bit for bit to DTensor's own full_tensor().
     logger = logging.getLogger("torch.distributed.tensor._redistribute")
@@ -116,9 +116,15 @@ def test_dtensors_note_on_sequential_gathers_is_dropped_and_on_reductions_kept()
     handler.emit = seen.append
     handler.filters = logger.filters  # the package's filter, as the logger applies it
     note = "While redistributing from %s to %s, %d sequential %s operations will be performed. %s"
-    for collective in ("all_gather", "reduce_scatter"):
+    cases = [
+        ("(S, S)", "all_gather"),
+        ("(S, S)", "reduce_scatter"),
+        ("(_NormPartial(2.0), _NormPartial(2.0))", "all_reduce"),  # a gradient norm (clipping)
+        ("(Partial(sum), Partial(sum))", "all_reduce"),
+    ]
+    for source, collective in cases:
         record = logger.makeRecord(
-            logger.name, logging.WARNING, __file__, 1, note, ("(S, S)", "(R, R)", 2, collective, ""), None
+            logger.name, logging.WARNING, __file__, 1, note, (source, "(R, R)", 2, collective, ""), None
         )
         handler.handle(record)
-    assert [record.args[3] for record in seen] == ["reduce_scatter"]
+    assert [(record.args[0], record.args[3]) for record in seen] == [cases[1], cases[3]]

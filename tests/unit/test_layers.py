@@ -33,10 +33,11 @@ LAYERS: list[set[str]] = [
         "mesh",
         "metrics",
         "precision",
+        "preparation",
         "telemetry",
         "warning_filters",
     },
-    {"strategy"},
+    {"fabric", "strategy"},  # the Trainer's and Fabric's strategies
     {""},  # lightning_canzona/__init__.py
     {"bench", "cli", "commands", "data", "models", "simulation"},  # the tools and the bundled model
 ]

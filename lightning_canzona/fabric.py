@@ -1,0 +1,242 @@
+"""`CanzonaFabricStrategy`: the package for hand-written training loops on Lightning Fabric.
+
+``Fabric(strategy="canzona")`` composes the model's tensor-parallel plan with FSDP2 on a
+``(data_parallel, tensor_parallel)`` mesh chosen for the model, builds and prints the optimizer's
+plan, and binds it, as ``Trainer(strategy="canzona")`` does; the two strategies are thin adapters
+over the same parts (`lightning_canzona.mesh`, `lightning_canzona.composition`,
+`lightning_canzona.preparation`, `lightning_canzona.optim.binding`)::
+
+    fabric = Fabric(strategy="canzona", devices=4)
+    fabric.launch()
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(lc.Muon(lc.matrix_param_groups(model)))
+    # or: model, optimizer = fabric.setup(model, lc.Muon(lc.matrix_param_groups(model)))
+
+The mesh waits for the model: ``"auto"`` sizes are chosen from it when it is set up, so set up
+the model before the dataloaders (or give both sizes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import ModelParallelStrategy, ParallelStrategy
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.optim import Optimizer
+
+from lightning_canzona.compat import BackwardSyncControl, materialize_distributed_module
+from lightning_canzona.composition import compose
+from lightning_canzona.config import PlanConfig
+from lightning_canzona.distributed.clipping import clip_grad_norm_
+from lightning_canzona.mesh import MeshShape, choose_mesh
+from lightning_canzona.precision import mixed_precision_policy
+from lightning_canzona.preparation import (
+    bind_and_describe,
+    check_not_fsdp1,
+    share_cpu_cores,
+    synchronise_unsharded,
+    unsharded_parameters,
+    without_gradient_sync,
+)
+
+#: Builds the parallel model from the module and the ``(data_parallel, tensor_parallel)`` mesh.
+ParallelizeFn = Callable[[nn.Module, DeviceMesh], nn.Module]
+
+
+class CanzonaFabricStrategy(ModelParallelStrategy):
+    """Fabric's FSDP2 × DTensor tensor parallelism with exact, non-redundant Muon, Shampoo and SOAP.
+
+    Args:
+        data_parallel_size: Devices per data-parallel group; ``"auto"``: the devices that tensor
+            parallelism leaves.
+        tensor_parallel_size: Devices per tensor-parallel group; ``"auto"``: the largest size that
+            divides the devices per node and every size the model's plan splits, chosen when the
+            model is set up (`lightning_canzona.mesh`).
+        plan: How each matrix update is planned and run (`lightning_canzona.PlanConfig`), for
+            every lightning_canzona optimizer that sets none of its own; one that sets a
+            different one is an error. ``None``: each optimizer's own.
+        parallelize_fn: Builds the parallel model from the module and the mesh (as Fabric's
+            ``ModelParallelStrategy`` takes it); ``None`` composes the model's own tensor-parallel
+            plan (or a transformers model's) with FSDP2 (`lightning_canzona.composition`).
+        save_distributed_checkpoint: Save one shard per rank (``True``) or one full file.
+        process_group_backend: ``nccl``, ``gloo``…; ``None`` picks the device's default.
+        timeout: Timeout of collective operations.
+    """
+
+    def __init__(
+        self,
+        data_parallel_size: Literal["auto"] | int = "auto",
+        tensor_parallel_size: Literal["auto"] | int = "auto",
+        plan: PlanConfig | None = None,
+        parallelize_fn: ParallelizeFn | None = None,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            parallelize_fn=parallelize_fn or self._compose,
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        if plan is not None and not isinstance(plan, PlanConfig):
+            raise TypeError(f"plan must be a lightning_canzona.PlanConfig or None, got {plan!r}")
+        self.plan_config = plan
+        #: The sizes as given (``"auto"`` or integers); resolved when the model is set up.
+        self._requested_sizes = (data_parallel_size, tensor_parallel_size)
+        #: The module that `setup_module` composed: what the optimizers' parameters belong to.
+        self._module: nn.Module | None = None
+        #: Trainable parameters that are not DTensors, whose gradients the strategy synchronises.
+        self._plain_parameters: list[tuple[str, nn.Parameter]] = []
+        self._gradient_sync_blocked = False
+        self._backward_sync_control = _NoBackwardSync(self)
+
+    def _configure_launcher(self) -> None:
+        # Sizes that cannot divide the devices fail before any process starts.
+        choose_mesh(None, *self._requested_sizes, self.num_nodes, self.num_processes)
+        super()._configure_launcher()
+
+    def setup_environment(self) -> None:
+        """Start the process group; the mesh waits for the model (`setup_module`)."""
+        share_cpu_cores(self.root_device, self.num_processes)
+        ParallelStrategy.setup_environment(self)  # not ModelParallelStrategy's: it builds the mesh now
+        self._setup_distributed()
+        if "auto" not in self._requested_sizes:
+            self._build_mesh(choose_mesh(None, *self._requested_sizes, self.num_nodes, self.num_processes))
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        if self._device_mesh is None:
+            raise RuntimeError(
+                "CanzonaFabricStrategy chooses the mesh for the model: set up the model "
+                "(fabric.setup or fabric.setup_module) before anything that needs the mesh, such as "
+                "fabric.setup_dataloaders, or give data_parallel_size and tensor_parallel_size."
+            )
+        return self._device_mesh
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """Choose the mesh for ``module`` (once), compose it, and materialize it on the device."""
+        check_not_fsdp1(module, type(self).__name__)
+        composes = self._parallelize_fn == self._compose
+        # Explicit sizes too are checked against the model (its plan, its head counts).
+        shape = choose_mesh(module, *self._requested_sizes, self.num_nodes, self.num_processes, composes)
+        if self._device_mesh is None:
+            self._build_mesh(shape)
+        module = self._parallelize_fn(module, self.device_mesh)
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"parallelize_fn must return an nn.Module, got {type(module).__name__}")
+        materialize_distributed_module(module, self.root_device)
+        self._module = module
+        self._plain_parameters = unsharded_parameters(module, self.world_size)
+        return module
+
+    def setup_module_and_optimizers(
+        self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any | None = None
+    ) -> tuple[nn.Module, list[Optimizer], Any | None]:
+        """Compose ``module``, then point each optimizer, built on its parameters before they were
+        sharded, at the sharded ones (by name), and bind it (`setup_optimizer`)."""
+        names = {id(param): name for name, param in module.named_parameters()}
+        module = self.setup_module(module)
+        sharded = dict(module.named_parameters())
+        for optimizer in optimizers:
+            _repoint(optimizer, names, sharded)
+        schedulers = [scheduler] if scheduler is not None else []
+        return module, [self._bind(optimizer, schedulers) for optimizer in optimizers], scheduler
+
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """Bind ``optimizer`` (its `PlanConfig`, a ``torch.optim.Muon`` converted) and print its plan."""
+        return self._bind(optimizer, [])
+
+    def _bind(self, optimizer: Optimizer, schedulers: list[Any]) -> Optimizer:
+        if self._module is None:
+            raise RuntimeError(
+                "Set up the model before its optimizers: model = fabric.setup_module(model), then "
+                "fabric.setup_optimizers(optimizer) — or fabric.setup(model, optimizer)."
+            )
+        return bind_and_describe(optimizer, self._module, self.plan_config, schedulers, type(self).__name__)
+
+    def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        """Fabric's backward, then the gradients of parameters that are not DTensors averaged over
+        data parallelism (skipped, like FSDP2's reduce-scatter, under ``fabric.no_backward_sync``)."""
+        super().backward(tensor, module, *args, **kwargs)
+        if self._plain_parameters and self.world_size > 1 and not self._gradient_sync_blocked:
+            synchronise_unsharded(self._plain_parameters, self.device_mesh["data_parallel"].get_group())
+
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> torch.Tensor:
+        """Clip by the norm of every gradient together, across meshes; return that norm."""
+        self.precision.unscale_gradients(optimizer)
+        parameters = list(self.precision.main_params(optimizer))
+        total = clip_grad_norm_(parameters, float(max_norm), float(norm_type))
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(
+                f"The total norm of order {norm_type} of the gradients is non-finite ({float(total)}): "
+                "nothing was clipped. Pass error_if_nonfinite=False to clip anyway."
+            )
+        return total
+
+    def _compose(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        compose(module, mesh, mixed_precision_policy(self.precision))
+        return module
+
+    def _build_mesh(self, shape: MeshShape) -> None:
+        rank_zero_info(shape.describe())
+        self._data_parallel_size = shape.data_parallel_size
+        self._tensor_parallel_size = shape.tensor_parallel_size
+        self._device_mesh = init_device_mesh(
+            self.root_device.type,
+            (shape.data_parallel_size, shape.tensor_parallel_size),
+            mesh_dim_names=("data_parallel", "tensor_parallel"),
+        )
+
+
+class _NoBackwardSync(BackwardSyncControl):
+    """``fabric.no_backward_sync``: FSDP2's reduce-scatter and the strategy's averaging of
+    unsharded gradients both wait for the micro-batch that steps."""
+
+    def __init__(self, strategy: CanzonaFabricStrategy) -> None:
+        self.strategy = strategy
+
+    @contextmanager
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> Iterator[None]:
+        if not enabled:
+            yield
+            return
+        self.strategy._gradient_sync_blocked = True
+        try:
+            with without_gradient_sync(module):
+                yield
+        finally:
+            self.strategy._gradient_sync_blocked = False
+
+
+def _repoint(optimizer: Optimizer, names: dict[int, str], sharded: dict[str, nn.Parameter]) -> None:
+    """Point ``optimizer``'s param groups at the sharded parameters of the same names."""
+    if optimizer.state:
+        raise ValueError(
+            f"{type(optimizer).__name__} has stepped before fabric.setup: its state belongs to the "
+            "parameters before sharding. Create the optimizer after fabric.setup_module(model)."
+        )
+    for group in optimizer.param_groups:
+        try:
+            group["params"] = [sharded[names[id(param)]] for param in group["params"]]
+        except KeyError:
+            raise ValueError(
+                f"{type(optimizer).__name__} holds a parameter that is not the model's; fabric.setup "
+                "can only point an optimizer of the model's own parameters at their sharded form."
+            ) from None

@@ -1,0 +1,104 @@
+"""What the Trainer strategy and the Fabric strategy both do to a model and its optimizers.
+
+`CanzonaStrategy` (``Trainer``) and `CanzonaFabricStrategy` (``Fabric``) are thin adapters: each
+calls these at the moment its framework gives it the model, the optimizers or the backward pass.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+
+from lightning_canzona.config import PlanConfig
+from lightning_canzona.distributed.replicas import average_gradients, check_gradients_agree
+from lightning_canzona.optim import MatrixOptimizer
+from lightning_canzona.optim.binding import bind_optimizer
+from lightning_canzona.planning import report
+from lightning_canzona.rules.blocks import describe_row_blocks
+
+NamedParameters = list[tuple[str, nn.Parameter]]
+
+
+def share_cpu_cores(device: torch.device, processes: int) -> None:
+    """Ranks on one CPU share its cores: give each its share of threads, unless the user set
+    ``OMP_NUM_THREADS`` (oversubscribed threads would fight each other)."""
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes))
+
+
+def check_not_fsdp1(module: nn.Module, strategy: str) -> None:
+    """A `TypeError` for a module wrapped with FSDP1, which neither strategy composes with."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if any(isinstance(child, FullyShardedDataParallel) for child in module.modules()):
+        raise TypeError(
+            "Found modules wrapped with torch.distributed.fsdp.FullyShardedDataParallel (FSDP1); "
+            f"{strategy} shards with FSDP2 (fully_shard). Remove the FSDP1 wrapping."
+        )
+
+
+def unsharded_parameters(module: nn.Module, world_size: int) -> NamedParameters:
+    """The trainable parameters of ``module`` that are not DTensors, whose gradients the strategy
+    synchronises (`synchronise_unsharded`); says which, once, where there are any."""
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
+    if named and world_size > 1:
+        names = [name for name, _ in named]
+        rank_zero_info(
+            f"lightning_canzona: {len(names)} trainable parameters are not sharded ({names[:5]}"
+            f"{' …' if len(names) > 5 else ''}): their gradients are averaged over the "
+            "data-parallel group after each backward and checked to agree on every rank."
+        )
+    return named
+
+
+def synchronise_unsharded(named: NamedParameters, group: dist.ProcessGroup) -> None:
+    """Average the gradients of ``named`` over the data-parallel ``group`` and check that they
+    agree on every rank (`lightning_canzona.distributed.replicas`)."""
+    average_gradients([param for _, param in named], group)
+    check_gradients_agree(named)
+
+
+@contextmanager
+def without_gradient_sync(module: nn.Module | None) -> Iterator[None]:
+    """Within the block, FSDP2 skips its gradients' reduce-scatter (micro-batches that
+    accumulate: the unsharded gradients stay on each rank until the last one)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    modules = [m for m in module.modules() if isinstance(m, FSDPModule)] if module is not None else []
+    for fsdp in modules:
+        fsdp.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        for fsdp in modules:
+            fsdp.set_requires_gradient_sync(True, recurse=False)
+
+
+def bind_and_describe(
+    optimizer: Optimizer,
+    module: nn.Module,
+    config: PlanConfig | None,
+    schedulers: Sequence[LRScheduler] = (),
+    source: str = "CanzonaStrategy",
+) -> Optimizer:
+    """``optimizer`` bound to the strategy (`bind_optimizer`), its plan built and printed as a
+    table per mesh, and its row blocks named (collective: the plan shares the shards' layouts)."""
+    bound, message = bind_optimizer(optimizer, module, config, schedulers, source)
+    if message:
+        rank_zero_info(message)
+    if isinstance(bound, MatrixOptimizer):
+        for mesh, plan in bound.plans().items():
+            if plan.matrices:  # a mesh of AdamW parameters only has nothing to show
+                rank_zero_info(f"lightning_canzona plan on mesh {tuple(mesh.shape)}:\n{report(plan).table()}")
+        if bound.row_blocks():
+            rank_zero_info(f"lightning_canzona: {describe_row_blocks(bound.row_blocks())}")
+    return bound

@@ -1,0 +1,63 @@
+"""A Fabric training loop as a user writes it, run by `test_fabric.py` as a script (the ranks are
+re-run from it): the bundled model, ``fabric.setup(model, optimizer)``, gradient accumulation
+under ``no_backward_sync``, clipping, and the trained weights saved whole by rank 0.
+
+Usage: ``python fabric_loop.py OUT DP TP SETUP`` (``auto`` for either size; SETUP ``joint``:
+``fabric.setup(model, optimizer)``, ``separate``: ``setup_module`` then ``setup_optimizers``).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+from lightning.fabric import Fabric
+
+import lightning_canzona as lc
+from lightning_canzona.checkpoint.state import full_model_state
+from lightning_canzona.models.qwen3 import Qwen3
+
+STEPS, ACCUMULATE, BATCH, SEQ, MAX_NORM = 3, 2, 4, 33, 0.5
+MUON = {"lr": 0.02, "adamw_lr": 3e-3, "weight_decay": 0.01, "compute_dtype": "float32"}
+
+
+def batches() -> torch.Tensor:
+    """Every micro-batch of the run: the same on every rank and in the one-process reference."""
+    generator = torch.Generator().manual_seed(1)
+    return torch.randint(256, (STEPS * ACCUMULATE, BATCH, SEQ), generator=generator)
+
+
+def loss_of(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)) / ACCUMULATE
+
+
+def main(out: str, dp: str, tp: str, setup: str) -> None:
+    sizes = [size if size == "auto" else int(size) for size in (dp, tp)]
+    # The headline: the strategy by name; explicit sizes through the class.
+    strategy = "canzona" if sizes == ["auto", "auto"] else lc.CanzonaFabricStrategy(*sizes)
+    fabric = Fabric(accelerator="cpu", devices=4, strategy=strategy)
+    fabric.launch()
+    torch.manual_seed(0)
+    model = Qwen3("tiny")
+    if setup == "joint":  # the optimizer built on the parameters before they are sharded
+        model, optimizer = fabric.setup(model, lc.Muon(lc.matrix_param_groups(model), **MUON))
+    else:
+        model = fabric.setup_module(model)
+        optimizer = fabric.setup_optimizers(lc.Muon(lc.matrix_param_groups(model), **MUON))
+    norms = []
+    for micro_batches in batches().split(ACCUMULATE):
+        for index, tokens in enumerate(micro_batches):
+            with fabric.no_backward_sync(model, enabled=index < ACCUMULATE - 1):
+                fabric.backward(loss_of(model, tokens))
+        norms.append(float(fabric.clip_gradients(model, optimizer, max_norm=MAX_NORM)))
+        optimizer.step()
+        optimizer.zero_grad()
+    weights = full_model_state(model)
+    if fabric.global_rank == 0:
+        torch.save({"weights": weights, "norms": norms}, out)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:5])
