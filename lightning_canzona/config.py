@@ -69,6 +69,14 @@ class PlanConfig:
             self.policy, self.alpha, self.cost, self.micro_group_capacity, max_team=self.max_team
         )
 
+    @staticmethod
+    def given(plan: object) -> PlanConfig | None:
+        """``plan`` as a strategy or an optimizer takes it: a `PlanConfig` or ``None``, else a
+        `TypeError` naming the setting."""
+        if plan is not None and not isinstance(plan, PlanConfig):
+            raise TypeError(f"plan must be a lightning_canzona.PlanConfig or None, got {plan!r}")
+        return plan
+
     def differences(self, other: PlanConfig) -> list[str]:
         """The names of the fields in which ``other`` differs."""
         return [f.name for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)]

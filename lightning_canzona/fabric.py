@@ -18,9 +18,11 @@ the model before the dataloaders (or give both sizes).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -31,20 +33,22 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.optim import Optimizer
 
-from lightning_canzona.compat import BackwardSyncControl, materialize_distributed_module
+from lightning_canzona import preparation
+from lightning_canzona.checkpoint import (
+    IDENTITY_KEY,
+    check_before_loading,
+    load_distributed,
+    load_single_file,
+    record,
+    save_atomically,
+    write_state,
+)
+from lightning_canzona.compat import BackwardSyncControl, PathLike, materialize_distributed_module
 from lightning_canzona.composition import compose
 from lightning_canzona.config import PlanConfig
 from lightning_canzona.distributed.clipping import clip_grad_norm_
 from lightning_canzona.mesh import MeshShape, choose_mesh
 from lightning_canzona.precision import mixed_precision_policy
-from lightning_canzona.preparation import (
-    bind_and_describe,
-    check_not_fsdp1,
-    share_cpu_cores,
-    synchronise_unsharded,
-    unsharded_parameters,
-    without_gradient_sync,
-)
 
 #: Builds the parallel model from the module and the ``(data_parallel, tensor_parallel)`` mesh.
 ParallelizeFn = Callable[[nn.Module, DeviceMesh], nn.Module]
@@ -66,6 +70,9 @@ class CanzonaFabricStrategy(ModelParallelStrategy):
             ``ModelParallelStrategy`` takes it); ``None`` composes the model's own tensor-parallel
             plan (or a transformers model's) with FSDP2 (`lightning_canzona.composition`).
         save_distributed_checkpoint: Save one shard per rank (``True``) or one full file.
+        verify_checkpoints: Before loading a checkpoint, check every file against the sizes and
+            CRC-32 checksums recorded when it was saved: a file cut short or changed is an error,
+            not wrong weights.
         process_group_backend: ``nccl``, ``gloo``…; ``None`` picks the device's default.
         timeout: Timeout of collective operations.
     """
@@ -77,20 +84,15 @@ class CanzonaFabricStrategy(ModelParallelStrategy):
         plan: PlanConfig | None = None,
         parallelize_fn: ParallelizeFn | None = None,
         save_distributed_checkpoint: bool = True,
+        verify_checkpoints: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
-        super().__init__(
-            parallelize_fn=parallelize_fn or self._compose,
-            data_parallel_size=data_parallel_size,
-            tensor_parallel_size=tensor_parallel_size,
-            save_distributed_checkpoint=save_distributed_checkpoint,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-        )
-        if plan is not None and not isinstance(plan, PlanConfig):
-            raise TypeError(f"plan must be a lightning_canzona.PlanConfig or None, got {plan!r}")
-        self.plan_config = plan
+        sizes = (data_parallel_size, tensor_parallel_size)
+        compose_or_own = parallelize_fn or self._compose
+        super().__init__(compose_or_own, *sizes, save_distributed_checkpoint, process_group_backend, timeout)
+        self.plan_config = PlanConfig.given(plan)
+        self.verify_checkpoints = verify_checkpoints
         #: The sizes as given (``"auto"`` or integers); resolved when the model is set up.
         self._requested_sizes = (data_parallel_size, tensor_parallel_size)
         #: The module that `setup_module` composed: what the optimizers' parameters belong to.
@@ -107,7 +109,7 @@ class CanzonaFabricStrategy(ModelParallelStrategy):
 
     def setup_environment(self) -> None:
         """Start the process group; the mesh waits for the model (`setup_module`)."""
-        share_cpu_cores(self.root_device, self.num_processes)
+        preparation.share_cpu_cores(self.root_device, self.num_processes)
         ParallelStrategy.setup_environment(self)  # not ModelParallelStrategy's: it builds the mesh now
         self._setup_distributed()
         if "auto" not in self._requested_sizes:
@@ -125,7 +127,7 @@ class CanzonaFabricStrategy(ModelParallelStrategy):
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Choose the mesh for ``module`` (once), compose it, and materialize it on the device."""
-        check_not_fsdp1(module, type(self).__name__)
+        preparation.check_not_fsdp1(module, type(self).__name__)
         composes = self._parallelize_fn == self._compose
         # Explicit sizes too are checked against the model (its plan, its head counts).
         shape = choose_mesh(module, *self._requested_sizes, self.num_nodes, self.num_processes, composes)
@@ -136,7 +138,7 @@ class CanzonaFabricStrategy(ModelParallelStrategy):
             raise TypeError(f"parallelize_fn must return an nn.Module, got {type(module).__name__}")
         materialize_distributed_module(module, self.root_device)
         self._module = module
-        self._plain_parameters = unsharded_parameters(module, self.world_size)
+        self._plain_parameters = preparation.unsharded_parameters(module, self.world_size)
         return module
 
     def setup_module_and_optimizers(
@@ -162,14 +164,18 @@ class CanzonaFabricStrategy(ModelParallelStrategy):
                 "Set up the model before its optimizers: model = fabric.setup_module(model), then "
                 "fabric.setup_optimizers(optimizer) — or fabric.setup(model, optimizer)."
             )
-        return bind_and_describe(optimizer, self._module, self.plan_config, schedulers, type(self).__name__)
+        return preparation.bind_and_describe(
+            optimizer, self._module, self.plan_config, schedulers, type(self).__name__
+        )
 
     def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         """Fabric's backward, then the gradients of parameters that are not DTensors averaged over
         data parallelism (skipped, like FSDP2's reduce-scatter, under ``fabric.no_backward_sync``)."""
         super().backward(tensor, module, *args, **kwargs)
         if self._plain_parameters and self.world_size > 1 and not self._gradient_sync_blocked:
-            synchronise_unsharded(self._plain_parameters, self.device_mesh["data_parallel"].get_group())
+            preparation.synchronise_unsharded(
+                self._plain_parameters, self.device_mesh["data_parallel"].get_group()
+            )
 
     def clip_gradients_norm(
         self,
@@ -189,6 +195,67 @@ class CanzonaFabricStrategy(ModelParallelStrategy):
                 "nothing was clipped. Pass error_if_nonfinite=False to clip anyway."
             )
         return total
+
+    def save_checkpoint(
+        self,
+        path: PathLike,
+        state: dict[str, Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        """Save ``state`` (the model, its optimizers, anything else) in Fabric's layout, with every
+        owner's matrix state and the record of the optimizers, without risking the checkpoint
+        already at ``path``: a save that fails on any rank raises on every rank and leaves it as
+        it was (`lightning_canzona.checkpoint.save_atomically`)."""
+        if storage_options is not None or filter is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options or filter.")
+        path = Path(self.broadcast(path))
+        _, module = _the_model(state)
+        optimizers = [value for value in state.values() if isinstance(value, Optimizer)]
+        state = {**state, IDENTITY_KEY: record(optimizers)}
+        distributed = self._save_distributed_checkpoint
+        write = functools.partial(write_state, state=state, module=module, distributed=distributed)
+        save_atomically(path, write, distributed, self.root_device)
+
+    def load_checkpoint(
+        self,
+        path: PathLike,
+        state: dict[str, Any] | nn.Module | Optimizer | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Load a checkpoint saved at any mesh into the objects of ``state`` (the model, its
+        optimizers; other keys are replaced by the saved values), after checking it on every
+        rank: its files (``verify_checkpoints``), its model's shapes, its optimizers. Returns
+        what the checkpoint holds besides."""
+        if not isinstance(state, dict) or not state:
+            return super().load_checkpoint(path, state, strict, weights_only)  # a bare module's weights
+        path = Path(self.broadcast(path))
+        key, module = _the_model(state)
+        optimizers = {name: value for name, value in state.items() if isinstance(value, Optimizer)}
+        check_before_loading(
+            path,
+            module,
+            list(optimizers.values()),
+            strict=strict,
+            verify_files=self.verify_checkpoints,
+            weights_only=weights_only,
+            model_key=key,
+            partial_load="pass strict=False to fabric.load",
+        )
+        if path.is_dir():
+            rest = load_distributed(path, module, optimizers, strict, weights_only, model_key=key)
+        else:
+            rest = load_single_file(path, module, key, optimizers, strict, weights_only)
+        rest.pop(IDENTITY_KEY, None)
+        for name in [name for name in state if name != key and name not in optimizers]:
+            if name in rest:
+                state[name] = rest.pop(name)
+            elif strict:
+                raise KeyError(
+                    f"The checkpoint {path} holds no {name!r}; pass strict=False to load without it."
+                )
+        return rest
 
     def _compose(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         compose(module, mesh, mixed_precision_policy(self.precision))
@@ -219,10 +286,21 @@ class _NoBackwardSync(BackwardSyncControl):
             return
         self.strategy._gradient_sync_blocked = True
         try:
-            with without_gradient_sync(module):
+            with preparation.without_gradient_sync(module):
                 yield
         finally:
             self.strategy._gradient_sync_blocked = False
+
+
+def _the_model(state: dict[str, Any]) -> tuple[str, nn.Module]:
+    """The key and the model among ``state``'s values: the one module the strategy set up."""
+    modules = [(key, value) for key, value in state.items() if isinstance(value, nn.Module)]
+    if len(modules) != 1:
+        raise ValueError(
+            f"A checkpoint of {CanzonaFabricStrategy.__name__} holds one model, set up by the strategy: "
+            f"got {len(modules)} modules in the state ({[key for key, _ in modules]})."
+        )
+    return modules[0]
 
 
 def _repoint(optimizer: Optimizer, names: dict[int, str], sharded: dict[str, nn.Parameter]) -> None:

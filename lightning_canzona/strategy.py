@@ -31,6 +31,7 @@ live in modules of their own; this class wires them into Lightning.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -44,26 +45,19 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_canzona.checkpoint import (
     IDENTITY_KEY,
-    check_compatible,
+    check_before_loading,
     check_path_exists,
-    check_same_optimizers,
     distributed_optimizer_state,
     full_optimizer_state,
     load_distributed,
-    read_saved,
     record,
-    recover,
-    remove,
-    replace_with,
-    staging_path,
-    verify,
-    write_manifest,
+    save_atomically,
 )
 from lightning_canzona.compat import (
     PathLike,
@@ -157,9 +151,7 @@ class CanzonaStrategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        if plan is not None and not isinstance(plan, PlanConfig):
-            raise TypeError(f"plan must be a lightning_canzona.PlanConfig or None, got {plan!r}")
-        self.plan_config = plan
+        self.plan_config = PlanConfig.given(plan)
         self.verify_checkpoints = verify_checkpoints
         self.load_optimizer_state = load_optimizer_state
         self.telemetry = telemetry
@@ -339,36 +331,9 @@ class CanzonaStrategy(ModelParallelStrategy):
         and leaves ``filepath`` as it was.
         """
         path = Path(self.broadcast(filepath))
-        staged = staging_path(path)
-        if self.global_rank == 0:
-            remove(staged)
-        self.barrier()
         checkpoint[IDENTITY_KEY] = record(self.optimizers)
-        from torch.distributed.checkpoint import CheckpointException
-
-        error: BaseException | None = None
-        try:
-            super().save_checkpoint(checkpoint, staged, storage_options)
-        # Every rank must learn of a failure before anyone moves on (DCP's error is a BaseException).
-        except (Exception, CheckpointException) as exception:
-            error = exception
-        failed = self.reduce_boolean_decision(error is not None, all=False)
-        if not failed and self._save_distributed_checkpoint:  # every part is on disk, meta.pt too
-            problem = write_manifest(staged)
-            error = OSError(f"Writing the manifest of {path} failed: {problem}") if problem else None
-            # Rank 0 alone writes the file: only it learns that writing it failed.
-            failed = self.reduce_boolean_decision(error is not None, all=False)
-        if failed:
-            if self.global_rank == 0:
-                remove(staged)
-            self.barrier()  # no rank ends the run before the partial checkpoint is gone
-            raise error or RuntimeError(
-                f"Saving the checkpoint {path} failed on another rank (its error is in that rank's "
-                f"log); {path} still holds the previous checkpoint."
-            )
-        if self.global_rank == 0:
-            replace_with(staged, path)
-        self.barrier()
+        write = functools.partial(super().save_checkpoint, checkpoint, storage_options=storage_options)
+        save_atomically(path, write, self._save_distributed_checkpoint, self.root_device)
 
     def load_checkpoint(self, checkpoint_path: PathLike, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a checkpoint saved at any mesh, after checking it on every rank: its files against
@@ -376,38 +341,24 @@ class CanzonaStrategy(ModelParallelStrategy):
         run's. Each problem is the same error on every rank, before any state is touched."""
         path = Path(self.broadcast(checkpoint_path))
         assert self.model is not None and self.lightning_module is not None
-        if self.global_rank == 0:
-            recover(path)  # a swap interrupted by a crash
-        self.barrier()
-        if self.verify_checkpoints and not verify(path):
-            rank_zero_warn(
-                f"The checkpoint {path} has no manifest (it was saved by an earlier version of "
-                "lightning_canzona or by another strategy): its files cannot be verified."
-            )
-        saved = read_saved(path, weights_only)
-        expected = {name: tuple(tensor.shape) for name, tensor in self.model.state_dict().items()}
-        check_compatible(path, expected, strict=self.lightning_module.strict_loading, saved=saved)
+        strict = self.lightning_module.strict_loading
         optimizers = self.optimizers if self.load_optimizer_state else []
-        if optimizers:
-            check_same_optimizers(saved.identity, optimizers, path)
-        elif self.optimizers:
+        check_before_loading(
+            path,
+            self.model,
+            optimizers,
+            strict=strict,
+            verify_files=self.verify_checkpoints,
+            weights_only=weights_only,
+        )
+        if self.optimizers and not optimizers:
             rank_zero_info(
                 f"lightning_canzona: loading the weights of {path} only (load_optimizer_state=False): "
                 "the optimizer and its learning-rate schedulers start afresh."
             )
         if path.is_dir():
-            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-            for optimizer in optimizers:
-                if isinstance(optimizer, MatrixOptimizer) and optimizer.splits_matrix_state():
-                    # DCP loads into tensors of the saved shapes: a team's state must be whole on
-                    # its first member (`load_state_dict` hands out the slices). Getting the
-                    # state dict first creates the state of an optimizer that never stepped.
-                    get_optimizer_state_dict(self.model, optimizer)
-                    optimizer.gather_team_state()
-            loaded = load_distributed(
-                path, self.model, optimizers, self.lightning_module.strict_loading, weights_only
-            )
+            by_key = {f"optimizer_{index}": optimizer for index, optimizer in enumerate(optimizers)}
+            loaded = load_distributed(path, self.model, by_key, strict, weights_only)
         else:
             every_optimizer, self.optimizers = self.optimizers, optimizers
             try:

@@ -8,7 +8,7 @@ notebooks, scripts, checkpoints on disk). Helper modules beside this file (``mul
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -21,6 +21,16 @@ if TYPE_CHECKING:
 @pytest.fixture(autouse=True)
 def _deterministic() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """torch on one thread during the test, as on each rank: the one-process reference blocks
+    every matmul as the ranks do."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture

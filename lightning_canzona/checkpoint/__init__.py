@@ -1,39 +1,41 @@
-"""Checkpoints of `CanzonaStrategy`: what Lightning's `ModelParallelStrategy` leaves out.
+"""Checkpoints of both strategies: what Lightning's ``ModelParallelStrategy`` leaves out.
 
 - the optimizer state: every owner's matrix state, in either format (`state`);
-- saves that never lose the last good checkpoint, swapped in crash-atomically (`swap`);
+- saves that never lose the last good checkpoint, swapped in crash-atomically (`saving`, `swap`),
+  in the Trainer's layout or Fabric's (`saving.write_state`);
 - files verified against what was saved before anything is loaded (`integrity`);
 - the optimizer a checkpoint belongs to, checked before its state is loaded (`identity`);
 - reading that runs no code from the checkpoint, a clear error for another model's, and the check
-  that a ``ckpt_path`` exists (`reading`).
+  that a ``ckpt_path`` exists (`reading`); every check before anything loads, and loading at any
+  mesh (`loading`).
 """
 
 from lightning_canzona.checkpoint.identity import check_same_optimizers, record
 from lightning_canzona.checkpoint.integrity import verify, write_manifest
-from lightning_canzona.checkpoint.reading import (
-    IDENTITY_KEY,
-    check_compatible,
-    check_path_exists,
-    load_distributed,
-    read_saved,
-)
+from lightning_canzona.checkpoint.loading import check_before_loading, load_distributed, load_single_file
+from lightning_canzona.checkpoint.reading import IDENTITY_KEY, check_compatible, check_path_exists, read_saved
+from lightning_canzona.checkpoint.saving import save_atomically, write_state
 from lightning_canzona.checkpoint.state import distributed_optimizer_state, full_optimizer_state
 from lightning_canzona.checkpoint.swap import recover, remove, replace_with, staging_path
 
 __all__ = [
     "IDENTITY_KEY",
+    "check_before_loading",
     "check_compatible",
     "check_path_exists",
     "check_same_optimizers",
     "distributed_optimizer_state",
     "full_optimizer_state",
     "load_distributed",
+    "load_single_file",
     "read_saved",
     "record",
     "recover",
     "remove",
     "replace_with",
+    "save_atomically",
     "staging_path",
     "verify",
     "write_manifest",
+    "write_state",
 ]

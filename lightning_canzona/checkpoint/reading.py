@@ -11,10 +11,9 @@ A checkpoint may come from elsewhere (a download, a shared disk), so nothing in 
   classes DCP's metadata is made of, and `SafePlanner` first loads each value with
   ``weights_only=True``; what they refuse never reaches the unrestricted readers.
 
-Also here: loading a distributed checkpoint through them (`load_distributed`), the model's shapes
-and the optimizer record a checkpoint holds (`read_saved`), the clear error for a checkpoint of
-another model (`check_compatible`), and the check that a ``ckpt_path`` exists
-(`check_path_exists`).
+Also here: the model's shapes and the optimizer record a checkpoint holds (`read_saved`), the
+clear error for a checkpoint of another model (`check_compatible`), and the check that a
+``ckpt_path`` exists (`check_path_exists`). Loading through them: `lightning_canzona.checkpoint.loading`.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ import io
 import os
 import pickle
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,12 +30,12 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.optim import Optimizer
 
 from lightning_canzona.checkpoint.swap import recover
 
-#: Where a distributed checkpoint keeps the model's tensors (Lightning saves ``state_dict``).
-MODEL_PREFIX = "state_dict."
+#: Where a Trainer checkpoint keeps the model's tensors (Fabric's: under the key the user gave).
+MODEL_KEY = "state_dict"
+MODEL_PREFIX = MODEL_KEY + "."
 #: The file of a distributed checkpoint that Lightning writes everything else into.
 LIGHTNING_METADATA = "meta.pt"
 #: The key of the optimizer record (`lightning_canzona.checkpoint.identity`) in a checkpoint.
@@ -137,22 +136,24 @@ class Saved:
     identity: dict[str, Any] | None = field(default=None)
 
 
-def read_saved(path: Path, weights_only: bool | None = None) -> Saved:
-    """The model's shapes and the optimizer record in a Lightning checkpoint (a folder or a file).
+def read_saved(path: Path, weights_only: bool | None = None, model_key: str = MODEL_KEY) -> Saved:
+    """The model's shapes and the optimizer record in a Lightning checkpoint (a folder or a file),
+    the model's tensors being under ``model_key``.
 
     A single file is unpickled with ``weights_only`` (``None``: ``True``, as ``torch.load`` does),
     a distributed checkpoint's ``.metadata`` by `SafeReader`, so that a checkpoint from elsewhere
     runs no code unless the caller asks for full unpickling.
     """
     weights_only = True if weights_only is None else weights_only
+    prefix = model_key + "."
     if path.is_dir():
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         metadata = SafeReader(path).read_metadata().state_dict_metadata
         shapes = {
-            key.removeprefix(MODEL_PREFIX): tuple(entry.size)
+            key.removeprefix(prefix): tuple(entry.size)
             for key, entry in metadata.items()
-            if key.startswith(MODEL_PREFIX) and isinstance(entry, TensorStorageMetadata)
+            if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)
         }
         lightning = path / LIGHTNING_METADATA
         rest = (
@@ -162,7 +163,7 @@ def read_saved(path: Path, weights_only: bool | None = None) -> Saved:
         )
         return Saved(shapes, rest.get(IDENTITY_KEY))
     checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
-    shapes = {key: tuple(value.shape) for key, value in checkpoint["state_dict"].items()}
+    shapes = {key: tuple(value.shape) for key, value in checkpoint.get(model_key, {}).items()}
     return Saved(shapes, checkpoint.get(IDENTITY_KEY))
 
 
@@ -173,6 +174,7 @@ def check_compatible(
     listed: int = 5,
     weights_only: bool | None = None,
     saved: Saved | None = None,
+    partial_load: str = "set `strict_loading = False` on the LightningModule",
 ) -> None:
     """Raise a `ValueError` naming what differs when ``path`` holds another model's weights.
 
@@ -184,6 +186,7 @@ def check_compatible(
         listed: How many names of each kind the message lists.
         weights_only: How a single file is unpickled (see `read_saved`).
         saved: What `read_saved` found, if it was read already.
+        partial_load: How the caller loads part of a model (named in the message).
     """
     shapes = (saved or read_saved(path, weights_only)).shapes
     reshaped = [name for name, shape in expected.items() if name in shapes and shapes[name] != shape]
@@ -204,8 +207,7 @@ def check_compatible(
         raise ValueError(
             f"The checkpoint {path} holds a different model: {'; '.join(problems)}. "
             "Resume from a checkpoint of this model (the same architecture and preset); to load "
-            "a checkpoint holding only part of the model, set `strict_loading = False` on the "
-            "LightningModule."
+            f"a checkpoint holding only part of the model, {partial_load}."
         )
 
 
@@ -225,39 +227,6 @@ def safe_load(state: dict[str, Any], path: Path, no_dist: bool = False) -> None:
         if refused:
             raise refused[0] from None
         raise
-
-
-def load_distributed(
-    path: Path,
-    module: torch.nn.Module,
-    optimizers: Sequence[Optimizer],
-    strict: bool = True,
-    weights_only: bool | None = None,
-) -> dict[str, Any]:
-    """Load a distributed checkpoint (Lightning's layout) into ``module`` and ``optimizers``, through
-    `SafeReader` and `SafePlanner`; returns the rest of what it holds (``meta.pt``: loops,
-    callbacks, schedulers). Collective.
-
-    ``optimizers`` may be empty (the weights only); the ``i``-th is loaded from ``optimizer_i``.
-    """
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    model_state = {"state_dict": get_model_state_dict(module)}
-    safe_load(model_state, path)
-    module.load_state_dict(model_state["state_dict"], strict=strict)
-    for index, optimizer in enumerate(optimizers):
-        key = f"optimizer_{index}"
-        state = {key: get_optimizer_state_dict(module, optimizer)}
-        safe_load(state, path)
-        options = StateDictOptions(cpu_offload=True)
-        set_optimizer_state_dict(module, optimizer, optim_state_dict=state[key], options=options)
-    weights_only = True if weights_only is None else weights_only
-    return torch.load(path / LIGHTNING_METADATA, map_location="cpu", weights_only=weights_only)
 
 
 def check_path_exists(path: str | os.PathLike | None, setting: str) -> None:
@@ -296,7 +265,6 @@ __all__ = [
     "Saved",
     "check_compatible",
     "check_path_exists",
-    "load_distributed",
     "read_saved",
     "safe_load",
 ]

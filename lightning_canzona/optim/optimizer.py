@@ -120,10 +120,8 @@ class MatrixOptimizer(Optimizer):
         }
         defaults = {**defaults, "stochastic_rounding": stochastic_rounding}
         self.check_finite = check_finite
-        if plan is not None and not isinstance(plan, PlanConfig):
-            raise TypeError(f"plan must be a lightning_canzona.PlanConfig or None, got {plan!r}")
         #: How the DTensor parameters' matrix updates are planned and run.
-        self.plan_config = plan or PlanConfig()
+        self.plan_config = PlanConfig.given(plan) or PlanConfig()
         self._plan_config_given = plan is not None
         #: Batch same-shape matrix updates, and plan with locality (see `MeshEngine`): the
         #: baselines of ``canzona bench step`` turn them off; read when an engine is created.

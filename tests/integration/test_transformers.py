@@ -113,15 +113,10 @@ def _train_under_strategy(quiet_trainer, tmp_path, module: CausalLM, dp, tp) -> 
 
 def _train_in_one_process(module: CausalLM) -> dict[str, torch.Tensor]:
     optimizer = module.configure_optimizers()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as each rank: the same blocking of every matmul
-    try:
-        for batch in DataLoader(_batches(), batch_size=BATCH):
-            optimizer.zero_grad()
-            module.training_step(batch, 0).backward()
-            optimizer.step()
-    finally:
-        torch.set_num_threads(threads)
+    for batch in DataLoader(_batches(), batch_size=BATCH):
+        optimizer.zero_grad()
+        module.training_step(batch, 0).backward()
+        optimizer.step()
     return {name: param.detach() for name, param in module.named_parameters()}
 
 
@@ -131,7 +126,7 @@ def _train_in_one_process(module: CausalLM) -> dict[str, torch.Tensor]:
     ids=["qwen3-auto", "llama-auto", "qwen3_moe-dp2xtp2", "gpt2-auto"],
 )
 def test_a_transformers_model_trains_exactly_with_its_own_plan(
-    tmp_path, caplog, name, dp, tp, quiet_trainer
+    tmp_path, caplog, name, dp, tp, quiet_trainer, one_thread
 ) -> None:
     torch.manual_seed(0)
     module = CausalLM(name)

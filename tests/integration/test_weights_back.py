@@ -38,15 +38,10 @@ def _one_process(initial: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     module = FineTune("tiny")
     module.load_state_dict(initial)
     optimizer = module.configure_optimizers()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as each rank: the same blocking of every matmul
-    try:
-        for batch in DataLoader(_batches(), batch_size=BATCH):
-            optimizer.zero_grad()
-            module._loss(batch).backward()  # training_step without its logging
-            optimizer.step()
-    finally:
-        torch.set_num_threads(threads)
+    for batch in DataLoader(_batches(), batch_size=BATCH):
+        optimizer.zero_grad()
+        module._loss(batch).backward()  # training_step without its logging
+        optimizer.step()
     return {name: tensor.detach().clone() for name, tensor in module.state_dict().items()}
 
 
@@ -66,7 +61,7 @@ class SaveFinalWeights(Callback):
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
 def test_the_trained_weights_come_back_to_the_launching_process(
-    tmp_path, capfd, start_method, quiet_trainer
+    tmp_path, capfd, start_method, quiet_trainer, one_thread
 ) -> None:
     torch.manual_seed(0)
     module = FineTune("tiny")

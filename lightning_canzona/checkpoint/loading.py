@@ -1,0 +1,132 @@
+"""Loading a checkpoint at any mesh, for both strategies, after checking it on every rank.
+
+`check_before_loading` puts back a checkpoint that a crash left beside its name, verifies its
+files against what was saved, and checks its model's shapes and its optimizers against this
+run's: each problem is the same error on every rank before any state is touched.
+`load_distributed` then loads a distributed checkpoint through the readers that run no code
+(`lightning_canzona.checkpoint.reading`), every owner's matrix state going to the matrix's owner
+under this run's plan.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_canzona.checkpoint.identity import check_same_optimizers
+from lightning_canzona.checkpoint.integrity import verify
+from lightning_canzona.checkpoint.reading import (
+    LIGHTNING_METADATA,
+    MODEL_KEY,
+    Saved,
+    check_compatible,
+    read_saved,
+    safe_load,
+)
+from lightning_canzona.checkpoint.swap import recover
+from lightning_canzona.optim import MatrixOptimizer
+
+
+def check_before_loading(
+    path: Path,
+    module: nn.Module,
+    optimizers: Sequence[Optimizer],
+    *,
+    strict: bool,
+    verify_files: bool,
+    weights_only: bool | None = None,
+    model_key: str = MODEL_KEY,
+    partial_load: str = "set `strict_loading = False` on the LightningModule",
+) -> Saved:
+    """Every check of the checkpoint at ``path`` before anything loads (collective); returns what
+    `read_saved` found. ``optimizers``: those whose state will be loaded (checked to be the
+    checkpoint's); ``verify_files``: check the files against the manifest (a checkpoint without
+    one is loaded with a warning)."""
+    if dist.get_rank() == 0:
+        recover(path)  # a swap interrupted by a crash
+    dist.barrier()
+    if verify_files and not verify(path) and dist.get_rank() == 0:
+        warnings.warn(
+            f"The checkpoint {path} has no manifest (it was saved by an earlier version of "
+            "lightning_canzona or by another strategy): its files cannot be verified.",
+            UserWarning,
+            stacklevel=3,
+        )
+    saved = read_saved(path, weights_only, model_key)
+    expected = {name: tuple(tensor.shape) for name, tensor in module.state_dict().items()}
+    check_compatible(path, expected, strict=strict, saved=saved, partial_load=partial_load)
+    if optimizers:
+        check_same_optimizers(saved.identity, optimizers, path)
+    return saved
+
+
+def load_distributed(
+    path: Path,
+    module: nn.Module,
+    optimizers: Mapping[str, Optimizer],
+    strict: bool = True,
+    weights_only: bool | None = None,
+    model_key: str = MODEL_KEY,
+) -> dict[str, Any]:
+    """Load a distributed checkpoint into ``module`` (its tensors under ``model_key``) and
+    ``optimizers`` (each under its key); returns the rest it holds (``meta.pt``). Collective.
+
+    ``optimizers`` may be empty (the weights only).
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    for optimizer in optimizers.values():
+        if isinstance(optimizer, MatrixOptimizer) and optimizer.splits_matrix_state():
+            # DCP loads into tensors of the saved shapes: a team's state must be whole on its
+            # first member (`load_state_dict` hands out the slices). Getting the state dict first
+            # creates the state of an optimizer that never stepped.
+            get_optimizer_state_dict(module, optimizer)
+            optimizer.gather_team_state()
+    model_state = {model_key: get_model_state_dict(module)}
+    safe_load(model_state, path)
+    module.load_state_dict(model_state[model_key], strict=strict)
+    for key, optimizer in optimizers.items():
+        state = {key: get_optimizer_state_dict(module, optimizer)}
+        safe_load(state, path)
+        options = StateDictOptions(cpu_offload=True)
+        set_optimizer_state_dict(module, optimizer, optim_state_dict=state[key], options=options)
+    weights_only = True if weights_only is None else weights_only
+    metadata = path / LIGHTNING_METADATA
+    return torch.load(metadata, map_location="cpu", weights_only=weights_only) if metadata.is_file() else {}
+
+
+def load_single_file(
+    path: Path,
+    module: nn.Module,
+    module_key: str,
+    optimizers: Mapping[str, Optimizer],
+    strict: bool = True,
+    weights_only: bool | None = None,
+) -> dict[str, Any]:
+    """Load a single-file checkpoint of Fabric's layout (whole tensors, optimizer state by
+    parameter name) into ``module`` and ``optimizers``; returns the rest it holds. Collective."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    weights_only = True if weights_only is None else weights_only
+    checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, strict=strict)
+    set_model_state_dict(module, checkpoint.pop(module_key), options=options)
+    for key, optimizer in optimizers.items():
+        set_optimizer_state_dict(module, optimizer, optim_state_dict=checkpoint.pop(key), options=options)
+    return checkpoint

@@ -1,0 +1,53 @@
+"""A Fabric loop that saves and resumes, run by `test_fabric.py` as a script: SOAP (whose factors
+and eigenbases live with each matrix's owner) on the bundled model, ``fabric.save`` after
+``SAVED_AT`` steps and ``fabric.load`` at whatever mesh the resumed run has.
+
+Usage: ``python fabric_resume.py OUT DP TP CHECKPOINT PHASE``; PHASE ``first`` trains every step
+and saves the checkpoint on the way, ``resumed`` loads it and trains the remaining steps. Rank 0
+saves the trained weights whole to OUT.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from fabric_loop import ACCUMULATE, batches, loss_of
+from lightning.fabric import Fabric
+
+import lightning_canzona as lc
+from lightning_canzona.checkpoint.state import full_model_state
+from lightning_canzona.models.qwen3 import Qwen3
+
+SAVED_AT = 2
+SOAP = {"lr": 3e-3, "precondition_frequency": 1, "weight_decay": 0.01}
+
+
+def main(out: str, dp: str, tp: str, checkpoint: str, phase: str) -> None:
+    sizes = [size if size == "auto" else int(size) for size in (dp, tp)]
+    fabric = Fabric(accelerator="cpu", devices=4, strategy=lc.CanzonaFabricStrategy(*sizes))
+    fabric.launch()
+    torch.manual_seed(0)
+    model = fabric.setup_module(Qwen3("tiny"))
+    optimizer = fabric.setup_optimizers(lc.SOAP(lc.matrix_param_groups(model), **SOAP))
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    if phase == "resumed":
+        fabric.load(checkpoint, state)
+    for step, micro_batches in enumerate(batches().split(ACCUMULATE)):
+        if step < state["step"]:
+            continue
+        for index, tokens in enumerate(micro_batches):
+            with fabric.no_backward_sync(model, enabled=index < ACCUMULATE - 1):
+                fabric.backward(loss_of(model, tokens))
+        optimizer.step()
+        optimizer.zero_grad()
+        state["step"] = step + 1
+        if phase == "first" and state["step"] == SAVED_AT:
+            fabric.save(checkpoint, state)
+    weights = full_model_state(model)
+    if fabric.global_rank == 0:
+        torch.save(weights, out)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:6])
