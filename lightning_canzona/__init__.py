@@ -1,9 +1,8 @@
 """lightning_canzona: exact, non-redundant, load-balanced matrix optimizers for Lightning.
 
 Importing the package registers the strategies ``"canzona"`` and ``"canzona_notebook"`` (which
-starts its ranks by forking, for Jupyter) in Lightning's strategy registry, ``"canzona"`` in
-Fabric's, and filters the third-party warnings that are harmless in its runs
-(`lightning_canzona.warning_filters`).
+starts its ranks by forking, for Jupyter) in Lightning's strategy registry and in Fabric's, and
+filters the third-party warnings that are harmless in its runs (`lightning_canzona.warning_filters`).
 """
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES
@@ -44,4 +43,11 @@ if "canzona_notebook" not in StrategyRegistry:
 if "canzona" not in FABRIC_STRATEGIES:
     FABRIC_STRATEGIES.register(
         "canzona", CanzonaFabricStrategy, description="FSDP2 × TP with exact, non-redundant matrix optimizers"
+    )
+if "canzona_notebook" not in FABRIC_STRATEGIES:
+    FABRIC_STRATEGIES.register(
+        "canzona_notebook",
+        CanzonaFabricStrategy,
+        description="CanzonaFabricStrategy that forks its ranks (Jupyter notebooks)",
+        start_method="fork",
     )

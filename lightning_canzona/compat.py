@@ -20,6 +20,9 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
+from lightning.fabric.strategies.launchers.multiprocessing import (
+    _MultiProcessingLauncher as _FabricMultiProcessingLauncher,
+)
 from lightning.fabric.strategies.model_parallel import _materialize_distributed_module
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -33,6 +36,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 __all__ = [
     "BackwardSyncControl",
+    "FabricMultiProcessingLauncher",
     "PYTREE_MODULE_PATTERN",
     "REDISTRIBUTE_LOGGER",
     "MultiProcessingLauncher",
@@ -156,6 +160,7 @@ BackwardSyncControl = _BackwardSyncControl
 SubprocessScriptLauncher = _SubprocessScriptLauncher
 MultiProcessingLauncher = _MultiProcessingLauncher
 WorkerOutput = _WorkerOutput
+FabricMultiProcessingLauncher = _FabricMultiProcessingLauncher
 
 #: The module of Lightning's batch flattening, which warns on torch 2.13 (`warning_filters`).
 PYTREE_MODULE_PATTERN = r"lightning\.pytorch\.utilities\._pytree"

@@ -47,6 +47,7 @@ from lightning_canzona.compat import BackwardSyncControl, PathLike, materialize_
 from lightning_canzona.composition import compose
 from lightning_canzona.config import PlanConfig
 from lightning_canzona.distributed.clipping import clip_grad_norm_
+from lightning_canzona.launcher import FabricInProcessLauncher
 from lightning_canzona.mesh import MeshShape, choose_mesh
 from lightning_canzona.precision import mixed_precision_policy
 
@@ -75,6 +76,9 @@ class CanzonaFabricStrategy(ModelParallelStrategy):
             not wrong weights.
         process_group_backend: ``nccl``, ``gloo``…; ``None`` picks the device's default.
         timeout: Timeout of collective operations.
+        start_method: ``popen`` re-runs the script per rank (scripts, torchrun, SLURM); ``fork``
+            (notebooks: ``fabric.launch(function)``) or ``spawn`` start the ranks from this
+            process, safely after multi-threaded work in it (`lightning_canzona.launcher`).
     """
 
     def __init__(
@@ -87,10 +91,14 @@ class CanzonaFabricStrategy(ModelParallelStrategy):
         verify_checkpoints: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "fork", "spawn"] = "popen",
     ) -> None:
         sizes = (data_parallel_size, tensor_parallel_size)
         compose_or_own = parallelize_fn or self._compose
         super().__init__(compose_or_own, *sizes, save_distributed_checkpoint, process_group_backend, timeout)
+        if start_method not in ("popen", "fork", "spawn"):
+            raise ValueError(f"start_method must be 'popen', 'fork' or 'spawn', got {start_method!r}")
+        self.start_method = start_method
         self.plan_config = PlanConfig.given(plan)
         self.verify_checkpoints = verify_checkpoints
         #: The sizes as given (``"auto"`` or integers); resolved when the model is set up.
@@ -105,7 +113,10 @@ class CanzonaFabricStrategy(ModelParallelStrategy):
     def _configure_launcher(self) -> None:
         # Sizes that cannot divide the devices fail before any process starts.
         choose_mesh(None, *self._requested_sizes, self.num_nodes, self.num_processes)
-        super()._configure_launcher()
+        if self.start_method != "popen":
+            self._launcher = FabricInProcessLauncher(self, self.start_method)
+        else:
+            super()._configure_launcher()
 
     def setup_environment(self) -> None:
         """Start the process group; the mesh waits for the model (`setup_module`)."""

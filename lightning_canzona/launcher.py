@@ -26,8 +26,11 @@ Two hazards of starting ranks from a live process are handled here:
 from __future__ import annotations
 
 import ctypes
+import functools
 import inspect
+import multiprocessing
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -44,7 +47,13 @@ from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_canzona.checkpoint.state import full_model_state
-from lightning_canzona.compat import MultiProcessingLauncher, PathLike, SubprocessScriptLauncher, WorkerOutput
+from lightning_canzona.compat import (
+    FabricMultiProcessingLauncher,
+    MultiProcessingLauncher,
+    PathLike,
+    SubprocessScriptLauncher,
+    WorkerOutput,
+)
 
 #: What a launcher checks before any rank starts, given the call's ``ckpt_path``.
 Preflight = Callable[[PathLike | None], None]
@@ -79,8 +88,62 @@ class ScriptLauncher(SubprocessScriptLauncher):
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
-class InProcessLauncher(MultiProcessingLauncher):
-    """Starts the ranks from this process (``fork`` in notebooks, or ``spawn``), after ``preflight``.
+class ForkSafeLaunch:
+    """What makes Lightning's multiprocessing launchers (the Trainer's and Fabric's) safe to start
+    ranks from a live process (see the module docstring): the ranks are started from a fresh
+    thread, die with it, are killed when the launch is interrupted, and leave without the
+    interpreter's shutdown once they succeeded. Mixed in before the launcher it makes safe."""
+
+    _strategy: Any
+
+    def launch(self, function: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run the launcher's launch in a new thread, and wait for it here.
+
+        The thread lives as long as the ranks (it joins them), so that they die with it.
+        """
+        before = set(multiprocessing.active_children())
+        outcome: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                outcome["result"] = super(ForkSafeLaunch, self).launch(function, *args, **kwargs)  # type: ignore[misc]
+            except BaseException as error:
+                outcome["error"] = error
+
+        launching = threading.Thread(target=run, name="lightning_canzona-launch", daemon=True)
+        launching.start()
+        try:
+            while launching.is_alive():
+                launching.join(timeout=0.2)
+        except BaseException:  # KeyboardInterrupt in a notebook: no rank may live on
+            for rank in set(multiprocessing.active_children()) - before:
+                rank.kill()
+            launching.join(timeout=30)
+            raise
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome.get("result")
+
+    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+        _die_with_launching_thread()
+        super()._wrapping_function(*args, **kwargs)  # type: ignore[misc]
+        # The rank's process ends here, its results sent (a SimpleQueue writes them at once). A
+        # gloo thread may still be freeing the tensors of a collective that ran last and that the
+        # package does not keep (`inflight`): the gather of the weights handed back runs DTensor's.
+        # Freed during the interpreter's shutdown, it aborts the rank after a successful run
+        # ("terminate called without an active exception", seen once under load): so the groups
+        # go while the interpreter is whole, and a successful rank exits without that shutdown,
+        # as the test harness's ranks do. A failed rank never gets here: torch reports its error.
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+class InProcessLauncher(ForkSafeLaunch, MultiProcessingLauncher):
+    """Starts the Trainer's ranks from this process (``fork`` in notebooks, or ``spawn``), after
+    ``preflight``.
 
     Metrics and the trainer state come back to the launching process, and with ``return_weights``
     the weights a ``fit`` trained, into the launching process's module in its own (unsharded) form.
@@ -98,39 +161,9 @@ class InProcessLauncher(MultiProcessingLauncher):
         self._return_weights = return_weights
 
     def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
-        """Run Lightning's launch in a new thread, and wait for it here (see the module docstring).
-
-        The thread lives as long as the ranks (it joins them), so that they die with it.
-        """
         if self._preflight is not None:
             self._preflight(ckpt_path_of(function, args, kwargs))
-        outcome: dict[str, Any] = {}
-
-        def run() -> None:
-            try:
-                outcome["result"] = super(InProcessLauncher, self).launch(
-                    function, *args, trainer=trainer, **kwargs
-                )
-            except BaseException as error:
-                outcome["error"] = error
-
-        launching = threading.Thread(target=run, name="lightning_canzona-launch", daemon=True)
-        launching.start()
-        try:
-            while launching.is_alive():
-                launching.join(timeout=0.2)
-        except BaseException:  # KeyboardInterrupt in a notebook: no rank may live on
-            self._kill_ranks()
-            launching.join(timeout=30)
-            raise
-        if "error" in outcome:
-            raise outcome["error"]
-        return outcome.get("result")
-
-    def _kill_ranks(self) -> None:
-        for process in getattr(self, "procs", []):
-            if process.is_alive():
-                process.kill()
+        return super().launch(function, *args, trainer=trainer, **kwargs)
 
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> WorkerOutput | None:
         """Rank 0's results for the launching process, and after ``fit`` (``return_weights``) the
@@ -150,21 +183,32 @@ class InProcessLauncher(MultiProcessingLauncher):
         extra = self.get_extra_results(trainer)
         return WorkerOutput(best_model_path, weights_path, trainer.state, results, extra)
 
-    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
-        _die_with_launching_thread()
-        super()._wrapping_function(*args, **kwargs)
-        # The rank's process ends here, its results sent (a SimpleQueue writes them at once). A
-        # gloo thread may still be freeing the tensors of a collective that ran last and that the
-        # package does not keep (`inflight`): the gather of the weights handed back runs DTensor's.
-        # Freed during the interpreter's shutdown, it aborts the rank after a successful run
-        # ("terminate called without an active exception", seen once under load): so the groups
-        # go while the interpreter is whole, and a successful rank exits without that shutdown,
-        # as the test harness's ranks do. A failed rank never gets here: torch reports its error.
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+
+class FabricInProcessLauncher(ForkSafeLaunch, FabricMultiProcessingLauncher):
+    """Starts Fabric's ranks from this process (``fabric.launch(function)`` in a notebook, by
+    ``fork``, or ``spawn``); rank 0's return value comes back.
+
+    It comes back through a temporary file, as the Trainer's weights do: Fabric's launcher reads
+    its queue once every rank has ended, so rank 0 could neither finish writing a large result
+    into the queue's pipe nor, once ended, hand over the memory of the tensors in a small one.
+    """
+
+    def launch(self, function: Any, *args: Any, **kwargs: Any) -> Any:
+        path = super().launch(functools.partial(_saved_on_rank_zero, function), *args, **kwargs)
+        try:
+            return torch.load(path, weights_only=False)  # what rank 0 of this launch returned
+        finally:
+            shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+
+
+def _saved_on_rank_zero(function: Callable[..., Any], *args: Any, **kwargs: Any) -> str | None:
+    """Run ``function``; on rank 0, save what it returns to a temporary file and return its path."""
+    result = function(*args, **kwargs)
+    if os.environ.get("LOCAL_RANK") != "0":  # set by the launcher for each rank it starts
+        return None
+    path = os.path.join(tempfile.mkdtemp(), "result.pt")
+    torch.save(result, path)
+    return path
 
 
 def _die_with_launching_thread() -> None:

@@ -33,12 +33,9 @@ def loss_of(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)) / ACCUMULATE
 
 
-def main(out: str, dp: str, tp: str, setup: str) -> None:
-    sizes = [size if size == "auto" else int(size) for size in (dp, tp)]
-    # The headline: the strategy by name; explicit sizes through the class.
-    strategy = "canzona" if sizes == ["auto", "auto"] else lc.CanzonaFabricStrategy(*sizes)
-    fabric = Fabric(accelerator="cpu", devices=4, strategy=strategy)
-    fabric.launch()
+def train(fabric: Fabric, setup: str) -> dict[str, object]:
+    """The loop, on the ranks that ``fabric`` launched; rank 0 returns the trained weights whole
+    and the gradient norms before each clipping."""
     torch.manual_seed(0)
     model = Qwen3("tiny")
     if setup == "joint":  # the optimizer built on the parameters before they are sharded
@@ -54,9 +51,18 @@ def main(out: str, dp: str, tp: str, setup: str) -> None:
         norms.append(float(fabric.clip_gradients(model, optimizer, max_norm=MAX_NORM)))
         optimizer.step()
         optimizer.zero_grad()
-    weights = full_model_state(model)
+    return {"weights": full_model_state(model), "norms": norms}
+
+
+def main(out: str, dp: str, tp: str, setup: str) -> None:
+    sizes = [size if size == "auto" else int(size) for size in (dp, tp)]
+    # The headline: the strategy by name; explicit sizes through the class.
+    strategy = "canzona" if sizes == ["auto", "auto"] else lc.CanzonaFabricStrategy(*sizes)
+    fabric = Fabric(accelerator="cpu", devices=4, strategy=strategy)
+    fabric.launch()
+    trained = train(fabric, setup)
     if fabric.global_rank == 0:
-        torch.save({"weights": weights, "norms": norms}, out)
+        torch.save(trained, out)
 
 
 if __name__ == "__main__":
