@@ -29,25 +29,15 @@ __version__ = "0.1.0"
 
 ignore_harmless_warnings()
 
-if "canzona" not in StrategyRegistry:
-    StrategyRegistry.register(
-        "canzona", CanzonaStrategy, description="FSDP2 × TP with exact, non-redundant matrix optimizers"
-    )
-if "canzona_notebook" not in StrategyRegistry:
-    StrategyRegistry.register(
-        "canzona_notebook",
-        CanzonaStrategy,
-        description="CanzonaStrategy that forks its ranks (Jupyter notebooks)",
-        start_method="fork",
-    )
-if "canzona" not in FABRIC_STRATEGIES:
-    FABRIC_STRATEGIES.register(
-        "canzona", CanzonaFabricStrategy, description="FSDP2 × TP with exact, non-redundant matrix optimizers"
-    )
-if "canzona_notebook" not in FABRIC_STRATEGIES:
-    FABRIC_STRATEGIES.register(
-        "canzona_notebook",
-        CanzonaFabricStrategy,
-        description="CanzonaFabricStrategy that forks its ranks (Jupyter notebooks)",
-        start_method="fork",
-    )
+for registry, strategy in ((StrategyRegistry, CanzonaStrategy), (FABRIC_STRATEGIES, CanzonaFabricStrategy)):
+    if "canzona" not in registry:
+        registry.register(
+            "canzona", strategy, description="FSDP2 × TP with exact, non-redundant matrix optimizers"
+        )
+    if "canzona_notebook" not in registry:
+        registry.register(
+            "canzona_notebook",
+            strategy,
+            description=f"{strategy.__name__} that forks its ranks (Jupyter notebooks)",
+            start_method="fork",
+        )
