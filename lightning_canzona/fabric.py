@@ -93,7 +93,8 @@ class CanzonaFabricStrategy(ModelParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "fork", "spawn"] = "popen",
     ) -> None:
-        sizes = (data_parallel_size, tensor_parallel_size)
+        #: The sizes as given (``"auto"`` or integers); resolved when the model is set up.
+        sizes = self._requested_sizes = (data_parallel_size, tensor_parallel_size)
         compose_or_own = parallelize_fn or self._compose
         super().__init__(compose_or_own, *sizes, save_distributed_checkpoint, process_group_backend, timeout)
         if start_method not in ("popen", "fork", "spawn"):
@@ -101,8 +102,6 @@ class CanzonaFabricStrategy(ModelParallelStrategy):
         self.start_method = start_method
         self.plan_config = PlanConfig.given(plan)
         self.verify_checkpoints = verify_checkpoints
-        #: The sizes as given (``"auto"`` or integers); resolved when the model is set up.
-        self._requested_sizes = (data_parallel_size, tensor_parallel_size)
         #: The module that `setup_module` composed: what the optimizers' parameters belong to.
         self._module: nn.Module | None = None
         #: Trainable parameters that are not DTensors, whose gradients the strategy synchronises.

@@ -20,11 +20,13 @@ import pytest
 import torch
 import transformers
 from lightning import Callback, LightningModule
+from lightning.fabric import Fabric
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 import lightning_canzona as lc
 from lightning_canzona import composition, huggingface
+from lightning_canzona.checkpoint.state import full_model_state
 from lightning_canzona.mesh import choose_mesh
 
 STEPS, BATCH, SEQ, VOCAB = 3, 8, 32, 128
@@ -153,14 +155,21 @@ def test_a_transformers_model_trains_exactly_with_its_own_plan(
     reference_module.load_state_dict(initial, strict=False)  # tied weights appear once
     reference = _train_in_one_process(reference_module)
 
-    # Data parallelism alone changes no reduction order (equal gradients averaged): measured
-    # bit for bit equal here. Tensor parallelism sums partial products in another order, float32
-    # noise that Newton-Schulz amplifies: a float32 run of these models differs from a float64
-    # run by up to 1.6e-5 relative; measured up to 1.2e-5 against the reference (Llama o_proj).
-    # An update is the difference of two float32 weights, so it is known to a few ulps of the
-    # weights only: Qwen3-MoE's layer-1 input norm (weights ≈ 1, an element whose AdamW steps
-    # nearly cancel) measured 10 ulps off on one element, 3.1e-5 of its small update.
-    tolerance = 1e-6 if mesh.tensor_parallel_size == 1 else 3e-5
+    _assert_trained_alike(distributed, reference, initial, mesh.tensor_parallel_size > 1)
+
+
+def _assert_trained_alike(distributed: dict, reference: dict, initial: dict, tensor_parallel: bool) -> None:
+    """Every parameter's update equals the one-process run's within what the mesh explains.
+
+    Data parallelism alone changes no reduction order (equal gradients averaged): measured bit
+    for bit equal here. Tensor parallelism sums partial products in another order, float32 noise
+    that Newton-Schulz amplifies: a float32 run of these models differs from a float64 run by up
+    to 1.6e-5 relative; measured up to 1.2e-5 against the reference (Llama o_proj). An update is
+    the difference of two float32 weights, so it is known to a few ulps of the weights only:
+    Qwen3-MoE's layer-1 input norm (weights ≈ 1, an element whose AdamW steps nearly cancel)
+    measured 10 ulps off on one element, 3.1e-5 of its small update.
+    """
+    tolerance = 3e-5 if tensor_parallel else 1e-6
     ulps = 16 * torch.finfo(torch.float32).eps
     assert distributed.keys() == reference.keys()
     for param_name, expected in reference.items():
@@ -171,6 +180,29 @@ def test_a_transformers_model_trains_exactly_with_its_own_plan(
         error = float((update - expected_update).norm())
         bound = tolerance * float(expected_update.norm()) + ulps * float(initial[param_name].norm())
         assert error <= bound, (param_name, error, bound)
+
+
+def _train_with_fabric(fabric: Fabric, name: str) -> dict[str, torch.Tensor]:
+    """A Fabric loop over the transformers model itself (no LightningModule): its own TP plan."""
+    torch.manual_seed(0)
+    model = fabric.setup_module(transformers.AutoModelForCausalLM.from_config(CONFIGS[name]()))
+    optimizer = fabric.setup_optimizers(lc.Muon(lc.matrix_param_groups(model), **MUON))
+    for batch in DataLoader(_batches(), batch_size=BATCH):
+        optimizer.zero_grad()
+        fabric.backward(model(input_ids=batch, labels=batch).loss)
+        optimizer.step()
+    trained = full_model_state(model)  # whole on rank 0, whose result the launch returns
+    return {name: trained[name] for name, _ in model.module.named_parameters() if name in trained}
+
+
+def test_a_transformers_model_trains_exactly_in_a_fabric_loop(one_thread) -> None:
+    fabric = Fabric(accelerator="cpu", devices=4, strategy="canzona_notebook")
+    distributed = fabric.launch(_train_with_fabric, "qwen3")
+    torch.manual_seed(0)
+    module = CausalLM("qwen3")  # the same initial weights, under the wrapper's "model." prefix
+    initial = {n.removeprefix("model."): p.detach().clone() for n, p in module.named_parameters()}
+    reference = {n.removeprefix("model."): p for n, p in _train_in_one_process(module).items()}
+    _assert_trained_alike(distributed, reference, initial, tensor_parallel=True)  # auto: dp 2 × tp 2
 
 
 def test_a_plan_entry_that_cannot_be_honoured_or_a_size_that_does_not_divide_is_named() -> None:
