@@ -198,13 +198,7 @@ class CanzonaFabricStrategy(ModelParallelStrategy):
         """Clip by the norm of every gradient together, across meshes; return that norm."""
         self.precision.unscale_gradients(optimizer)
         parameters = list(self.precision.main_params(optimizer))
-        total = clip_grad_norm_(parameters, float(max_norm), float(norm_type))
-        if error_if_nonfinite and not torch.isfinite(total):
-            raise RuntimeError(
-                f"The total norm of order {norm_type} of the gradients is non-finite ({float(total)}): "
-                "nothing was clipped. Pass error_if_nonfinite=False to clip anyway."
-            )
-        return total
+        return clip_grad_norm_(parameters, float(max_norm), float(norm_type), error_if_nonfinite)
 
     def save_checkpoint(
         self,

@@ -41,10 +41,22 @@ def total_grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0) -> Ten
     return stacked.max() if math.isinf(norm_type) else stacked.pow(norm_type).sum().pow(1.0 / norm_type)
 
 
-def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0) -> Tensor:
-    """Scale all gradients so that their total norm is at most ``max_norm``; return the norm."""
+def clip_grad_norm_(
+    parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+) -> Tensor:
+    """Scale all gradients so that their total norm is at most ``max_norm``; return the norm.
+
+    Raises:
+        RuntimeError: ``error_if_nonfinite`` and the norm is NaN or infinite (on every rank: the
+            norm is agreed), before any gradient changes, as ``torch.nn.utils.clip_grad_norm_``.
+    """
     parameters = list(parameters)
     total = total_grad_norm(parameters, norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} of the gradients is non-finite ({float(total)}): "
+            "nothing was clipped. Pass error_if_nonfinite=False to clip anyway."
+        )
     coefficient = float(max_norm) / (float(total) + 1e-6)
     if coefficient < 1.0:
         for param in parameters:
