@@ -9,7 +9,7 @@ notebooks, scripts, checkpoints on disk). Helper modules beside this file (``mul
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -38,19 +38,8 @@ def quiet_trainer() -> Callable[..., Trainer]:
     """Builds a Trainer on 4 CPU devices that logs, checkpoints and prints nothing of its own;
     keywords add to or override those settings."""
 
-    def build(**settings: Any) -> Trainer:
-        # Imported here: Lightning, imported before pytest captures logs, stops its loggers from
-        # propagating to the root logger, and `caplog` would see none of their records.
-        from lightning import Trainer
+    # Imported here: Lightning, imported before pytest captures logs, stops its loggers from
+    # propagating to the root logger, and `caplog` would see none of their records.
+    from trainers import quiet_trainer
 
-        quiet = {
-            "accelerator": "cpu",
-            "devices": 4,
-            "logger": False,
-            "enable_checkpointing": False,
-            "enable_progress_bar": False,
-            "enable_model_summary": False,
-        }
-        return Trainer(**{**quiet, **settings})
-
-    return build
+    return quiet_trainer

@@ -1,5 +1,6 @@
 import pytest
 import torch
+from trainers import quiet_trainer
 
 import lightning_canzona as lc
 from lightning_canzona.data import ByteChunks, ByteTextDataModule, load_corpus
@@ -60,20 +61,10 @@ def test_byte_corpus_ships_with_python_and_chunks_into_shifted_windows(tmp_path)
 
 
 def test_language_model_trains_through_a_lightning_trainer() -> None:
-    from lightning import Trainer
 
     data = ByteTextDataModule(seq_len=32, batch_size=4)
     module = CausalLanguageModel(preset="tiny", warmup_steps=2)
-    trainer = Trainer(
-        accelerator="cpu",
-        max_steps=6,
-        limit_val_batches=2,
-        val_check_interval=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(devices=1, max_steps=6, limit_val_batches=2, val_check_interval=3)
     trainer.fit(module, datamodule=data)
     optimizer = trainer.optimizers[0]
     assert isinstance(optimizer, lc.Muon)

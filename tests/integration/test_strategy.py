@@ -15,6 +15,7 @@ from lightning import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import StrategyRegistry
 from torch.distributed.tensor import DTensor
+from trainers import quiet_trainer
 
 import lightning_canzona as lc
 from lightning_canzona.cli import CanzonaCLI
@@ -26,18 +27,9 @@ TINY_CONFIG = ROOT / "examples" / "configs" / "tiny.yaml"
 
 
 def _trainer(strategy, callbacks=(), **kwargs) -> Trainer:
-    settings = dict(
-        accelerator="cpu",
-        devices=4,
-        max_steps=4,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+    return quiet_trainer(
+        **{"max_steps": 4, "limit_val_batches": 0, **kwargs}, strategy=strategy, callbacks=list(callbacks)
     )
-    settings.update(kwargs)
-    return Trainer(strategy=strategy, callbacks=list(callbacks), **settings)
 
 
 def test_import_registers_the_strategies_once() -> None:

@@ -7,10 +7,11 @@ import functools
 import pytest
 import torch
 import torchmetrics
-from lightning import Callback, Trainer
+from lightning import Callback
 from multiprocess import run_on_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
+from trainers import quiet_trainer
 
 import lightning_canzona as lc
 from lightning_canzona.data import ByteTextDataModule
@@ -55,20 +56,11 @@ def _fit(
         start_method="fork",
         gradient_accumulation=gradient_accumulation,
     )
-    settings = dict(
-        accelerator="cpu",
-        devices=4,
-        max_steps=3,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+    trainer = quiet_trainer(
+        **{"max_steps": 3, "limit_val_batches": 0, **trainer_kwargs},
         callbacks=[*callbacks, SaveFullWeights(tmp_path / f"{name}.pt")],
         strategy=strategy,
     )
-    settings.update(trainer_kwargs)
-    trainer = Trainer(**settings)
     float32_muon = functools.partial(lc.Muon, lr=0.02, adamw_lr=3e-3, compute_dtype="float32")
     torch.manual_seed(0)  # the same initial weights in every run
     module = model_class(preset="tiny", optimizer=float32_muon, warmup_steps=1)
