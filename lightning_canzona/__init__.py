@@ -13,6 +13,7 @@ from lightning_canzona.export import export_checkpoint
 from lightning_canzona.fabric import CanzonaFabricStrategy
 from lightning_canzona.optim import SOAP, Muon, Shampoo, matrix_param_groups
 from lightning_canzona.strategy import CanzonaStrategy
+from lightning_canzona.telemetry import StepTelemetry
 from lightning_canzona.warning_filters import ignore_harmless_warnings
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "Muon",
     "PlanConfig",
     "Shampoo",
+    "StepTelemetry",
     "export_checkpoint",
     "matrix_param_groups",
 ]

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from lightning_canzona import huggingface
 from lightning_canzona.checkpoint.integrity import verify
-from lightning_canzona.checkpoint.reading import MODEL_PREFIX, SafeReader, safe_load
+from lightning_canzona.checkpoint.reading import MODEL_KEY, SafeReader, safe_load
 
 log = logging.getLogger(__name__)
 
@@ -31,32 +31,44 @@ Format = Literal["safetensors", "torch", "transformers"]
 FORMATS: tuple[Format, ...] = ("safetensors", "torch", "transformers")
 
 
-def consolidated_weights(checkpoint: str | Path) -> dict[str, Tensor]:
+def consolidated_weights(checkpoint: str | Path, model_key: str = MODEL_KEY) -> dict[str, Tensor]:
     """Every model tensor of a Lightning checkpoint, whole, on the CPU, by its name in the
-    LightningModule's state dict.
+    model's state dict.
 
     Args:
         checkpoint: A distributed checkpoint's folder (saved at any mesh) or a single file.
+        model_key: The key that holds the model: ``"state_dict"`` in ``Trainer``'s checkpoints,
+            the model's key in the state given to ``fabric.save``.
 
     Raises:
-        ValueError: The checkpoint is corrupt, incomplete, or holds what loading could run.
+        ValueError: The checkpoint is corrupt, incomplete, holds what loading could run, or holds
+            no model under ``model_key``.
     """
     path = Path(checkpoint)
-    if not verify(path):
+    if not verify(path, collective=False):  # this process alone, as a distributed job's rank 0 may
         log.warning("The checkpoint %s has no manifest: its files cannot be verified.", path)
     if not path.is_dir():
         saved = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-        return dict(saved["state_dict"])
+        if not isinstance(saved.get(model_key), dict):
+            raise ValueError(
+                f"The checkpoint {path} holds no model under {model_key!r}; pass its key (model_key)."
+            )
+        return dict(saved[model_key])
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    prefix = f"{model_key}."
     metadata = SafeReader(path).read_metadata().state_dict_metadata
     state = {
         key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
         for key, entry in metadata.items()
-        if key.startswith(MODEL_PREFIX) and isinstance(entry, TensorStorageMetadata)
+        if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)
     }
+    if not state:
+        raise ValueError(
+            f"The checkpoint {path} holds no model under {model_key!r}; pass its key (model_key)."
+        )
     safe_load(state, path, no_dist=True)
-    return {key.removeprefix(MODEL_PREFIX): tensor for key, tensor in state.items()}
+    return {key.removeprefix(prefix): tensor for key, tensor in state.items()}
 
 
 def export_checkpoint(
@@ -64,6 +76,7 @@ def export_checkpoint(
     output: str | Path,
     format: Format = "safetensors",
     module: nn.Module | None = None,
+    model_key: str = MODEL_KEY,
 ) -> Path:
     """Write the model of ``checkpoint`` to ``output`` in ``format``.
 
@@ -74,8 +87,10 @@ def export_checkpoint(
             ``"torch"`` (the same dict in a ``torch.save`` file) or ``"transformers"`` (a folder
             with the model's config and ``model.safetensors``, which ``from_pretrained`` loads;
             tied weights stored once).
-        module: For ``"transformers"``: the LightningModule that holds the ``transformers`` model
-            (its weights are not used: it may live on the meta device).
+        module: For ``"transformers"``: the module that holds the ``transformers`` model, or the
+            model itself (its weights are not used: it may live on the meta device).
+        model_key: The key that holds the model: ``"state_dict"`` in ``Trainer``'s checkpoints,
+            the model's key in the state given to ``fabric.save`` (``"model"`` in our examples).
 
     Returns:
         ``output``.
@@ -91,18 +106,24 @@ def export_checkpoint(
         models = list(huggingface.transformers_models(module)) if module is not None else []
         if len(models) != 1:
             raise ValueError(
-                "export_checkpoint(format='transformers') needs the LightningModule that holds one "
+                "export_checkpoint(format='transformers') needs the module that holds one "
                 "transformers model (module=…; from the command line, --config with its `model:`); "
                 f"found {len(models)}."
             )
-        weights = consolidated_weights(checkpoint)
+        weights = consolidated_weights(checkpoint, model_key)
         ((prefix, model),) = models
-        own = {
-            key.removeprefix(f"{prefix}."): t for key, t in weights.items() if key.startswith(f"{prefix}.")
-        }
+        own = (
+            weights
+            if not prefix
+            else {
+                key.removeprefix(f"{prefix}."): t
+                for key, t in weights.items()
+                if key.startswith(f"{prefix}.")
+            }
+        )
         model.save_pretrained(output, state_dict=own)
         return output
-    weights = consolidated_weights(checkpoint)
+    weights = consolidated_weights(checkpoint, model_key)
     output.parent.mkdir(parents=True, exist_ok=True)
     if format == "safetensors":
         from safetensors.torch import save_file
@@ -127,9 +148,16 @@ def main(argv: list[str] | None = None) -> None:
         help="the training config whose `model:` builds the LightningModule (on the meta device); "
         "needed for --format transformers",
     )
+    parser.add_argument(
+        "--model-key",
+        default=MODEL_KEY,
+        help="the key that holds the model: state_dict (Trainer) or the model's key in fabric.save's state",
+    )
     arguments = parser.parse_args(argv)
     module = _module_from_config(arguments.config) if arguments.config else None
-    written = export_checkpoint(arguments.checkpoint, arguments.output, arguments.format, module)
+    written = export_checkpoint(
+        arguments.checkpoint, arguments.output, arguments.format, module, arguments.model_key
+    )
     print(f"lightning_canzona: wrote {written} ({arguments.format})")
 
 

@@ -1,13 +1,26 @@
-"""Runtime telemetry: what the distributed optimizer step costs, logged while training."""
+"""Runtime telemetry: what the distributed optimizer step costs, logged while training.
+
+`StepTelemetry` collects it from the optimizers and summarizes it over the mesh; with ``Trainer``
+the strategy's `OptimizerTelemetry` callback logs it, in a Fabric loop ``fabric.log_dict`` does::
+
+    telemetry = lc.StepTelemetry(optimizer)
+    for step in range(steps):
+        ...
+        optimizer.step()
+        telemetry.update()
+        if step % 10 == 0:
+            fabric.log_dict(telemetry.compute(), step=step)  # every rank calls it
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from torch.optim import Optimizer
 from torchmetrics import CatMetric
 
 from lightning_canzona.compat import should_update_logs
@@ -37,17 +50,17 @@ _FIGURES: tuple[Callable[[StepStats], float], ...] = (
 )
 
 
-class OptimizerTelemetry(Callback):
-    """Logs the cost of every `lightning_canzona` optimizer step, per rank and over the mesh.
+class StepTelemetry:
+    """The cost of every `lightning_canzona` optimizer step, per rank and over the mesh.
 
-    Each optimizer step, every rank keeps its own figures (timed on the device, see
-    `lightning_canzona.distributed.clock`). At Lightning's logging cadence
-    (``Trainer(log_every_n_steps=…)``) a torchmetrics `CatMetric` gathers every rank's figures
-    over the steps since the last log, and these are logged (means are per step):
+    After each optimizer step, `update` keeps every rank's own figures (timed on the device, see
+    `lightning_canzona.distributed.clock`); `compute` gathers every rank's figures over the steps
+    since the last `compute` with a torchmetrics `CatMetric` (a collective: every rank calls it)
+    and returns these, means per step:
 
-    - ``canzona/step_ms``: optimizer-step latency of the slowest rank (progress bar);
+    - ``canzona/step_ms``: optimizer-step latency of the slowest rank;
     - ``canzona/imbalance``: slowest rank's owner compute over the mean rank's, 1.0 when perfectly
-      balanced (progress bar);
+      balanced;
     - ``canzona/compute_ms``, ``canzona/compute_max_ms``: owner compute of the mean and of the
       slowest rank;
     - ``canzona/comm_wait_ms``: time the mean rank was blocked on gathers and scatters, i.e.
@@ -57,50 +70,41 @@ class OptimizerTelemetry(Callback):
     - ``canzona/decomposition_failures``: Shampoo/SOAP factor decompositions per step that failed
       (all ranks together); each kept its previous root or basis.
 
-    `CanzonaStrategy` adds this callback unless ``telemetry=False`` or one is already there.
+    Args:
+        optimizers: The optimizers to follow (as returned by ``fabric.setup_optimizers`` or
+            given to it); those that are not `lightning_canzona` optimizers are passed over.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, optimizers: Optimizer | Iterable[Optimizer]) -> None:
+        optimizers = [optimizers] if isinstance(optimizers, Optimizer) else list(optimizers)
+        self._optimizers = [o for o in map(_unwrapped, optimizers) if isinstance(o, MatrixOptimizer)]
         #: The latest step's figures; its device timings are read one step later, when the device
-        #: has long finished them, so that only a logging step waits for its own step's work.
+        #: has long finished them, so that only a step that computes waits for its own work.
         self._pending: StepStats | None = None
-        self._totals = torch.zeros(len(_FIGURES), dtype=torch.float64)  # sums since the last log
+        self._totals = torch.zeros(len(_FIGURES), dtype=torch.float64)  # sums since the last compute
         self._steps = 0
         self._last: list[int] = []
         self._gathered = CatMetric(nan_strategy="error")
 
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        engines = [
-            e for o in trainer.optimizers if isinstance(o, MatrixOptimizer) for e in o.engines.values()
-        ]
-        if not engines:
-            return
-        # Each optimizer step gives every engine new stats; a gradient-accumulation micro-batch not.
-        latest = [id(engine.stats) for engine in engines]
-        if latest != self._last:
+    def update(self) -> None:
+        """Keep the latest step's figures: call after each optimizer step (a call without a new
+        step, as after a gradient-accumulation micro-batch, keeps nothing)."""
+        engines = [engine for optimizer in self._optimizers for engine in optimizer.engines.values()]
+        latest = [id(engine.stats) for engine in engines]  # each step gives every engine new stats
+        if engines and latest != self._last:
             self._last = latest
             self._read_pending()
             self._pending = StepStats()
             for engine in engines:
                 self._pending.add(engine.stats)
-        if should_update_logs(trainer):
-            self._read_pending()
-            if self._steps:
-                for name, value in self._summarize(pl_module.device).items():
-                    pl_module.log(
-                        name, value, prog_bar=name in (STEP_MS, IMBALANCE), on_step=True, on_epoch=False
-                    )
 
-    def _read_pending(self) -> None:
-        if self._pending is not None:
-            self._totals += torch.tensor([figure(self._pending) for figure in _FIGURES], dtype=torch.float64)
-            self._steps += 1
-            self._pending = None
-
-    def _summarize(self, device: torch.device) -> dict[str, float]:
-        """Every rank's per-step means since the last log, gathered (collective)."""
+    def compute(self) -> dict[str, float]:
+        """The figures over the steps since the last call, gathered from every rank (collective);
+        empty before the first step."""
+        self._read_pending()
+        if not self._steps:
+            return {}
+        device = next(p.device for g in self._optimizers[0].param_groups for p in g["params"])
         self._gathered = self._gathered.to(device)
         self._gathered.update((self._totals / self._steps).to(device)[None])
         self._totals.zero_()
@@ -120,3 +124,41 @@ class OptimizerTelemetry(Callback):
             MATRICES: float(matrices.max()),
             DECOMPOSITION_FAILURES: float(failures.sum()),
         }
+
+    def _read_pending(self) -> None:
+        if self._pending is not None:
+            self._totals += torch.tensor([figure(self._pending) for figure in _FIGURES], dtype=torch.float64)
+            self._steps += 1
+            self._pending = None
+
+
+class OptimizerTelemetry(Callback):
+    """Logs `StepTelemetry` at Lightning's logging cadence (``Trainer(log_every_n_steps=…)``);
+    ``canzona/step_ms`` and ``canzona/imbalance`` also go to the progress bar.
+
+    `CanzonaStrategy` adds this callback unless ``telemetry=False`` or one is already there.
+    """
+
+    def __init__(self) -> None:
+        self._telemetry: StepTelemetry | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._telemetry = StepTelemetry(trainer.optimizers)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._telemetry is None:
+            return
+        self._telemetry.update()
+        if should_update_logs(trainer):
+            for name, value in self._telemetry.compute().items():
+                pl_module.log(
+                    name, value, prog_bar=name in (STEP_MS, IMBALANCE), on_step=True, on_epoch=False
+                )
+
+
+def _unwrapped(optimizer: Optimizer) -> Optimizer:
+    """The optimizer inside Fabric's (or Lightning's) wrapper of it."""
+    inner = getattr(optimizer, "optimizer", None)
+    return inner if isinstance(inner, Optimizer) else optimizer

@@ -5,9 +5,10 @@
 
 ``Fabric(strategy="canzona")`` composes the model's tensor-parallel plan with FSDP2 on the mesh it
 chooses, prints the optimizer's plan, and computes every weight matrix's Muon update once, on one
-owner. The loop is plain Fabric: accumulation under ``no_backward_sync``, clipping, ``fabric.log``,
-``fabric.save`` — which keeps the last good checkpoint until the new one is complete, and loads at
-any mesh (``--resume``).
+owner. The loop is plain Fabric: accumulation under ``no_backward_sync``, clipping, ``fabric.log``
+of the loss and of the optimizer step's costs (`lightning_canzona.StepTelemetry`, in
+``logs/metrics.csv``), ``fabric.save`` — which keeps the last good checkpoint until the new one is
+complete, and loads at any mesh (``--resume``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 
 import torch.nn.functional as F
 from lightning.fabric import Fabric
+from lightning.fabric.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
 import lightning_canzona as lc
@@ -30,9 +32,11 @@ def main() -> None:
     parser.add_argument("--accumulate", type=int, default=2, help="micro-batches per optimizer step")
     parser.add_argument("--checkpoint", default=None, help="save the run here at its end")
     parser.add_argument("--resume", default=None, help="a checkpoint to continue from")
+    parser.add_argument("--log-every", type=int, default=10, help="steps between logs of the step's costs")
     args = parser.parse_args()
 
-    fabric = Fabric(accelerator="cpu", devices=args.devices, strategy="canzona")
+    logger = CSVLogger("logs", name="", version="")
+    fabric = Fabric(accelerator="cpu", devices=args.devices, strategy="canzona", loggers=logger)
     fabric.launch()
     fabric.seed_everything(0, verbose=False)
     model = fabric.setup_module(Qwen3("tiny"))  # the model first: the mesh is chosen for it
@@ -43,6 +47,7 @@ def main() -> None:
     state = {"model": model, "optimizer": optimizer, "step": 0}
     if args.resume:
         fabric.load(args.resume, state)
+    telemetry = lc.StepTelemetry(optimizer)
 
     batches = iter(loader)
     while state["step"] < args.steps:
@@ -58,11 +63,14 @@ def main() -> None:
         fabric.clip_gradients(model, optimizer, max_norm=1.0)
         optimizer.step()
         optimizer.zero_grad()
+        telemetry.update()
         state["step"] += 1
         fabric.log("train_loss", loss.item(), step=state["step"])
-        if state["step"] % 10 == 0:
+        if state["step"] % args.log_every == 0:  # every rank: the costs are gathered from all
+            fabric.log_dict(telemetry.compute(), step=state["step"])
             fabric.print(f"step {state['step']}: loss {loss.item():.3f}")
     fabric.print(f"trained {state['step']} steps")
+    logger.finalize("success")
     if args.checkpoint:
         fabric.save(args.checkpoint, state)
 

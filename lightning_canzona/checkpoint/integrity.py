@@ -61,10 +61,10 @@ def write_manifest(folder: Path) -> str | None:
     return None
 
 
-def verify(path: Path) -> bool:
+def verify(path: Path, collective: bool = True) -> bool:
     """Check every file of the checkpoint at ``path`` against its manifest or its zip directory
-    (collective where a process group is initialized: each rank checks a share, every rank
-    learns the result).
+    (collective where a process group is initialized, unless ``collective`` is ``False``: each
+    rank checks a share, every rank learns the result).
 
     Returns:
         ``True``; ``False`` for a distributed checkpoint without a manifest (saved by an earlier
@@ -74,7 +74,7 @@ def verify(path: Path) -> bool:
         ValueError: On every rank, naming the checkpoint and the files that differ from what was
             saved.
     """
-    found = problems(path)
+    found = problems(path, collective)
     if found is None:
         return False
     if found:
@@ -86,10 +86,11 @@ def verify(path: Path) -> bool:
     return True
 
 
-def problems(path: Path) -> list[str] | None:
+def problems(path: Path, collective: bool = True) -> list[str] | None:
     """What differs from what was saved in the files of the checkpoint at ``path``, found on any
-    rank (the same list on every rank; empty: it is whole), or ``None`` without a manifest."""
-    rank, world = _ranks()
+    rank (the same list on every rank; empty: it is whole), or ``None`` without a manifest;
+    ``collective=False``: found by this process alone."""
+    rank, world = _ranks(collective)
     if path.is_dir() and not (path / MANIFEST).is_file():
         return None
     found: list[str] = []
@@ -104,17 +105,18 @@ def problems(path: Path) -> list[str] | None:
             found += _check(path / name, files[name])
     elif rank == 0:
         found += _check_archive(path)
-    return [problem for share in _gathered(found) for problem in share]
+    return [problem for share in _gathered(found, collective) for problem in share]
 
 
-def _ranks() -> tuple[int, int]:
-    """This process's rank and the number of ranks (one process without a process group)."""
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+def _ranks(collective: bool = True) -> tuple[int, int]:
+    """This process's rank and the number of ranks (one process without a process group, or
+    where it works alone)."""
+    return (dist.get_rank(), dist.get_world_size()) if collective and dist.is_initialized() else (0, 1)
 
 
-def _gathered(value: Any) -> list[Any]:
-    """``value`` of every rank, in rank order."""
-    if not dist.is_initialized():
+def _gathered(value: Any, collective: bool = True) -> list[Any]:
+    """``value`` of every rank, in rank order (of this one alone, unless collective)."""
+    if not (collective and dist.is_initialized()):
         return [value]
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, value)

@@ -1,9 +1,11 @@
 """A Fabric training loop as a user writes it, run by `test_fabric.py` as a script (the ranks are
-re-run from it): the bundled model, ``fabric.setup(model, optimizer)``, gradient accumulation
-under ``no_backward_sync``, clipping, and the trained weights saved whole by rank 0.
+re-run from it): a model, ``fabric.setup(model, optimizer)``, gradient accumulation under
+``no_backward_sync``, clipping, and the trained weights saved whole by rank 0.
 
-Usage: ``python fabric_loop.py OUT DP TP SETUP`` (``auto`` for either size; SETUP ``joint``:
-``fabric.setup(model, optimizer)``, ``separate``: ``setup_module`` then ``setup_optimizers``).
+Usage: ``python fabric_loop.py OUT DP TP SETUP [MODEL]`` (``auto`` for either size; SETUP
+``joint``: ``fabric.setup(model, optimizer)``, ``separate``: ``setup_module`` then
+``setup_optimizers``; MODEL ``qwen3``, the bundled model, or ``litgpt``: litgpt's ``GPT``, which
+declares no tensor-parallel plan, parallelized by the user's ``parallelize_fn``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import sys
 import torch
 import torch.nn.functional as F
 from lightning.fabric import Fabric
+from torch.distributed.device_mesh import DeviceMesh
 
 import lightning_canzona as lc
 from lightning_canzona.checkpoint.state import full_model_state
@@ -33,11 +36,49 @@ def loss_of(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)) / ACCUMULATE
 
 
-def train(fabric: Fabric, setup: str) -> dict[str, object]:
+def build(model: str) -> torch.nn.Module:
+    """The model, from the seed every run sets."""
+    torch.manual_seed(0)
+    if model == "qwen3":
+        return Qwen3("tiny")
+    from litgpt import GPT, Config  # a test dependency: litgpt's Llama-style GPT, tiny
+
+    config = Config(
+        n_layer=2,
+        n_head=4,
+        n_query_groups=2,
+        n_embd=64,
+        intermediate_size=96,
+        block_size=64,
+        vocab_size=256,
+        padded_vocab_size=256,
+        bias=False,
+        norm_class_name="RMSNorm",
+        mlp_class_name="LLaMAMLP",
+        rotary_percentage=1.0,
+        parallel_residual=False,
+    )
+    return GPT(config)
+
+
+def parallelize_litgpt(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
+    """What a litgpt user writes: tensor parallelism for the MLPs (litgpt's fused QKV splits its
+    heads by the global head count, so attention stays whole on the TP ranks), FSDP2 per block."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mlp_plan = {"fc_1": ColwiseParallel(), "fc_2": ColwiseParallel(), "proj": RowwiseParallel()}
+    for block in model.transformer.h:
+        parallelize_module(block.mlp, mesh["tensor_parallel"], mlp_plan)
+        fully_shard(block, mesh=mesh["data_parallel"])
+    fully_shard(model, mesh=mesh["data_parallel"])
+    return model
+
+
+def train(fabric: Fabric, setup: str, model_name: str = "qwen3") -> dict[str, object]:
     """The loop, on the ranks that ``fabric`` launched; rank 0 returns the trained weights whole
     and the gradient norms before each clipping."""
-    torch.manual_seed(0)
-    model = Qwen3("tiny")
+    model = build(model_name)
     if setup == "joint":  # the optimizer built on the parameters before they are sharded
         model, optimizer = fabric.setup(model, lc.Muon(lc.matrix_param_groups(model), **MUON))
     else:
@@ -54,16 +95,19 @@ def train(fabric: Fabric, setup: str) -> dict[str, object]:
     return {"weights": full_model_state(model), "norms": norms}
 
 
-def main(out: str, dp: str, tp: str, setup: str) -> None:
+def main(out: str, dp: str, tp: str, setup: str, model: str = "qwen3") -> None:
     sizes = [size if size == "auto" else int(size) for size in (dp, tp)]
-    # The headline: the strategy by name; explicit sizes through the class.
-    strategy = "canzona" if sizes == ["auto", "auto"] else lc.CanzonaFabricStrategy(*sizes)
+    # The headline: the strategy by name; explicit sizes (or the user's parallelize_fn) through the class.
+    if model == "litgpt":
+        strategy = lc.CanzonaFabricStrategy(*sizes, parallelize_fn=parallelize_litgpt)
+    else:
+        strategy = "canzona" if sizes == ["auto", "auto"] else lc.CanzonaFabricStrategy(*sizes)
     fabric = Fabric(accelerator="cpu", devices=4, strategy=strategy)
     fabric.launch()
-    trained = train(fabric, setup)
+    trained = train(fabric, setup, model)
     if fabric.global_rank == 0:
         torch.save(trained, out)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:])

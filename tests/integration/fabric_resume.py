@@ -1,6 +1,7 @@
 """A Fabric loop that saves and resumes, run by `test_fabric.py` as a script: SOAP (whose factors
-and eigenbases live with each matrix's owner) on the bundled model, ``fabric.save`` after
-``SAVED_AT`` steps and ``fabric.load`` at whatever mesh the resumed run has.
+and eigenbases live with each matrix's owner) on the bundled model with 4 key/value heads (so
+that 4 TP ranks can split them), ``fabric.save`` after ``SAVED_AT`` steps and ``fabric.load`` at
+whatever mesh the resumed run has.
 
 Usage: ``python fabric_resume.py OUT DP TP CHECKPOINT PHASE``; PHASE ``first`` trains every step
 and saves the checkpoint on the way, ``resumed`` loads it and trains the remaining steps. Rank 0
@@ -17,10 +18,12 @@ from lightning.fabric import Fabric
 
 import lightning_canzona as lc
 from lightning_canzona.checkpoint.state import full_model_state
-from lightning_canzona.models.qwen3 import Qwen3
+from lightning_canzona.models.qwen3 import Qwen3, Qwen3Config
 
 SAVED_AT = 2
 SOAP = {"lr": 3e-3, "precondition_frequency": 1, "weight_decay": 0.01}
+#: 256 tokens, width 128, MLP 384, 2 blocks of 4 query and 4 key/value heads of 32.
+CONFIG = Qwen3Config(256, 128, 384, 2, 4, 4, head_dim=32, rope_theta=10_000.0)
 
 
 def main(out: str, dp: str, tp: str, checkpoint: str, phase: str) -> None:
@@ -28,7 +31,7 @@ def main(out: str, dp: str, tp: str, checkpoint: str, phase: str) -> None:
     fabric = Fabric(accelerator="cpu", devices=4, strategy=lc.CanzonaFabricStrategy(*sizes))
     fabric.launch()
     torch.manual_seed(0)
-    model = fabric.setup_module(Qwen3("tiny"))
+    model = fabric.setup_module(Qwen3(CONFIG))
     optimizer = fabric.setup_optimizers(lc.SOAP(lc.matrix_param_groups(model), **SOAP))
     state = {"model": model, "optimizer": optimizer, "step": 0}
     if phase == "resumed":
