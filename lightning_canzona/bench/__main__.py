@@ -1,7 +1,8 @@
 """Benchmarks: ``canzona bench [train|step|ns]`` (or ``python -m lightning_canzona.bench``).
 
 - ``train`` (the default): end-to-end training iterations, AdamW vs ``ModelParallelStrategy`` +
-  ``torch.optim.Muon`` vs canzona; a table, a JSON file and a PNG chart;
+  ``torch.optim.Muon`` vs canzona, with the Trainer and in a Fabric loop; a table, a JSON file
+  and a PNG chart;
 - ``step``: the optimizer step alone, canzona's policies vs the alternatives;
 - ``ns``: Newton–Schulz forms side by side: time, throughput against plain matmul, accuracy.
 """
@@ -28,7 +29,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     commands = parser.add_subparsers(dest="command", required=True)
     training = commands.add_parser(
-        "train", help="training iterations: AdamW, ModelParallelStrategy + torch.optim.Muon, canzona"
+        "train",
+        help="training iterations: AdamW, ModelParallelStrategy + torch.optim.Muon, "
+        "canzona (Trainer and Fabric)",
     )
     training.add_argument("--preset", default="tiny", help="Qwen3 preset (see models.qwen3)")
     training.add_argument("--dp", type=int, default=2)

@@ -1,35 +1,42 @@
 """End-to-end training iterations on ``dp × tp`` CPU ranks: canzona against what users run today.
 
-Every variant is a real ``Trainer.fit`` of the same Qwen3-style model, composed the same way (TP
-plan, then FSDP2 per block), from the same initial weights, on the same data and mesh:
+Every variant trains the same Qwen3-style model, composed the same way (TP plan, then FSDP2 per
+block), from the same initial weights, on the same batches, on the same mesh:
 
-- ``AdamW``: Lightning's ``ModelParallelStrategy`` with ``torch.optim.AdamW`` (the elementwise
-  baseline: no matrix optimizer at all);
-- ``torch.optim.Muon``: Lightning's ``ModelParallelStrategy`` with ``torch.optim.Muon`` for the
-  matrices and ``torch.optim.AdamW`` for the rest (exact, but every rank computes every update
-  on DTensors);
-- ``canzona``: `CanzonaStrategy` with `lightning_canzona.Muon`.
+- ``AdamW``: ``Trainer.fit`` on Lightning's ``ModelParallelStrategy`` with ``torch.optim.AdamW``
+  (the elementwise baseline: no matrix optimizer at all);
+- ``torch.optim.Muon``: ``Trainer.fit`` on Lightning's ``ModelParallelStrategy`` with
+  ``torch.optim.Muon`` for the matrices and ``torch.optim.AdamW`` for the rest (exact, but every
+  rank computes every update on DTensors);
+- ``canzona``: ``Trainer.fit`` on `CanzonaStrategy` with `lightning_canzona.Muon`;
+- ``canzona (Fabric)``: the same module, optimizer and data as ``canzona`` in a hand-written
+  Lightning Fabric loop on `CanzonaFabricStrategy` (what the Fabric path costs over the Trainer's).
 
 An iteration is ``on_train_batch_start`` to ``on_train_batch_end`` on rank 0 (forward, backward,
 optimizer step; the ranks meet in collectives every step, so rank 0 waits for the slowest); the
-optimizer step is the part after ``on_before_optimizer_step``. Medians exclude warm-up steps.
+optimizer step is the part after ``on_before_optimizer_step``. The Fabric loop marks the same
+points around the same work (`_Clock`). Medians exclude warm-up steps.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from argparse import Namespace
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from lightning import Callback, LightningModule, Trainer
+from lightning.fabric import Fabric
+from lightning.fabric.loggers import Logger
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.tensor import DTensor
 
@@ -40,9 +47,15 @@ from lightning_canzona.data import ByteTextDataModule
 from lightning_canzona.launcher import InProcessLauncher
 from lightning_canzona.models import CausalLanguageModel
 
-VARIANTS = ("AdamW", "torch.optim.Muon", "canzona")
+#: The Fabric loop's variant: canzona's, in a hand-written loop instead of ``Trainer.fit``.
+FABRIC = "canzona (Fabric)"
+#: The variants on Lightning's ``ModelParallelStrategy``, which canzona replaces.
+BASELINES = ("AdamW", "torch.optim.Muon")
+VARIANTS = (*BASELINES, "canzona", FABRIC)
 #: Learning rates of the main job (examples/configs/tiny.yaml).
 MATRIX_LR, ADAMW_LR, WEIGHT_DECAY = 0.02, 3e-3, 0.01
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -60,6 +73,73 @@ class TrainTiming:
     iteration_ms: float
     optimizer_ms: float
     final_loss: float
+
+
+class _Setting(NamedTuple):
+    """What every variant's run shares: the mesh, the steps and the data.
+
+    A named tuple: Fabric's launcher rebuilds the arguments it hands to the ranks, which a frozen
+    dataclass refuses.
+    """
+
+    dp: int
+    tp: int
+    steps: int
+    warmup: int
+    seq_len: int
+
+    @property
+    def threads(self) -> int:
+        """Intra-op threads per rank: the ranks share the machine's cores."""
+        return max(1, (os.cpu_count() or 1) // (self.dp * self.tp))
+
+    def datamodule(self) -> ByteTextDataModule:
+        """Every variant's data: the same batches in the same order on each rank."""
+        return ByteTextDataModule(seq_len=self.seq_len, batch_size=8)
+
+
+class _Clock:
+    """A rank's marks of its iterations, set alike by the Trainer's callback and the Fabric loop
+    (rank 0's are reported).
+
+    An iteration runs from its batch in hand to after the optimizer step; the optimizer step,
+    from just before the first optimizer steps to the same end.
+    """
+
+    def __init__(self) -> None:
+        self.iterations: list[float] = []
+        self.optimizer_steps: list[float] = []
+        self._start = self._step_start = 0.0
+        self._stepping = False
+
+    def start_iteration(self) -> None:
+        self._start = self._step_start = time.perf_counter()
+        self._stepping = False
+
+    def start_optimizer_step(self) -> None:
+        if not self._stepping:  # the first of possibly several optimizers
+            self._step_start, self._stepping = time.perf_counter(), True
+
+    def end_iteration(self) -> None:
+        end = time.perf_counter()
+        self.iterations.append(end - self._start)
+        self.optimizer_steps.append(end - self._step_start)
+
+    def timing(self, name: str, warmup: int, final_loss: float) -> TrainTiming:
+        """The medians of the iterations after the first ``warmup``."""
+        return TrainTiming(
+            name,
+            1e3 * statistics.median(self.iterations[warmup:]),
+            1e3 * statistics.median(self.optimizer_steps[warmup:]),
+            final_loss,
+        )
+
+
+def _prepare_rank(threads: int) -> None:
+    """What every variant's ranks do before they train: the same threads, the same quiet logs."""
+    torch.set_num_threads(threads)  # ranks share the cores: the same for every variant
+    # torch.optim.Muon on DTensors warns on every redistribution of every step and rank.
+    logging.getLogger(REDISTRIBUTE_LOGGER).setLevel(logging.ERROR)
 
 
 class _BaselineModel(CausalLanguageModel):
@@ -104,7 +184,8 @@ class _BaselineModel(CausalLanguageModel):
 
 
 class _CanzonaModel(CausalLanguageModel):
-    """The main job's model with a constant learning rate, like the baselines."""
+    """The main job's model with a constant learning rate, like the baselines; both canzona
+    variants train it, the Fabric loop with this same ``configure_optimizers``."""
 
     def configure_optimizers(self) -> Any:
         groups = lc.matrix_param_groups(self)
@@ -119,36 +200,52 @@ class _SpawnedModelParallel(ModelParallelStrategy):
 
 
 class _Timer(Callback):
-    """Times every iteration and its optimizer step on rank 0; writes them as JSON at the end."""
+    """The Trainer's marks on the `_Clock`; at the end, rank 0 writes its `TrainTiming` as JSON."""
 
-    def __init__(self, path: Path, threads: int) -> None:
-        self.path, self.threads = path, threads
-        self.iterations: list[float] = []
-        self.optimizer_steps: list[float] = []
+    def __init__(self, name: str, path: Path, setting: _Setting) -> None:
+        self.name, self.path, self.setting = name, path, setting
+        self.clock = _Clock()
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        torch.set_num_threads(self.threads)  # ranks share the cores: the same for every variant
-        # torch.optim.Muon on DTensors warns on every redistribution of every step and rank.
-        logging.getLogger(REDISTRIBUTE_LOGGER).setLevel(logging.ERROR)
+        _prepare_rank(self.setting.threads)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.start = self.step_start = time.perf_counter()
-        self.stepping = False
+        self.clock.start_iteration()
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if not self.stepping:  # the first of possibly several optimizers
-            self.step_start, self.stepping = time.perf_counter(), True
+        self.clock.start_optimizer_step()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        end = time.perf_counter()
-        self.iterations.append(end - self.start)
-        self.optimizer_steps.append(end - self.step_start)
+        self.clock.end_iteration()
 
     def on_train_end(self, trainer, pl_module) -> None:
         if trainer.global_rank == 0:
             loss = float(trainer.callback_metrics["train_loss"])
-            record = {"iterations": self.iterations, "optimizer_steps": self.optimizer_steps, "loss": loss}
-            self.path.write_text(json.dumps(record))
+            timing = self.clock.timing(self.name, self.setting.warmup, loss)
+            self.path.write_text(json.dumps(asdict(timing)))
+
+
+class _LastMetrics(Logger):
+    """A Fabric logger that keeps the last value of each metric, as the Trainer's
+    ``callback_metrics`` does: where ``self.log`` in ``training_step`` goes under Fabric."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last: dict[str, float] = {}
+
+    @property
+    def name(self) -> str:
+        return "last"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.last.update(metrics)
+
+    def log_hyperparams(self, params: dict[str, Any] | Namespace, *args: Any, **kwargs: Any) -> None:
+        pass  # the Trainer variants keep none either (logger=False)
 
 
 def _strategy(variant: str, dp: int, tp: int) -> Any:
@@ -159,51 +256,89 @@ def _strategy(variant: str, dp: int, tp: int) -> Any:
     return _SpawnedModelParallel(data_parallel_size=dp, tensor_parallel_size=tp)
 
 
+def _fit_with_trainer(name: str, model: LightningModule, setting: _Setting) -> TrainTiming:
+    """``Trainer.fit`` of ``model`` on the variant's strategy; rank 0's timing."""
+    # Lightning counts optimizer steps: two optimizers step twice per iteration.
+    optimizers_per_iteration = 2 if name == "torch.optim.Muon" else 1
+    with tempfile.TemporaryDirectory() as directory:
+        path = Path(directory) / "timing.json"
+        trainer = Trainer(
+            accelerator="cpu",
+            devices=setting.dp * setting.tp,
+            strategy=_strategy(name, setting.dp, setting.tp),
+            max_steps=(setting.warmup + setting.steps) * optimizers_per_iteration,
+            limit_val_batches=0,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[_Timer(name, path, setting)],
+        )
+        trainer.fit(model, datamodule=setting.datamodule())
+        return TrainTiming(**json.loads(path.read_text()))
+
+
+def _fit_with_fabric(name: str, model: LightningModule, setting: _Setting) -> TrainTiming:
+    """The Fabric loop (`_train_with_fabric`) on `CanzonaFabricStrategy`; rank 0's timing."""
+    strategy = lc.CanzonaFabricStrategy(
+        data_parallel_size=setting.dp, tensor_parallel_size=setting.tp, start_method="spawn"
+    )
+    fabric = Fabric(
+        accelerator="cpu", devices=setting.dp * setting.tp, strategy=strategy, loggers=_LastMetrics()
+    )
+    return fabric.launch(_train_with_fabric, name, model, setting)
+
+
+def _train_with_fabric(fabric: Fabric, name: str, model: LightningModule, setting: _Setting) -> TrainTiming:
+    """On every rank: what ``Trainer.fit`` does for the canzona variant, as a hand-written loop.
+
+    The LightningModule's own ``configure_optimizers`` and ``training_step`` give the Trainer's
+    optimizer and loss by construction, and ``training_step``'s ``self.log`` reaches Fabric's
+    logger (`_LastMetrics`), from which the final loss is read as the Trainer reads it.
+    """
+    _prepare_rank(setting.threads)
+    model = fabric.setup_module(model)  # before the data: the mesh, which the sampler needs, comes with it
+    optimizer = fabric.setup_optimizers(model.configure_optimizers())
+    datamodule = setting.datamodule()
+    datamodule.setup("fit")
+    # The Trainer's sampling: a DistributedSampler over the data-parallel ranks, shuffled with seed 0.
+    loader = fabric.setup_dataloaders(datamodule.train_dataloader())
+    clock = _Clock()
+    for index, batch in enumerate(_batches(loader, setting.warmup + setting.steps)):
+        clock.start_iteration()
+        optimizer.zero_grad()  # where Lightning's closure zeroes them: before the forward
+        fabric.backward(model.training_step(batch, index))
+        clock.start_optimizer_step()
+        optimizer.step()
+        clock.end_iteration()
+    return clock.timing(name, setting.warmup, fabric.logger.last["train_loss"])
+
+
+def _batches(loader: Iterable[_T], count: int) -> Iterator[_T]:
+    """The first ``count`` batches of ``loader``, epoch after epoch as ``max_steps`` draws them
+    (each pass over a Fabric dataloader sets its sampler's epoch, as the Trainer does)."""
+    return itertools.islice(itertools.chain.from_iterable(itertools.repeat(loader)), count)
+
+
 def measure(
     preset: str = "tiny", dp: int = 2, tp: int = 2, steps: int = 20, warmup: int = 5, seq_len: int = 128
 ) -> list[TrainTiming]:
-    """Fit every variant for ``warmup + steps`` steps; medians of the last ``steps``."""
-    threads = max(1, (os.cpu_count() or 1) // (dp * tp))
+    """Train every variant for ``warmup + steps`` steps; medians of the last ``steps``."""
+    setting = _Setting(dp, tp, steps, warmup, seq_len)
     results = []
-    with tempfile.TemporaryDirectory() as directory:
-        for variant in VARIANTS:
-            path = Path(directory) / "timing.json"
-            torch.manual_seed(0)  # the same initial weights for every variant
-            model = _CanzonaModel(preset=preset) if variant == "canzona" else _BaselineModel(preset, variant)
-            # Lightning counts optimizer steps: two optimizers step twice per iteration.
-            optimizers_per_iteration = 2 if variant == "torch.optim.Muon" else 1
-            trainer = Trainer(
-                accelerator="cpu",
-                devices=dp * tp,
-                strategy=_strategy(variant, dp, tp),
-                max_steps=(warmup + steps) * optimizers_per_iteration,
-                limit_val_batches=0,
-                logger=False,
-                enable_checkpointing=False,
-                enable_progress_bar=False,
-                enable_model_summary=False,
-                callbacks=[_Timer(path, threads)],
-            )
-            trainer.fit(model, datamodule=ByteTextDataModule(seq_len=seq_len, batch_size=8))
-            record = json.loads(path.read_text())
-            results.append(
-                TrainTiming(
-                    variant,
-                    1e3 * statistics.median(record["iterations"][warmup:]),
-                    1e3 * statistics.median(record["optimizer_steps"][warmup:]),
-                    record["loss"],
-                )
-            )
+    for variant in VARIANTS:
+        torch.manual_seed(0)  # the same initial weights for every variant
+        model = _BaselineModel(preset, variant) if variant in BASELINES else _CanzonaModel(preset=preset)
+        fit = _fit_with_fabric if variant == FABRIC else _fit_with_trainer
+        results.append(fit(variant, model, setting))
     return results
 
 
 def ratios(results: list[TrainTiming]) -> dict[str, float]:
-    """canzona's iteration time over each alternative's."""
-    by_name = {r.name: r for r in results}
-    canzona = by_name["canzona"].iteration_ms
-    return {
-        f"canzona / {name}": canzona / by_name[name].iteration_ms for name in VARIANTS if name != "canzona"
-    }
+    """canzona's iteration time over each baseline's, and the Fabric loop's over the Trainer's."""
+    iteration = {r.name: r.iteration_ms for r in results}
+    pairs = [("canzona", name) for name in BASELINES] + [(FABRIC, "canzona")]
+    return {f"{mine} / {theirs}": iteration[mine] / iteration[theirs] for mine, theirs in pairs}
 
 
 def format_table(preset: str, dp: int, tp: int, results: list[TrainTiming]) -> str:
@@ -228,7 +363,7 @@ def write_chart(path: Path, title: str, results: list[TrainTiming]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axis = plt.subplots(figsize=(7, 2.8))
+    figure, axis = plt.subplots(figsize=(7, 1.2 + 0.5 * len(results)))
     names = [r.name for r in results]
     forward_backward = [r.iteration_ms - r.optimizer_ms for r in results]
     axis.barh(names, forward_backward, color="tab:gray", label="forward + backward")
