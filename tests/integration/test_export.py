@@ -158,5 +158,5 @@ def test_the_command_builds_the_module_of_a_training_config_without_weights() ->
     assert isinstance(module, CausalLanguageModel) and next(module.parameters()).is_meta
     with pytest.raises(ValueError, match=r"format must be one of \('safetensors', 'torch', 'transformers'\)"):
         lc.export_checkpoint(config, "out", "onnx")
-    with pytest.raises(ValueError, match=r"needs the LightningModule that holds one transformers model"):
+    with pytest.raises(ValueError, match=r"needs the module that holds one transformers model"):
         lc.export_checkpoint(config, "out", "transformers", module)
