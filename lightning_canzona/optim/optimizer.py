@@ -431,6 +431,10 @@ class MatrixOptimizer(Optimizer):
         truncate float32 Kronecker factors and eigenbases of bf16 parameters.
         """
         super().load_state_dict(state_dict)
+        for group in self.param_groups:  # a setting added since the save takes its default
+            defaults = self.adamw_defaults if group.get("algorithm") == ADAMW else self.defaults
+            for key, value in defaults.items():
+                group.setdefault(key, value)
         for mesh, entries in self._distributed_entries().items():
             if mesh in self.engines and self.engines[mesh].plan is not None:
                 engine = self.engines[mesh]

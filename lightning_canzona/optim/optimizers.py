@@ -17,7 +17,7 @@ from lightning_canzona.optim.optimizer import (
 )
 from lightning_canzona.rules.muon import ADJUST_LR_FNS, MuonRule
 from lightning_canzona.rules.newton_schulz import FORMS, Coefficients, resolve_schedule
-from lightning_canzona.rules.shampoo import ShampooRule
+from lightning_canzona.rules.shampoo import EPSILON_MODES, EpsilonMode, ShampooRule
 from lightning_canzona.rules.soap import SOAPRule
 
 
@@ -61,9 +61,9 @@ class Muon(MatrixOptimizer):
             products (``XXᵀ`` and its square) computed by blocks, 5/8 of their FLOPs (see
             `lightning_canzona.rules.newton_schulz`).
         **kwargs: AdamW-group settings (``adamw_lr``, ``adamw_betas``, ``adamw_eps``,
-            ``adamw_weight_decay``), ``check_finite``, ``stochastic_rounding``, and the
-            distributed plan (``policy``, ``alpha``, ``cost``, ``micro_group_capacity``,
-            ``max_team``, ``overlap``): see `MatrixOptimizer`.
+            ``adamw_weight_decay``), ``check_finite``, ``stochastic_rounding``, and ``plan``
+            (a `lightning_canzona.PlanConfig`: how the updates are distributed): see
+            `MatrixOptimizer`.
     """
 
     algorithm = "muon"
@@ -130,16 +130,20 @@ class Shampoo(MatrixOptimizer):
         betas: ``(β₁, β₂)``: momentum, and the decay of the Kronecker factors and of the grafting
             second moment.
         eps: Adam grafting's ε.
-        epsilon: Eigenvalue floor relative to the largest eigenvalue of each factor.
+        epsilon: Eigenvalue floor of each factor before its inverse root: see ``epsilon_mode``.
         weight_decay: Decoupled weight decay λ.
         precondition_frequency: Steps between inverse-root refreshes.
         start_preconditioning_step: First step that uses the Shampoo direction (plain grafted Adam
             before it).
         max_precond_dim: Sides longer than this are not preconditioned.
+        epsilon_mode: ``"relative"``: ``epsilon`` times the factor's largest eigenvalue is added
+            to its eigenvalues (the floor follows the gradients' scale); ``"absolute"``:
+            ``epsilon`` itself, ``(L + ε·I)^(-1/4)``, as Meta's Distributed Shampoo (whose
+            default ε is 1e-12).
         **kwargs: AdamW-group settings (``adamw_lr``, ``adamw_betas``, ``adamw_eps``,
-            ``adamw_weight_decay``), ``check_finite``, ``stochastic_rounding``, and the
-            distributed plan (``policy``, ``alpha``, ``cost``, ``micro_group_capacity``,
-            ``max_team``, ``overlap``): see `MatrixOptimizer`.
+            ``adamw_weight_decay``), ``check_finite``, ``stochastic_rounding``, and ``plan``
+            (a `lightning_canzona.PlanConfig`: how the updates are distributed): see
+            `MatrixOptimizer`.
     """
 
     algorithm = "shampoo"
@@ -155,6 +159,7 @@ class Shampoo(MatrixOptimizer):
         precondition_frequency: int = 10,
         start_preconditioning_step: int = 10,
         max_precond_dim: int = 8192,
+        epsilon_mode: EpsilonMode = "relative",
         **kwargs: Any,
     ) -> None:
         defaults = dict(
@@ -166,6 +171,7 @@ class Shampoo(MatrixOptimizer):
             precondition_frequency=precondition_frequency,
             start_preconditioning_step=start_preconditioning_step,
             max_precond_dim=max_precond_dim,
+            epsilon_mode=epsilon_mode,
         )
         self.check_keywords(kwargs)
         super().__init__(params, defaults, **kwargs)
@@ -178,6 +184,8 @@ class Shampoo(MatrixOptimizer):
             start_preconditioning_step=group["start_preconditioning_step"],
             max_precond_dim=group["max_precond_dim"],
         )
+        if group["epsilon_mode"] not in EPSILON_MODES:
+            raise ValueError(f"epsilon_mode must be one of {EPSILON_MODES}, got {group['epsilon_mode']!r}")
         return ShampooRule(
             betas=tuple(group["betas"]),
             eps=group["eps"],
@@ -185,6 +193,7 @@ class Shampoo(MatrixOptimizer):
             precondition_frequency=group["precondition_frequency"],
             start_preconditioning_step=group["start_preconditioning_step"],
             max_precond_dim=group["max_precond_dim"],
+            epsilon_mode=group["epsilon_mode"],
         )
 
 
@@ -203,9 +212,9 @@ class SOAP(MatrixOptimizer):
         precondition_frequency: Steps between QR refreshes of the eigenbases.
         max_precond_dim: Sides longer than this keep the identity basis.
         **kwargs: AdamW-group settings (``adamw_lr``, ``adamw_betas``, ``adamw_eps``,
-            ``adamw_weight_decay``), ``check_finite``, ``stochastic_rounding``, and the
-            distributed plan (``policy``, ``alpha``, ``cost``, ``micro_group_capacity``,
-            ``max_team``, ``overlap``): see `MatrixOptimizer`.
+            ``adamw_weight_decay``), ``check_finite``, ``stochastic_rounding``, and ``plan``
+            (a `lightning_canzona.PlanConfig`: how the updates are distributed): see
+            `MatrixOptimizer`.
     """
 
     algorithm = "soap"

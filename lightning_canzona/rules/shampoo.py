@@ -10,10 +10,12 @@ For gradient ``G`` (``m × n``) at step ``t``, betas ``(β₁, β₂)``, learnin
     W ← W·(1 − γλ) − γ·D
 
 ``L̃^(-1/4) = Q·diag((max(λᵢ, 0) + δ·λ_max)^(-1/4))·Qᵀ`` from ``eigh(L) = (λ, Q)``, with ``δ`` the
-(relative) ``epsilon``, refreshed at ``t = start_preconditioning_step`` and every
-``precondition_frequency`` steps after. A side longer than ``max_precond_dim`` stays identity.
-Grafting gives the step Adam's per-matrix magnitude and Shampoo's direction, so learning rates tuned
-for Adam carry over.
+``epsilon`` relative to the factor's largest eigenvalue (``epsilon_mode="relative"``: the floor
+scales with the gradients), or ``(max(λᵢ, 0) + δ)^(-1/4)``, i.e. ``(L + δ·I)^(-1/4)``
+(``"absolute"``: Meta's Distributed Shampoo's ε, 1e-12 by default there), refreshed at
+``t = start_preconditioning_step`` and every ``precondition_frequency`` steps after. A side longer
+than ``max_precond_dim`` stays identity. Grafting gives the step Adam's per-matrix magnitude and
+Shampoo's direction, so learning rates tuned for Adam carry over.
 
 Cost per step, with ``f`` = precondition_frequency and sums over the preconditioned sides
 ``d ∈ {m, n}``: factor updates ``Σ 2d·mn``, preconditioning ``Σ 2d·mn``, eigendecompositions
@@ -29,6 +31,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -38,17 +41,24 @@ from lightning_canzona.rules import kronecker
 from lightning_canzona.rules.base import MatrixRule, State, TeamComputation, TeamRows, TeamSum, UpdateCost
 
 _TINY = torch.finfo(torch.float32).tiny
+#: How ``epsilon`` floors a factor's eigenvalues: relative to the largest, or added as it is.
+EpsilonMode = Literal["relative", "absolute"]
+EPSILON_MODES: tuple[EpsilonMode, ...] = ("relative", "absolute")
 
 
 def _frobenius(matrix: Tensor) -> Tensor:
     return torch.linalg.vector_norm(matrix, dim=(-2, -1), keepdim=True)
 
 
-def inverse_fourth_root(factor: Tensor, epsilon: float) -> Tensor:
-    """``(F + δ·λ_max·I)^(-1/4)`` of a symmetric PSD ``factor`` (or stack) by ``eigh``."""
+def inverse_fourth_root(factor: Tensor, epsilon: float, mode: EpsilonMode = "relative") -> Tensor:
+    """``(F + δ·λ_max·I)^(-1/4)`` (``mode="relative"``) or ``(F + δ·I)^(-1/4)`` (``"absolute"``)
+    of a symmetric PSD ``factor`` (or stack) by ``eigh``."""
     eigenvalues, eigenvectors = torch.linalg.eigh(factor)
     eigenvalues = eigenvalues.clamp_min(0.0)
-    floor = epsilon * eigenvalues.amax(dim=-1, keepdim=True).clamp_min(_TINY)
+    if mode == "relative":
+        floor = epsilon * eigenvalues.amax(dim=-1, keepdim=True).clamp_min(_TINY)
+    else:  # a zero factor with δ = 0 gives infinite roots, which `kronecker.decompose` refuses
+        floor = torch.full_like(eigenvalues[..., :1], epsilon)
     scale = (eigenvalues + floor).pow(-0.25)
     return (eigenvectors * scale.unsqueeze(-2)) @ eigenvectors.mT
 
@@ -63,6 +73,7 @@ class ShampooRule(MatrixRule):
     precondition_frequency: int = 10
     start_preconditioning_step: int = 10
     max_precond_dim: int = 8192
+    epsilon_mode: EpsilonMode = "relative"
     name = "shampoo"
 
     def init_matrix_state(self, shape: torch.Size, device: torch.device) -> State:
@@ -139,7 +150,7 @@ class ShampooRule(MatrixRule):
         return since_start >= 0 and since_start % self.precondition_frequency == 0
 
     def _decompose(self, state: State, side: str) -> None:
-        root = functools.partial(inverse_fourth_root, state[side], self.epsilon)
+        root = functools.partial(inverse_fourth_root, state[side], self.epsilon, self.epsilon_mode)
         kronecker.decompose(state, f"{side}_root", root)
 
     def cost(self, shape: Sequence[int]) -> UpdateCost:

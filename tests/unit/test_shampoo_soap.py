@@ -15,12 +15,17 @@ def _steps(optimizer_class, initial, grads, **kwargs):
     return param.detach(), snapshots
 
 
-def _reference_shampoo(initial, grads, *, lr, betas, eps, epsilon, start, frequency, max_dim):
-    """Shampoo with Adam grafting, from its equations, with explicit eigh on the factors."""
+def _reference_shampoo(initial, grads, *, lr, betas, eps, epsilon, start, frequency, max_dim, ridge=False):
+    """Shampoo with Adam grafting, from its equations, with explicit eigh on the factors: their
+    eigenvalues floored at ``epsilon`` times the largest, or (``ridge``) ``eigh(F + εI)``, Meta's
+    Distributed Shampoo's."""
 
     def inverse_root(factor):
-        values, vectors = torch.linalg.eigh(factor)
-        values = values.clamp_min(0) + epsilon * values.max()
+        if ridge:
+            values, vectors = torch.linalg.eigh(factor + epsilon * torch.eye(len(factor)))
+        else:
+            values, vectors = torch.linalg.eigh(factor)
+            values = values.clamp_min(0) + epsilon * values.max()
         return vectors @ torch.diag(values**-0.25) @ vectors.T
 
     beta1, beta2 = betas
@@ -59,6 +64,21 @@ def test_shampoo_matches_explicit_eigh_on_accumulated_factors(shape, max_dim) ->
     # The roots are refreshed at steps 2, 4, 6 and held in between.
     roots = [state["left_root"] for state in states]
     assert torch.equal(roots[1], roots[2]) and not torch.equal(roots[2], roots[3])
+
+
+def test_shampoos_absolute_epsilon_is_a_ridge_on_each_factor() -> None:
+    # Gradients of 1e-2: factors' eigenvalues of ~1e-4 · 24, where an absolute ε of 1e-4 and a
+    # floor of 1e-4 · λ_max give different roots.
+    settings = dict(lr=0.01, betas=(0.9, 0.99), eps=1e-8, epsilon=1e-4)
+    schedule = dict(precondition_frequency=2, start_preconditioning_step=2, max_precond_dim=8192)
+    initial, grads = torch.randn(24, 40), [1e-2 * torch.randn(24, 40) for _ in range(5)]
+    absolute, _ = _steps(lc.Shampoo, initial, grads, epsilon_mode="absolute", **settings, **schedule)
+    relative, _ = _steps(lc.Shampoo, initial, grads, **settings, **schedule)
+    ridge = _reference_shampoo(initial, grads, start=2, frequency=2, max_dim=8192, ridge=True, **settings)
+    torch.testing.assert_close(absolute, ridge, rtol=1e-4, atol=1e-5)
+    assert (relative - ridge).abs().max() > 1e-3  # measured 1.0e-2 to 1.4e-2: the modes differ
+    with pytest.raises(ValueError, match=r"epsilon_mode must be one of \('relative', 'absolute'\)"):
+        _steps(lc.Shampoo, initial, grads[:1], epsilon_mode="ridge")
 
 
 def test_shampoo_before_preconditioning_is_adamw() -> None:
@@ -158,6 +178,18 @@ def test_soap_first_step_only_starts_the_preconditioner(scale) -> None:
     # The second step is Adam's first: a step of about one per entry in the rotated coordinates.
     step = (weights[0] * (1 - 0.01 * 0.1) - weights[1]) / 0.01
     assert 0.5 < step.norm() / (32 * 24) ** 0.5 < 1.5
+
+
+def test_a_checkpoint_from_before_a_setting_existed_loads_with_its_default() -> None:
+    param = torch.nn.Parameter(torch.randn(8, 12))
+    saved = lc.Shampoo([param]).state_dict()
+    for group in saved["param_groups"]:
+        del group["epsilon_mode"]  # saved before Shampoo had it
+    optimizer = lc.Shampoo([param])
+    optimizer.load_state_dict(saved)
+    assert optimizer.param_groups[0]["epsilon_mode"] == "relative"
+    param.grad = torch.randn(8, 12)
+    optimizer.step()
 
 
 def test_soap_leaves_a_side_over_max_precond_dim_unrotated() -> None:
