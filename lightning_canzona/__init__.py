@@ -11,7 +11,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_canzona.config import PlanConfig
 from lightning_canzona.export import export_checkpoint
 from lightning_canzona.fabric import CanzonaFabricStrategy
-from lightning_canzona.optim import SOAP, Muon, Shampoo, matrix_param_groups
+from lightning_canzona.optim import SOAP, Muon, NorMuon, Shampoo, matrix_param_groups
 from lightning_canzona.strategy import CanzonaStrategy
 from lightning_canzona.telemetry import StepTelemetry
 from lightning_canzona.warning_filters import ignore_harmless_warnings
@@ -21,6 +21,7 @@ __all__ = [
     "CanzonaFabricStrategy",
     "CanzonaStrategy",
     "Muon",
+    "NorMuon",
     "PlanConfig",
     "Shampoo",
     "StepTelemetry",

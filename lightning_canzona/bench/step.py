@@ -83,6 +83,8 @@ OPTIMIZERS: dict[str, tuple[type[lc.MatrixOptimizer], dict]] = {
     "muon-gram": (lc.Muon, {"lr": 0.02, "adamw_lr": 3e-3, "ns_form": "gram"}),
     # The standard form with its symmetric products by blocks: 5/8 of their FLOPs.
     "muon-symmetric": (lc.Muon, {"lr": 0.02, "adamw_lr": 3e-3, "ns_form": "standard-symmetric"}),
+    # Muon's update normalised per output neuron: Muon's step and a little elementwise work.
+    "normuon": (lc.NorMuon, {"lr": 0.02, "adamw_lr": 3e-3}),
     "shampoo": (lc.Shampoo, {"lr": 1e-3, "adamw_lr": 3e-3, "start_preconditioning_step": 1}),
     "soap": (lc.SOAP, {"lr": 3e-3, "adamw_lr": 3e-3}),
 }

@@ -1,7 +1,7 @@
 """Matrix optimizers: per-matrix rules, Newton–Schulz, and the optimizer classes."""
 
 from lightning_canzona.optim.optimizer import MatrixOptimizer
-from lightning_canzona.optim.optimizers import SOAP, Muon, Shampoo
+from lightning_canzona.optim.optimizers import SOAP, Muon, NorMuon, Shampoo
 from lightning_canzona.optim.param_groups import matrix_param_groups
 from lightning_canzona.rules.newton_schulz import PRESETS, NewtonSchulzSchedule, newton_schulz
 
@@ -11,6 +11,7 @@ __all__ = [
     "MatrixOptimizer",
     "Muon",
     "NewtonSchulzSchedule",
+    "NorMuon",
     "Shampoo",
     "matrix_param_groups",
     "newton_schulz",

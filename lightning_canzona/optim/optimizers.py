@@ -1,4 +1,4 @@
-"""The optimizers users construct: `Muon`, `Shampoo` and `SOAP`.
+"""The optimizers users construct: `Muon`, `NorMuon`, `Shampoo` and `SOAP`.
 
 Each is a `torch.optim.Optimizer` holding its matrix groups and AdamW groups together; the
 math lives in `lightning_canzona.rules`.
@@ -17,6 +17,7 @@ from lightning_canzona.optim.optimizer import (
 )
 from lightning_canzona.rules.muon import ADJUST_LR_FNS, MuonRule
 from lightning_canzona.rules.newton_schulz import FORMS, Coefficients, resolve_schedule
+from lightning_canzona.rules.normuon import NorMuonRule
 from lightning_canzona.rules.shampoo import EPSILON_MODES, EpsilonMode, ShampooRule
 from lightning_canzona.rules.soap import SOAPRule
 
@@ -99,24 +100,88 @@ class Muon(MatrixOptimizer):
         super().__init__(params, defaults, **kwargs)
 
     def matrix_rule(self, group: dict[str, Any]) -> MuonRule:
-        _check_positive_int(ns_steps=group["ns_steps"])
-        _check_unit_interval(momentum=group["momentum"])
-        check_non_negative(eps=group["eps"])
-        adjust_lr_fn = group["adjust_lr_fn"] or "original"
-        if adjust_lr_fn not in ADJUST_LR_FNS:
-            raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS} or None, got {adjust_lr_fn!r}")
-        if group["ns_form"] not in FORMS:
-            raise ValueError(f"ns_form must be one of {FORMS}, got {group['ns_form']!r}")
-        return MuonRule(
-            schedule=resolve_schedule(group["ns_coefficients"]),
-            momentum=group["momentum"],
-            nesterov=group["nesterov"],
-            ns_steps=group["ns_steps"],
-            eps=group["eps"],
-            adjust_lr_fn=adjust_lr_fn,
-            compute_dtype=resolve_dtype(group["compute_dtype"]),
-            ns_form=group["ns_form"],
+        return MuonRule(**_muon_settings(group))
+
+
+class NorMuon(MatrixOptimizer):
+    """NorMuon (Muon normalised per output neuron) for weight matrices, AdamW for everything else.
+
+    Muon's keywords and defaults, and ``beta2``; see `lightning_canzona.rules.normuon` for the
+    update: each row of Muon's orthogonalised update is divided by the root of its running second
+    moment, then the update is scaled back to Muon's Frobenius norm, so Muon's learning rates
+    carry over.
+
+    Args:
+        params: Tensors, ``(name, tensor)`` pairs or param groups; see
+            `lightning_canzona.matrix_param_groups`.
+        lr: Learning rate γ.
+        weight_decay: Decoupled weight decay λ.
+        momentum: Momentum μ.
+        nesterov: Orthogonalise the Nesterov look-ahead ``(1 − μ)·G + μ·B`` instead of ``B``.
+        ns_coefficients: As `Muon`'s.
+        eps: Lower clamp of the Frobenius norm that normalises the input of Newton–Schulz.
+        ns_steps: Newton–Schulz iterations.
+        adjust_lr_fn: As `Muon`'s: ``"original"`` (``None``) or ``"match_rms_adamw"``.
+        compute_dtype: Dtype of the Newton–Schulz iteration, ``"bfloat16"`` or ``"float32"`` (the
+            normalisation computes in float32).
+        ns_form: As `Muon`'s.
+        beta2: Decay of each output neuron's second moment (dion's ``muon_beta2``).
+        **kwargs: AdamW-group settings (``adamw_lr``, ``adamw_betas``, ``adamw_eps``,
+            ``adamw_weight_decay``), ``check_finite``, ``stochastic_rounding``, and ``plan``
+            (a `lightning_canzona.PlanConfig`): see `MatrixOptimizer`.
+    """
+
+    algorithm = "normuon"
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: str | Coefficients | Sequence[Coefficients] = (3.4445, -4.7750, 2.0315),
+        eps: float = 1e-7,
+        ns_steps: int = 5,
+        adjust_lr_fn: str | None = None,
+        compute_dtype: str = "bfloat16",
+        ns_form: str = "standard",
+        beta2: float = 0.95,
+        **kwargs: Any,
+    ) -> None:
+        muon = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov)
+        newton_schulz = dict(ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, ns_form=ns_form)
+        defaults = dict(
+            **muon, **newton_schulz, adjust_lr_fn=adjust_lr_fn, compute_dtype=compute_dtype, beta2=beta2
         )
+        self.check_keywords(kwargs)
+        super().__init__(params, defaults, **kwargs)
+
+    def matrix_rule(self, group: dict[str, Any]) -> NorMuonRule:
+        _check_unit_interval(beta2=group["beta2"])
+        return NorMuonRule(**_muon_settings(group), beta2=group["beta2"])
+
+
+def _muon_settings(group: dict[str, Any]) -> dict[str, Any]:
+    """`MuonRule`'s fields from a Muon or NorMuon param group, checked."""
+    _check_positive_int(ns_steps=group["ns_steps"])
+    _check_unit_interval(momentum=group["momentum"])
+    check_non_negative(eps=group["eps"])
+    adjust_lr_fn = group["adjust_lr_fn"] or "original"
+    if adjust_lr_fn not in ADJUST_LR_FNS:
+        raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS} or None, got {adjust_lr_fn!r}")
+    if group["ns_form"] not in FORMS:
+        raise ValueError(f"ns_form must be one of {FORMS}, got {group['ns_form']!r}")
+    return dict(
+        schedule=resolve_schedule(group["ns_coefficients"]),
+        momentum=group["momentum"],
+        nesterov=group["nesterov"],
+        ns_steps=group["ns_steps"],
+        eps=group["eps"],
+        adjust_lr_fn=adjust_lr_fn,
+        compute_dtype=resolve_dtype(group["compute_dtype"]),
+        ns_form=group["ns_form"],
+    )
 
 
 class Shampoo(MatrixOptimizer):

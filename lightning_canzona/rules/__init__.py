@@ -4,12 +4,14 @@ from lightning_canzona.rules.adamw import adamw_step, init_adamw_state
 from lightning_canzona.rules.base import MatrixRule, UpdateCost
 from lightning_canzona.rules.blocks import RowBlockRule
 from lightning_canzona.rules.muon import MuonRule
+from lightning_canzona.rules.normuon import NorMuonRule
 from lightning_canzona.rules.shampoo import ShampooRule
 from lightning_canzona.rules.soap import SOAPRule
 
 __all__ = [
     "MatrixRule",
     "MuonRule",
+    "NorMuonRule",
     "RowBlockRule",
     "SOAPRule",
     "ShampooRule",

@@ -310,11 +310,15 @@ def _planned_matrices(output: str) -> int:
     return sum(int(row[2]) for row in re.findall(r"^\s*(\d+)\s+([\d.]+)\s+(\d+)\s+([\d.]+)$", table, re.M))
 
 
-def test_cli_top_level_optimizer_takes_matrix_param_groups_and_configs_interpolate(tmp_path) -> None:
+@pytest.mark.parametrize("optimizer_class", [lc.Muon, lc.NorMuon])
+def test_cli_top_level_optimizer_takes_matrix_param_groups_and_configs_interpolate(
+    tmp_path, optimizer_class
+) -> None:
     config = tmp_path / "config.yaml"
     config.write_text(
         "trainer:\n  max_steps: 7\n  val_check_interval: ${trainer.max_steps}\n"
-        "optimizer:\n  class_path: lightning_canzona.Muon\n  init_args:\n    lr: 0.05\n"
+        f"optimizer:\n  class_path: lightning_canzona.{optimizer_class.__name__}\n"
+        "  init_args:\n    lr: 0.05\n"
         "lr_scheduler:\n  class_path: torch.optim.lr_scheduler.StepLR\n  init_args:\n    step_size: 3\n"
     )
     arguments = ["--config", str(TINY_CONFIG), "--config", str(config), "--trainer.devices", "1"]
@@ -327,7 +331,7 @@ def test_cli_top_level_optimizer_takes_matrix_param_groups_and_configs_interpola
     )
     assert cli.trainer.val_check_interval == 7
     (optimizer,), (scheduler,) = cli.model.configure_optimizers()
-    assert isinstance(optimizer, lc.Muon) and scheduler.optimizer is optimizer
+    assert type(optimizer) is optimizer_class and scheduler.optimizer is optimizer
     adamw = [
         name
         for group in optimizer.param_groups
