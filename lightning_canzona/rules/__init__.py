@@ -1,7 +1,11 @@
-"""Per-matrix update rules (pure math on full matrices) and elementwise AdamW."""
+"""Per-matrix update rules (pure math on full matrices) and elementwise AdamW.
+
+`MatrixRule`, `UpdateCost`, `State` and `matrix_dims` are the public interface of a rule written
+outside the package (docs: "Write your own matrix optimizer").
+"""
 
 from lightning_canzona.rules.adamw import adamw_step, init_adamw_state
-from lightning_canzona.rules.base import MatrixRule, UpdateCost
+from lightning_canzona.rules.base import MatrixRule, State, UpdateCost, matrix_dims
 from lightning_canzona.rules.blocks import RowBlockRule
 from lightning_canzona.rules.muon import MuonRule
 from lightning_canzona.rules.normuon import NorMuonRule
@@ -15,7 +19,9 @@ __all__ = [
     "RowBlockRule",
     "SOAPRule",
     "ShampooRule",
+    "State",
     "UpdateCost",
     "adamw_step",
     "init_adamw_state",
+    "matrix_dims",
 ]
