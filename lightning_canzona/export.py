@@ -50,9 +50,7 @@ def consolidated_weights(checkpoint: str | Path, model_key: str = MODEL_KEY) -> 
     if not path.is_dir():
         saved = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
         if not isinstance(saved.get(model_key), dict):
-            raise ValueError(
-                f"The checkpoint {path} holds no model under {model_key!r}; pass its key (model_key)."
-            )
+            raise _no_model(path, model_key)
         return dict(saved[model_key])
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -64,11 +62,16 @@ def consolidated_weights(checkpoint: str | Path, model_key: str = MODEL_KEY) -> 
         if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)
     }
     if not state:
-        raise ValueError(
-            f"The checkpoint {path} holds no model under {model_key!r}; pass its key (model_key)."
-        )
+        raise _no_model(path, model_key)
     safe_load(state, path, no_dist=True)
     return {key.removeprefix(prefix): tensor for key, tensor in state.items()}
+
+
+def _no_model(path: Path, model_key: str) -> ValueError:
+    return ValueError(
+        f"The checkpoint {path} holds no model under {model_key!r}: pass the key its model was saved "
+        "under (model_key=…, --model-key): 'state_dict' for the Trainer's, the state's key for fabric.save."
+    )
 
 
 def export_checkpoint(

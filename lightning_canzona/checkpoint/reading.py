@@ -35,7 +35,6 @@ from lightning_canzona.checkpoint.swap import recover
 
 #: Where a Trainer checkpoint keeps the model's tensors (Fabric's: under the key the user gave).
 MODEL_KEY = "state_dict"
-MODEL_PREFIX = MODEL_KEY + "."
 #: The file of a distributed checkpoint that Lightning writes everything else into.
 LIGHTNING_METADATA = "meta.pt"
 #: The key of the optimizer record (`lightning_canzona.checkpoint.identity`) in a checkpoint.
@@ -258,7 +257,6 @@ def check_path_exists(path: str | os.PathLike | None, setting: str) -> None:
 __all__ = [
     "IDENTITY_KEY",
     "LIGHTNING_METADATA",
-    "MODEL_PREFIX",
     "MetadataUnpickler",
     "SafePlanner",
     "SafeReader",

@@ -147,7 +147,9 @@ def test_the_fabric_example_fine_tunes_a_transformers_model_and_exports_it(tmp_p
     assert after < before - 0.5  # measured: 5.390 → 4.511
     tuned = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tuned").state_dict()
     saved = consolidated_weights(tmp_path / "checkpoint", model_key="model")
-    with pytest.raises(ValueError, match="holds no model under 'state_dict'; pass its key"):
+    with pytest.raises(
+        ValueError, match="holds no model under 'state_dict': pass the key its model was saved under"
+    ):
         consolidated_weights(tmp_path / "checkpoint")  # the Trainer's key: said, not an empty export
     assert tuned.keys() == saved.keys()
     for name, weight in saved.items():
