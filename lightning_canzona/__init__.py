@@ -12,6 +12,8 @@ from lightning_canzona.config import PlanConfig
 from lightning_canzona.export import export_checkpoint
 from lightning_canzona.fabric import CanzonaFabricStrategy
 from lightning_canzona.optim import SOAP, Muon, NorMuon, Shampoo, matrix_param_groups
+from lightning_canzona.qk_clip import QKClip
+from lightning_canzona.qk_clip.runtime import attach_qk_clip
 from lightning_canzona.strategy import CanzonaStrategy
 from lightning_canzona.telemetry import StepTelemetry
 from lightning_canzona.warning_filters import ignore_harmless_warnings
@@ -23,8 +25,10 @@ __all__ = [
     "Muon",
     "NorMuon",
     "PlanConfig",
+    "QKClip",
     "Shampoo",
     "StepTelemetry",
+    "attach_qk_clip",
     "export_checkpoint",
     "matrix_param_groups",
 ]

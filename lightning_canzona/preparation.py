@@ -23,6 +23,7 @@ from lightning_canzona.distributed.replicas import average_gradients, check_grad
 from lightning_canzona.optim import MatrixOptimizer
 from lightning_canzona.optim.binding import bind_optimizer
 from lightning_canzona.planning import report
+from lightning_canzona.qk_clip.runtime import attach_qk_clip
 from lightning_canzona.rules.blocks import describe_row_blocks
 
 NamedParameters = list[tuple[str, nn.Parameter]]
@@ -91,7 +92,8 @@ def bind_and_describe(
     source: str = "CanzonaStrategy",
 ) -> Optimizer:
     """``optimizer`` bound to the strategy (`bind_optimizer`), its plan built and printed as a
-    table per mesh, and its row blocks named (collective: the plan shares the shards' layouts)."""
+    table per mesh, its row blocks named, and its QK-clip attached to ``module`` with its cost
+    (collective: the plan shares the shards' layouts)."""
     bound, message = bind_optimizer(optimizer, module, config, schedulers, source)
     if message:
         rank_zero_info(message)
@@ -101,4 +103,6 @@ def bind_and_describe(
                 rank_zero_info(f"lightning_canzona plan on mesh {tuple(mesh.shape)}:\n{report(plan).table()}")
         if bound.row_blocks():
             rank_zero_info(f"lightning_canzona: {describe_row_blocks(bound.row_blocks())}")
+        if bound.qk_clip is not None:
+            rank_zero_info(attach_qk_clip(module, bound).describe())
     return bound

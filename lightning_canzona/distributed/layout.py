@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -172,9 +172,10 @@ def placements_on(param: DTensor, mesh: DeviceMesh) -> list[Placement]:
     ]
 
 
-def local_shard(param: DTensor, mesh: DeviceMesh | None = None) -> LocalShard:
+def local_shard(param: DTensor, mesh: DeviceMesh | None = None, gathered: Collection[str] = ()) -> LocalShard:
     """This rank's shard of ``param`` (seen on ``mesh``, by default its own), from DTensor's own
-    placement logic.
+    placement logic; with the mesh dimensions named in ``gathered`` taken as replicated (FSDP2's
+    ``"data_parallel"``: what a module computes with in its forward).
 
     Dimension by dimension, the vector of global indices is distributed with the placements that
     shard that dimension (the others replicated) and without communication: what stays on this
@@ -182,7 +183,10 @@ def local_shard(param: DTensor, mesh: DeviceMesh | None = None) -> LocalShard:
     (``_StridedShard`` included).
     """
     mesh = mesh or param.device_mesh
-    placements = placements_on(param, mesh)
+    names = mesh.mesh_dim_names or ()
+    placements = [
+        Replicate() if names and names[i] in gathered else p for i, p in enumerate(placements_on(param, mesh))
+    ]
     runs = []
     for dim, size in enumerate(param.shape):
         along = [

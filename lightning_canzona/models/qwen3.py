@@ -21,6 +21,8 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from lightning_canzona.qk_clip import AttentionHeads, HeadRows, MaxLogits
+
 
 @dataclass(frozen=True)
 class Qwen3Config:
@@ -41,6 +43,8 @@ class Qwen3Config:
         num_experts_per_tok: Experts each token is routed to (top-k).
         moe_intermediate_size: SwiGLU hidden width of one expert.
         router_aux_loss_coef: Weight of the load-balancing loss in the training loss.
+        qk_norm: RMS-normalise each head's queries and keys (Qwen3); ``False`` leaves them as the
+            projections make them (Llama-style), where `lightning_canzona.QKClip` bounds the logits.
     """
 
     vocab_size: int
@@ -57,6 +61,7 @@ class Qwen3Config:
     num_experts_per_tok: int = 8
     moe_intermediate_size: int = 0
     router_aux_loss_coef: float = 0.001
+    qk_norm: bool = True
 
 
 _QWEN3_VOCAB = 151_936
@@ -131,7 +136,12 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    """Grouped-query causal self-attention with RMS-normalised queries and keys (QK-norm)."""
+    """Grouped-query causal self-attention, with RMS-normalised queries and keys (QK-norm) unless
+    the config turns it off.
+
+    While ``max_logits`` is set (QK-clip does it, `lightning_canzona.qk_clip`), each training
+    forward also folds its largest logit per head into it.
+    """
 
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__()
@@ -140,16 +150,28 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * config.head_dim, bias=False)
         self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * config.head_dim, bias=False)
         self.o_proj = nn.Linear(config.num_attention_heads * config.head_dim, config.hidden_size, bias=False)
-        self.q_norm = nn.RMSNorm(config.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = nn.RMSNorm(config.head_dim, eps=config.rms_norm_eps)
+        self.q_norm = nn.RMSNorm(config.head_dim, eps=config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = nn.RMSNorm(config.head_dim, eps=config.rms_norm_eps) if config.qk_norm else None
+        self.max_logits: MaxLogits | None = None
+
+    def attention_heads(self) -> AttentionHeads:
+        """Where the query and key heads lie (`lightning_canzona.qk_clip.ClipsQueryKey`)."""
+        heads = self.q_proj.weight.shape[0] // self.head_dim  # global shapes, also when sharded
+        kv_heads = self.k_proj.weight.shape[0] // self.head_dim
+        query, key = (HeadRows("q_proj.weight"),), (HeadRows("k_proj.weight"),)
+        return AttentionHeads("", heads, kv_heads, self.head_dim, query, key)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         batch, seq, _ = x.shape
         # Head counts come from the (possibly tensor-parallel, local) projection widths.
-        q = self.q_norm(self.q_proj(x).view(batch, seq, -1, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(batch, seq, -1, self.head_dim)).transpose(1, 2)
+        q = self.q_proj(x).view(batch, seq, -1, self.head_dim)
+        k = self.k_proj(x).view(batch, seq, -1, self.head_dim)
         v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q.transpose(1, 2), cos, sin), apply_rotary(k.transpose(1, 2), cos, sin)
+        if self.max_logits is not None and self.training:
+            self.max_logits.observe(q, k, self.head_dim**-0.5, causal=True)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -310,7 +332,7 @@ def tensor_parallel_plan(model: Qwen3) -> dict[str, ParallelStyle]:
             plan[f"{prefix}.{name}"] = ColwiseParallel()
         for name in rowwise:
             plan[f"{prefix}.{name}"] = RowwiseParallel()
-        for name in ("self_attn.q_norm", "self_attn.k_norm"):
+        for name in ("self_attn.q_norm", "self_attn.k_norm") if model.config.qk_norm else ():
             plan[f"{prefix}.{name}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
     return plan
 

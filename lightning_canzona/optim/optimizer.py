@@ -35,6 +35,7 @@ from lightning_canzona.distributed.layout import local_tensor, planning_mesh
 from lightning_canzona.distributed.prices import flops_weights, priced
 from lightning_canzona.distributed.updates import apply_matrices, full_direction, prepare_matrices, step_adamw
 from lightning_canzona.planning import Plan, PlanSettings
+from lightning_canzona.qk_clip.settings import QKClip
 from lightning_canzona.rules.adamw import ALGORITHM as ADAMW
 from lightning_canzona.rules.base import MatrixRule
 from lightning_canzona.rules.blocks import RowBlockRule, RowBlocks, as_row_blocks, row_block_sizes
@@ -128,6 +129,10 @@ class MatrixOptimizer(Optimizer):
         self.batch_matrices = True
         self.locality = True
         self.engines: dict[Any, MeshEngine] = {}
+        #: QK-clip's setting (`Muon` and `NorMuon` take it) and, once a strategy or
+        #: `lightning_canzona.qk_clip.runtime.attach_qk_clip` has attached it to the model, its runtime.
+        self.qk_clip: QKClip | None = None
+        self.qk_clip_runtime: Any = None
         super().__init__(params, defaults)
 
     @classmethod
@@ -276,6 +281,12 @@ class MatrixOptimizer(Optimizer):
         `lightning_canzona.distributed.gradients`); an error in the step's own work is raised on
         every rank once the step's collectives are done.
         """
+        if self.qk_clip is not None and self.qk_clip_runtime is None:  # the same on every rank
+            raise RuntimeError(
+                f"{type(self).__name__}(qk_clip=...) needs the model's attention layers: train with "
+                "strategy='canzona' (Trainer or Fabric), or call "
+                "lightning_canzona.attach_qk_clip(model, optimizer) before the first step."
+            )
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -15,6 +15,7 @@ from lightning_canzona.optim.optimizer import (
     check_non_negative,
     resolve_dtype,
 )
+from lightning_canzona.qk_clip.settings import QKClip
 from lightning_canzona.rules.muon import ADJUST_LR_FNS, MuonRule
 from lightning_canzona.rules.newton_schulz import FORMS, Coefficients, resolve_schedule
 from lightning_canzona.rules.normuon import NorMuonRule
@@ -61,6 +62,8 @@ class Muon(MatrixOptimizer):
             wide; ``"standard-symmetric"`` or ``"gram-symmetric"``: either with its symmetric
             products (``XXᵀ`` and its square) computed by blocks, 5/8 of their FLOPs (see
             `lightning_canzona.rules.newton_schulz`).
+        qk_clip: Bound the attention logits after each step (MuonClip's QK-clip, Kimi K2): see
+            `lightning_canzona.QKClip`; ``None`` leaves the weights as the update made them.
         **kwargs: AdamW-group settings (``adamw_lr``, ``adamw_betas``, ``adamw_eps``,
             ``adamw_weight_decay``), ``check_finite``, ``stochastic_rounding``, and ``plan``
             (a `lightning_canzona.PlanConfig`: how the updates are distributed): see
@@ -82,6 +85,7 @@ class Muon(MatrixOptimizer):
         adjust_lr_fn: str | None = None,
         compute_dtype: str = "bfloat16",
         ns_form: str = "standard",
+        qk_clip: QKClip | None = None,
         **kwargs: Any,
     ) -> None:
         defaults = dict(
@@ -98,6 +102,7 @@ class Muon(MatrixOptimizer):
         )
         self.check_keywords(kwargs)
         super().__init__(params, defaults, **kwargs)
+        self.qk_clip = _qk_clip_setting(qk_clip)
 
     def matrix_rule(self, group: dict[str, Any]) -> MuonRule:
         return MuonRule(**_muon_settings(group))
@@ -126,6 +131,7 @@ class NorMuon(MatrixOptimizer):
             normalisation computes in float32).
         ns_form: As `Muon`'s.
         beta2: Decay of each output neuron's second moment (dion's ``muon_beta2``).
+        qk_clip: As `Muon`'s.
         **kwargs: AdamW-group settings (``adamw_lr``, ``adamw_betas``, ``adamw_eps``,
             ``adamw_weight_decay``), ``check_finite``, ``stochastic_rounding``, and ``plan``
             (a `lightning_canzona.PlanConfig`): see `MatrixOptimizer`.
@@ -147,6 +153,7 @@ class NorMuon(MatrixOptimizer):
         compute_dtype: str = "bfloat16",
         ns_form: str = "standard",
         beta2: float = 0.95,
+        qk_clip: QKClip | None = None,
         **kwargs: Any,
     ) -> None:
         muon = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov)
@@ -156,10 +163,19 @@ class NorMuon(MatrixOptimizer):
         )
         self.check_keywords(kwargs)
         super().__init__(params, defaults, **kwargs)
+        self.qk_clip = _qk_clip_setting(qk_clip)
 
     def matrix_rule(self, group: dict[str, Any]) -> NorMuonRule:
         _check_unit_interval(beta2=group["beta2"])
         return NorMuonRule(**_muon_settings(group), beta2=group["beta2"])
+
+
+def _qk_clip_setting(qk_clip: QKClip | None) -> QKClip | None:
+    if qk_clip is not None and not isinstance(qk_clip, QKClip):
+        raise TypeError(
+            f"qk_clip must be a lightning_canzona.QKClip (QKClip(threshold=100.0)) or None, got {qk_clip!r}"
+        )
+    return qk_clip
 
 
 def _muon_settings(group: dict[str, Any]) -> dict[str, Any]:
