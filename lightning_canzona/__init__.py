@@ -13,7 +13,7 @@ from lightning_canzona.export import export_checkpoint
 from lightning_canzona.fabric import CanzonaFabricStrategy
 from lightning_canzona.optim import SOAP, Muon, NorMuon, Shampoo, matrix_param_groups
 from lightning_canzona.qk_clip import QKClip
-from lightning_canzona.qk_clip.runtime import attach_qk_clip
+from lightning_canzona.qk_clip_runtime import attach_qk_clip
 from lightning_canzona.strategy import CanzonaStrategy
 from lightning_canzona.telemetry import StepTelemetry
 from lightning_canzona.warning_filters import ignore_harmless_warnings

@@ -146,6 +146,12 @@ def transformers_no_split_modules(model: nn.Module) -> tuple[str, ...]:
     return tuple(getattr(model, "_no_split_modules", None) or ())
 
 
+def transformers_attention_implementation(model: nn.Module) -> str:
+    """The attention function a ``PreTrainedModel`` dispatches to (``"sdpa"``, ``"eager"``, …).
+    Public alternative: ``set_attn_implementation`` sets it; nothing public reads it."""
+    return model.config._attn_implementation
+
+
 # --- Lightning ----------------------------------------------------------------------------------
 
 #: A path as Lightning's hooks take it (Lightning's own alias, ``_PATH``, is private).

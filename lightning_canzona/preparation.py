@@ -23,7 +23,7 @@ from lightning_canzona.distributed.replicas import average_gradients, check_grad
 from lightning_canzona.optim import MatrixOptimizer
 from lightning_canzona.optim.binding import bind_optimizer
 from lightning_canzona.planning import report
-from lightning_canzona.qk_clip.runtime import attach_qk_clip
+from lightning_canzona.qk_clip_runtime import attach_qk_clip
 from lightning_canzona.rules.blocks import describe_row_blocks
 
 NamedParameters = list[tuple[str, nn.Parameter]]

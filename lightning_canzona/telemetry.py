@@ -37,6 +37,8 @@ COMPUTE_MS, COMPUTE_MAX_MS, WAIT_MS, SENT_MIB, MATRICES, DECOMPOSITION_FAILURES 
     "canzona/matrices_per_rank",
     "canzona/decomposition_failures",
 )
+#: Logged where an optimizer clips query/key heads (`lightning_canzona.QKClip`).
+MAX_LOGIT, CLIPPED_HEADS = "canzona/max_logit", "canzona/qk_clipped_heads"
 
 
 #: What each rank contributes per step, in this order.
@@ -68,7 +70,10 @@ class StepTelemetry:
     - ``canzona/sent_MiB``: bytes sent in all-to-alls by all ranks together;
     - ``canzona/matrices_per_rank``: full-matrix updates computed by the busiest rank;
     - ``canzona/decomposition_failures``: Shampoo/SOAP factor decompositions per step that failed
-      (all ranks together); each kept its previous root or basis.
+      (all ranks together); each kept its previous root or basis;
+    - with QK-clip (`lightning_canzona.QKClip`), ``canzona/max_logit``: the largest attention logit
+      of the steps' training forwards, before clipping, and ``canzona/qk_clipped_heads``: query
+      heads clipped per step.
 
     Args:
         optimizers: The optimizers to follow (as returned by ``fabric.setup_optimizers`` or
@@ -85,6 +90,9 @@ class StepTelemetry:
         self._steps = 0
         self._last: list[int] = []
         self._gathered = CatMetric(nan_strategy="error")
+        #: QK-clip's figures since the last compute: the same on every rank, kept on the device.
+        self._max_logit: torch.Tensor | None = None
+        self._clipped_heads: torch.Tensor | None = None
 
     def update(self) -> None:
         """Keep the latest step's figures: call after each optimizer step (a call without a new
@@ -97,6 +105,9 @@ class StepTelemetry:
             self._pending = StepStats()
             for engine in engines:
                 self._pending.add(engine.stats)
+            for runtime in (o.qk_clip_runtime for o in self._optimizers if o.qk_clip_runtime is not None):
+                self._max_logit = _fold(self._max_logit, runtime.max_logit, torch.maximum)
+                self._clipped_heads = _fold(self._clipped_heads, runtime.clipped_heads, torch.add)
 
     def compute(self) -> dict[str, float]:
         """The figures over the steps since the last call, gathered from every rank (collective);
@@ -108,13 +119,13 @@ class StepTelemetry:
         self._gathered = self._gathered.to(device)
         self._gathered.update((self._totals / self._steps).to(device)[None])
         self._totals.zero_()
-        self._steps = 0
+        steps, self._steps = self._steps, 0
         step, compute, wait, sent, matrices, failures = (
             self._gathered.compute().reshape(-1, len(_FIGURES)).unbind(dim=1)
         )
         self._gathered.reset()
         mean_compute = float(compute.mean())
-        return {
+        figures = {
             STEP_MS: 1e3 * float(step.max()),
             IMBALANCE: float(compute.max()) / mean_compute if mean_compute > 0 else 1.0,
             COMPUTE_MS: 1e3 * mean_compute,
@@ -124,6 +135,11 @@ class StepTelemetry:
             MATRICES: float(matrices.max()),
             DECOMPOSITION_FAILURES: float(failures.sum()),
         }
+        if self._max_logit is not None and self._clipped_heads is not None:
+            figures[MAX_LOGIT] = float(self._max_logit)
+            figures[CLIPPED_HEADS] = float(self._clipped_heads) / steps
+            self._max_logit = self._clipped_heads = None
+        return figures
 
     def _read_pending(self) -> None:
         if self._pending is not None:
@@ -156,6 +172,12 @@ class OptimizerTelemetry(Callback):
                 pl_module.log(
                     name, value, prog_bar=name in (STEP_MS, IMBALANCE), on_step=True, on_epoch=False
                 )
+
+
+def _fold(
+    total: torch.Tensor | None, value: torch.Tensor, combine: Callable[..., torch.Tensor]
+) -> torch.Tensor:
+    return value.clone() if total is None else combine(total, value)
 
 
 def _unwrapped(optimizer: Optimizer) -> Optimizer:

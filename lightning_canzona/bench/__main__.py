@@ -1,10 +1,11 @@
-"""Benchmarks: ``canzona bench [train|step|ns]`` (or ``python -m lightning_canzona.bench``).
+"""Benchmarks: ``canzona bench [train|step|ns|qk-clip]`` (or ``python -m lightning_canzona.bench``).
 
 - ``train`` (the default): end-to-end training iterations, AdamW vs ``ModelParallelStrategy`` +
   ``torch.optim.Muon`` vs canzona, with the Trainer and in a Fabric loop; a table, a JSON file
   and a PNG chart;
 - ``step``: the optimizer step alone, canzona's policies vs the alternatives;
-- ``ns``: Newton–Schulz forms side by side: time, throughput against plain matmul, accuracy.
+- ``ns``: Newton–Schulz forms side by side: time, throughput against plain matmul, accuracy;
+- ``qk-clip``: a training iteration with and without QK-clip, and the clip alone.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_canzona.bench import newton_schulz, step, train
+from lightning_canzona.bench import newton_schulz, qk_clip, step, train
 
 
 def _shape(text: str) -> tuple[int, int]:
@@ -67,6 +68,14 @@ def main(argv: list[str] | None = None) -> None:
         help="the optimizer of every variant (muon-gram, muon-symmetric: Muon with ns_form='gram', "
         "'standard-symmetric')",
     )
+    clip = commands.add_parser("qk-clip", help="a training iteration with and without QK-clip (one process)")
+    clip.add_argument(
+        "--presets", nargs="+", default=["tiny", "small"], help="Qwen3 presets, built without QK-norm"
+    )
+    clip.add_argument("--seq-lens", nargs="+", type=int, default=[128, 512])
+    clip.add_argument("--batch-size", type=int, default=4)
+    clip.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    clip.add_argument("--repeats", type=int, default=5)
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv.insert(0, "train")
@@ -77,6 +86,16 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.command == "step":
         step.run(args.presets, args.dp, args.tp, args.steps, args.optimizer)
+        return
+    if args.command == "qk-clip":
+        rows = qk_clip.measure(
+            args.presets, args.seq_lens, args.batch_size, getattr(torch, args.dtype), args.repeats
+        )
+        print(
+            f"A training iteration (forward, backward, Muon step) without and with QK-clip, {args.dtype} "
+            f"weights, one process, {torch.get_num_threads()} threads; 'clip ms': the clip alone"
+        )
+        print(qk_clip.format_table(rows))
         return
 
     if args.threads:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -14,7 +15,12 @@ from torch import Tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.optim.lr_scheduler import LambdaLR
 
-from lightning_canzona.models.qwen3 import Qwen3, tensor_parallel_constraints, tensor_parallel_plan
+from lightning_canzona.models.qwen3 import (
+    Qwen3,
+    resolve_config,
+    tensor_parallel_constraints,
+    tensor_parallel_plan,
+)
 from lightning_canzona.optim import MatrixOptimizer, Muon, matrix_param_groups
 
 
@@ -28,6 +34,8 @@ class CausalLanguageModel(LightningModule):
         optimizer: Builds the optimizer from param groups (``matrix_param_groups`` of the decoder);
             ``None`` uses ``lightning_canzona.Muon(lr=0.02, adamw_lr=3e-3, weight_decay=0.01)``.
         warmup_steps: Linear learning-rate warm-up, then cosine decay to 10% at the last step.
+        qk_norm: RMS-normalise each head's queries and keys, as Qwen3 does; ``False`` builds the
+            attention without (Llama-style), whose logits an optimizer's ``qk_clip`` bounds.
     """
 
     def __init__(
@@ -35,13 +43,21 @@ class CausalLanguageModel(LightningModule):
         preset: str = "tiny",
         optimizer: OptimizerCallable | None = None,
         warmup_steps: int = 20,
+        qk_norm: bool = True,
     ) -> None:
         super().__init__()
         if isinstance(optimizer, functools.partial) and _is_matrix_optimizer(optimizer.func):
-            optimizer.func.check_keywords(optimizer.keywords)  # here, not on every rank later
+            # Here, in the launching process, not on every rank later.
+            optimizer.func.check_keywords(optimizer.keywords)
+            if optimizer.keywords.get("qk_clip") is not None and qk_norm:
+                raise ValueError(
+                    f"{optimizer.func.__name__}(qk_clip=...) bounds attention logits through the scale "
+                    "of the query and key weights, which QK-norm takes away. Set qk_norm=False on "
+                    "the model (model.init_args.qk_norm: false) or leave qk_clip unset."
+                )
         self.save_hyperparameters(ignore=["optimizer"])
         self.optimizer_factory = optimizer
-        self.model = Qwen3(preset)
+        self.model = Qwen3(replace(resolve_config(preset), qk_norm=qk_norm))
 
     def tensor_parallel_plan(self) -> dict[str, ParallelStyle]:
         """The decoder's TP plan, named from this module (what `CanzonaStrategy` applies)."""

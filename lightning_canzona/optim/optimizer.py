@@ -130,7 +130,7 @@ class MatrixOptimizer(Optimizer):
         self.locality = True
         self.engines: dict[Any, MeshEngine] = {}
         #: QK-clip's setting (`Muon` and `NorMuon` take it) and, once a strategy or
-        #: `lightning_canzona.qk_clip.runtime.attach_qk_clip` has attached it to the model, its runtime.
+        #: `lightning_canzona.qk_clip_runtime.attach_qk_clip` has attached it to the model, its runtime.
         self.qk_clip: QKClip | None = None
         self.qk_clip_runtime: Any = None
         super().__init__(params, defaults)

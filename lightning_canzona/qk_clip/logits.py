@@ -13,6 +13,8 @@ from torch import Tensor
 
 #: Logits computed at once per block of query rows (64 MiB in float32): bounds the pass's memory.
 BLOCK_ELEMENTS = 2**24
+#: Query rows per block under a causal mask: the keys after a block's last row are never multiplied.
+CAUSAL_BLOCK_ROWS = 128
 
 
 class MaxLogits:
@@ -48,20 +50,25 @@ class MaxLogits:
             raise ValueError(f"{heads} query heads cannot share {kv_heads} key heads evenly")
         key = key.repeat_interleave(heads // kv_heads, dim=1).transpose(-2, -1)
         rows = max(1, BLOCK_ELEMENTS // max(1, batch * heads * keys))
-        maxima = torch.full((heads,), -torch.inf, dtype=torch.float32, device=query.device)
+        if causal:  # smaller blocks skip more of the keys no query of theirs sees
+            rows = min(rows, CAUSAL_BLOCK_ROWS)
+        maxima = torch.full((heads,), -torch.inf, dtype=query.dtype, device=query.device)
         for start in range(0, queries, rows):
             end = min(queries, start + rows)
             seen = min(end, keys) if causal else keys  # the keys any query of the block may see
-            logits = (query[:, :, start:end] @ key[..., :seen]).float() * scaling
+            products = query[:, :, start:end] @ key[..., :seen]
             if causal:
                 position = torch.arange(start, end, device=query.device)[:, None]
-                logits = logits.masked_fill(torch.arange(seen, device=query.device) > position, -torch.inf)
+                products.masked_fill_(torch.arange(seen, device=query.device) > position, -torch.inf)
             if mask is not None:
                 block = mask[..., start:end, :seen] if mask.shape[-2] > 1 else mask[..., :seen]
-                logits = (
-                    logits.masked_fill(~block, -torch.inf) if block.dtype == torch.bool else logits + block
-                )
-            maxima = torch.maximum(maxima, logits.amax(dim=(0, 2, 3)))
+                if block.dtype == torch.bool:
+                    products.masked_fill_(~block, -torch.inf)
+                else:  # additive, to the logits: to the products, divided by the scaling
+                    products = products + block.to(products.dtype) / scaling
+            # The maximum of the products times the (positive) scaling: no pass over the block for it.
+            maxima = torch.maximum(maxima, products.amax(dim=(0, 2, 3)))
+        maxima = maxima.float() * scaling
         self._maxima = maxima if self._maxima is None else torch.maximum(self._maxima, maxima)
 
     def take(self) -> Tensor | None:

@@ -4,7 +4,9 @@ A ``transformers`` attention layer calls the function its config names
 (``config._attn_implementation``: ``"sdpa"``, ``"eager"``, ``"flash_attention_2"``, …) with the
 queries and keys after the rotary embedding. `record_max_logits` registers, under a name of its
 own, a function that folds them into the layer's `MaxLogits` and then calls the model's own
-function, and points the model at it: every attention path keeps working, unchanged.
+function, and points the model at it: every attention path keeps working, unchanged. The
+registry is found through the model's own modeling module (``ALL_ATTENTION_FUNCTIONS``), so this
+package never imports ``transformers`` itself.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from weakref import WeakKeyDictionary
 
 from torch import Tensor, nn
 
+from lightning_canzona.compat import transformers_attention_implementation
 from lightning_canzona.qk_clip.heads import AttentionHeads, HeadRows
 from lightning_canzona.qk_clip.logits import MaxLogits
 
@@ -55,18 +58,23 @@ def _rows(projection: nn.Linear, name: str, first_row: int) -> tuple[HeadRows, .
 def record_max_logits(model: nn.Module, recorders: dict[nn.Module, MaxLogits]) -> None:
     """Make ``model``'s attention layers (keys of ``recorders``) fold their training forwards'
     logits into their recorders."""
-    from transformers import AttentionInterface
-
-    original = model.config._attn_implementation
+    original = transformers_attention_implementation(model)
     if original.startswith(PREFIX):  # attached before: the model's own function is behind ours
         original = original.removeprefix(PREFIX)
     name = PREFIX + original
-    AttentionInterface.register(name, _recording(original))
+    registry = _registry(model)
+    registry.register(name, _recording(original, registry))
     _RECORDERS.update(recorders)
     model.set_attn_implementation(name)
 
 
-def _recording(original: str) -> Callable[..., Any]:
+def _registry(module: nn.Module) -> Any:
+    """The attention-function registry (``transformers``' ``AttentionInterface``) that ``module``'s
+    modeling file dispatches through."""
+    return sys.modules[type(module).__module__].ALL_ATTENTION_FUNCTIONS
+
+
+def _recording(original: str, registry: Any) -> Callable[..., Any]:
     def attention(
         module: nn.Module,
         query: Tensor,
@@ -86,16 +94,14 @@ def _recording(original: str) -> Callable[..., Any]:
                 mask=attention_mask,
                 causal=causal,
             )
-        return _function(module, original)(module, query, key, value, attention_mask, **kwargs)
+        return _function(module, original, registry)(module, query, key, value, attention_mask, **kwargs)
 
     return attention
 
 
-def _function(module: nn.Module, implementation: str) -> Callable[..., Any]:
+def _function(module: nn.Module, implementation: str, registry: Any) -> Callable[..., Any]:
     """The attention function ``implementation`` names for ``module``: a registered one, or the
     ``eager_attention_forward`` of the module's own modeling file."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    if implementation != "eager" and implementation in ALL_ATTENTION_FUNCTIONS:
-        return ALL_ATTENTION_FUNCTIONS[implementation]
+    if implementation != "eager" and implementation in registry:
+        return registry[implementation]
     return sys.modules[type(module).__module__].eager_attention_forward

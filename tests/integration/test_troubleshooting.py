@@ -8,6 +8,7 @@ page and the triggers must name the same entries.
 
 from __future__ import annotations
 
+import functools
 import io
 import pickle
 import re
@@ -202,6 +203,12 @@ TRIGGERS: dict[str, Callable[[Path], None]] = {
     "Row blocks that do not fit": lambda _: lc.Muon(
         lc.matrix_param_groups(nn.Sequential(nn.Linear(8, 22)), row_blocks={"0.weight": (10, 6, 4)})
     ),
+    "QK-clip on a model with QK-norm": lambda _: CausalLanguageModel(
+        optimizer=functools.partial(lc.Muon, qk_clip=lc.QKClip())
+    ),
+    "QK-clip without a model": lambda _: lc.Muon(
+        [torch.zeros(2, 2, requires_grad=True)], qk_clip=lc.QKClip()
+    ).step(),
     "A mistyped setting in a config file": lambda _: _cli_typo(),
     "A checkpoint of another model": _other_model,
     "A checkpoint of another optimizer": lambda _: _other_optimizer(),

@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "lightning_canzona"
 #: Top-level modules and subpackages of the package, by layer, lowest first.
 LAYERS: list[set[str]] = [
     {"compat", "geometry"},  # private torch/Lightning names; how a matrix is cut into slices
-    {"rules"},  # the per-matrix math and its cost
+    {"rules", "qk_clip"},  # the per-matrix math and its cost; QK-clip's per-layer math
     {"planning"},  # pure planning, and the device model whose prices it charges
     {"config"},  # the one configuration of the plan
     {"distributed"},  # the engine
@@ -34,6 +34,7 @@ LAYERS: list[set[str]] = [
         "metrics",
         "precision",
         "preparation",
+        "qk_clip_runtime",
         "telemetry",
         "warning_filters",
     },
