@@ -46,14 +46,15 @@ class CausalLanguageModel(LightningModule):
         qk_norm: bool = True,
     ) -> None:
         super().__init__()
-        if isinstance(optimizer, functools.partial) and _is_matrix_optimizer(optimizer.func):
-            # Here, in the launching process, not on every rank later.
-            optimizer.func.check_keywords(optimizer.keywords)
+        # Checked here, in the launching process, not on every rank later.
+        if isinstance(optimizer, functools.partial):
+            if _is_matrix_optimizer(optimizer.func):
+                optimizer.func.check_keywords(optimizer.keywords)
             if optimizer.keywords.get("qk_clip") is not None and qk_norm:
                 raise ValueError(
-                    f"{optimizer.func.__name__}(qk_clip=...) bounds attention logits through the scale "
-                    "of the query and key weights, which QK-norm takes away. Set qk_norm=False on "
-                    "the model (model.init_args.qk_norm: false) or leave qk_clip unset."
+                    "The optimizer's qk_clip bounds attention logits through the scale of the query "
+                    "and key weights, which QK-norm takes away. Set qk_norm=False on the model "
+                    "(model.init_args.qk_norm: false) or leave qk_clip unset."
                 )
         self.save_hyperparameters(ignore=["optimizer"])
         self.optimizer_factory = optimizer

@@ -66,7 +66,7 @@ class AttentionHeads:
             return tuple(HeadRows(prefix + r.param, r.first_row) for r in rows)
 
         return AttentionHeads(
-            prefix + self.name,
+            prefix + self.name if self.name else prefix.removesuffix("."),
             self.num_heads,
             self.num_kv_heads,
             self.head_dim,
