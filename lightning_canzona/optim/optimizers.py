@@ -6,7 +6,7 @@ math lives in `lightning_canzona.rules`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from lightning_canzona.optim.optimizer import (
@@ -292,6 +292,9 @@ class SOAP(MatrixOptimizer):
         weight_decay: Decoupled weight decay λ.
         precondition_frequency: Steps between QR refreshes of the eigenbases.
         max_precond_dim: Sides longer than this keep the identity basis.
+        weight_decay_order: ``"decay_first"`` (``W ← W·(1 − γλ) − γ·D``, as ``torch.optim.AdamW``)
+            or ``"update_first"``: the SOAP authors' ``soap.py``, ``W ← (W − γ·D)·(1 − γλ)``, and no
+            decay on the first step, which only starts the preconditioner.
         **kwargs: AdamW-group settings (``adamw_lr``, ``adamw_betas``, ``adamw_eps``,
             ``adamw_weight_decay``), ``check_finite``, ``stochastic_rounding``, and ``plan``
             (a `lightning_canzona.PlanConfig`: how the updates are distributed): see
@@ -310,6 +313,7 @@ class SOAP(MatrixOptimizer):
         weight_decay: float = 0.01,
         precondition_frequency: int = 10,
         max_precond_dim: int = 10_000,
+        weight_decay_order: str = "decay_first",
         **kwargs: Any,
     ) -> None:
         defaults = dict(
@@ -320,9 +324,20 @@ class SOAP(MatrixOptimizer):
             weight_decay=weight_decay,
             precondition_frequency=precondition_frequency,
             max_precond_dim=max_precond_dim,
+            weight_decay_order=weight_decay_order,
         )
         self.check_keywords(kwargs)
         super().__init__(params, defaults, **kwargs)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """`MatrixOptimizer.step`, then one more step counted in every SOAP group
+        (``param_groups[i]["soap_steps"]``, the same on every rank: a step that raises raises on
+        every rank): ``weight_decay_order="update_first"`` skips the first step's decay."""
+        loss = super().step(closure)
+        for group in self.param_groups:
+            if group["algorithm"] == self.algorithm:
+                group["soap_steps"] = group.get("soap_steps", 0) + 1
+        return loss
 
     def matrix_rule(self, group: dict[str, Any]) -> SOAPRule:
         check_betas("betas", group["betas"])
@@ -338,4 +353,6 @@ class SOAP(MatrixOptimizer):
             eps=group["eps"],
             precondition_frequency=group["precondition_frequency"],
             max_precond_dim=group["max_precond_dim"],
+            weight_decay_order=group["weight_decay_order"],
+            first_step=group.get("soap_steps", 0) == 0,
         )

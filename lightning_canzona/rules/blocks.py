@@ -162,6 +162,22 @@ class RowBlockRule(MatrixRule):
         ratio = self.inner.lr_scale(blocks.shape[-2:]) / scale
         return direction if ratio == 1.0 else direction.mul(ratio)
 
+    def apply(
+        self,
+        params: Sequence[Tensor],
+        directions: Sequence[Tensor],
+        *,
+        lr: float,
+        weight_decay: float,
+        shapes: Sequence[Sequence[int]],
+    ) -> None:
+        """The inner rule's `apply` (with its own decay order, where it has one), at the
+        learning-rate scale of each matrix's first block, to which `direction` scaled the others."""
+        first_blocks = [
+            (*shape[:-2], row_block_sizes(self.row_blocks, shape[-2])[0], shape[-1]) for shape in shapes
+        ]
+        self.inner.apply(params, directions, lr=lr, weight_decay=weight_decay, shapes=first_blocks)
+
     def matmul_dtype(self) -> torch.dtype:
         return self.inner.matmul_dtype()
 

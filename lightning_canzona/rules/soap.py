@@ -21,8 +21,13 @@ This is the order of the authors' implementation: a basis never rotates a gradie
 computed from. The first bases diagonalise the first gradient exactly, so its rotation off the
 diagonal is rounding, which the Adam ratio would turn into ±1: measured, such a first step lay
 0.78–8.7× the norm of the step it stands for (``c·UVᵀ``) away from it, by the gradient's scale.
-The first step therefore moves the weights by the weight decay only (the authors' implementation
-skips that too).
+The first step therefore moves the weights by the weight decay only.
+
+Weight decay comes first by default (``decay_first``, as ``torch.optim.AdamW`` and the other rules
+here). ``update_first`` is the authors' ``soap.py``: the updated weights are decayed,
+``W ← (W − γ·D)·(1 − γλ)``, and not at all on the first step, which only starts the
+preconditioner. The first step is the param group's (the same on every rank): a matrix whose
+first gradient comes later is decayed on its own first step.
 
 ``M`` stays in the original coordinates, as in the paper's algorithm, so a basis refresh never
 mixes momenta from two bases; ``V`` lives in the rotated coordinates. A side longer than
@@ -57,6 +62,10 @@ from lightning_canzona.rules.base import (
     TeamRows,
     UpdateCost,
 )
+from lightning_canzona.rules.rounding import scale_
+
+#: Where SOAP's weight decay goes: before the update (default) or after it, as the authors' code.
+WEIGHT_DECAY_ORDERS = ("decay_first", "update_first")
 
 
 def _project(matrix: Tensor, state: State, *, back: bool = False, rows: slice | None = None) -> Tensor:
@@ -126,10 +135,38 @@ class SOAPRule(MatrixRule):
     eps: float = 1e-8
     precondition_frequency: int = 10
     max_precond_dim: int = 10_000
+    #: ``"decay_first"`` or ``"update_first"`` (the authors' order; see the module docstring).
+    weight_decay_order: str = "decay_first"
+    #: This step is the param group's first, whose update is zero: ``update_first`` skips its decay.
+    first_step: bool = False
     name = "soap"
+
+    def __post_init__(self) -> None:
+        if self.weight_decay_order not in WEIGHT_DECAY_ORDERS:
+            raise ValueError(
+                f"weight_decay_order must be one of {WEIGHT_DECAY_ORDERS}, got {self.weight_decay_order!r}"
+            )
 
     def init_matrix_state(self, shape: torch.Size, device: torch.device) -> State:
         return kronecker.init_state(shape, device, self.max_precond_dim, companion="basis")
+
+    def apply(
+        self,
+        params: Sequence[Tensor],
+        directions: Sequence[Tensor],
+        *,
+        lr: float,
+        weight_decay: float,
+        shapes: Sequence[Sequence[int]],
+    ) -> None:
+        """`MatrixRule.apply`, or in ``update_first`` order the step, then the decay of the
+        updated weights, none of either on the group's first step."""
+        if self.weight_decay_order == "decay_first":
+            super().apply(params, directions, lr=lr, weight_decay=weight_decay, shapes=shapes)
+        elif not self.first_step:
+            super().apply(params, directions, lr=lr, weight_decay=0.0, shapes=shapes)
+            if weight_decay:
+                scale_(params, 1.0 - lr * weight_decay)
 
     def init_team_state(self, shape: Sequence[int], member: int, size: int, device: torch.device) -> State:
         sliced = self.team_sliced_keys(shape)

@@ -33,7 +33,8 @@ OPTIMIZERS = {
     "muon": (lc.Muon, {"lr": 0.02, "compute_dtype": "float32", "adamw_lr": 1e-2}),
     "normuon": (lc.NorMuon, {"lr": 0.02, "compute_dtype": "float32", "adamw_lr": 1e-2, "beta2": 0.9}),
     "shampoo": (lc.Shampoo, {"lr": 1e-2, "precondition_frequency": 2, "start_preconditioning_step": 2}),
-    "soap": (lc.SOAP, {"lr": 1e-2, "precondition_frequency": 2}),
+    # The authors' decay order: its first-step skip and its group step count, on every mesh.
+    "soap": (lc.SOAP, {"lr": 1e-2, "precondition_frequency": 2, "weight_decay_order": "update_first"}),
 }
 PLANS = [
     {"policy": "sync"},

@@ -196,3 +196,40 @@ def test_soap_leaves_a_side_over_max_precond_dim_unrotated() -> None:
     initial, grads = torch.randn(8, 40), [1e-2 * torch.randn(8, 40) for _ in range(3)]
     _, states = _steps(lc.SOAP, initial, grads, max_precond_dim=16)
     assert "left_basis" in states[-1] and "right_basis" not in states[-1]
+
+
+@pytest.mark.parametrize("row_blocks", [None, 2])
+def test_soaps_update_first_order_is_the_authors_and_skips_the_first_decay(row_blocks) -> None:
+    # The steps D_t depend on the gradients only: taken from a run without decay, they give each
+    # order's weights by its recursion (float64 weights: the recursion's own rounding is 1e-16).
+    generator = torch.Generator().manual_seed(0)
+    initial = torch.randn(12, 20, dtype=torch.float64, generator=generator)
+    grads = [torch.randn(12, 20, dtype=torch.float64, generator=generator) for _ in range(6)]
+    lr, decay = 3e-3, 0.1
+
+    def trajectory(weight_decay: float, **settings) -> list[torch.Tensor]:
+        weight = torch.nn.Parameter(initial.clone())
+        group = {"params": [weight], "algorithm": "soap"} | ({"row_blocks": row_blocks} if row_blocks else {})
+        optimizer = lc.SOAP([group], lr=lr, weight_decay=weight_decay, precondition_frequency=2, **settings)
+        weights = [initial]
+        for grad in grads:
+            weight.grad = grad.clone()
+            optimizer.step()
+            weights.append(weight.detach().clone())
+        return weights
+
+    undecayed = trajectory(0.0)
+    steps = [(before - after) / lr for before, after in zip(undecayed, undecayed[1:])]
+    assert not steps[0].any()  # the first step only starts the preconditioner
+    authors, default = trajectory(decay, weight_decay_order="update_first"), trajectory(decay)
+    assert torch.equal(authors[1], initial)  # no decay either on the authors' first step
+    for t, step in enumerate(steps[1:], start=2):
+        torch.testing.assert_close(
+            authors[t], (authors[t - 1] - lr * step) * (1 - lr * decay), rtol=1e-12, atol=0
+        )
+    for t, step in enumerate(steps, start=1):
+        torch.testing.assert_close(
+            default[t], default[t - 1] * (1 - lr * decay) - lr * step, rtol=1e-12, atol=0
+        )
+    with pytest.raises(ValueError, match=r"param_groups\[0\] \(soap\): weight_decay_order must be one of"):
+        lc.SOAP([torch.nn.Parameter(initial.clone())], weight_decay_order="after")
