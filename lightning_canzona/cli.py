@@ -11,7 +11,9 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+import traceback
 from types import MethodType
 from typing import Any
 
@@ -32,8 +34,18 @@ class CanzonaCLI(LightningCLI):
     sharding strategy then replaces the parameters (the optimizer would hold stale ones) and a model
     built in ``configure_model`` has none yet. Here the optimizer is built from the sharded model,
     and a `lightning_canzona` optimizer gets `matrix_param_groups` (embeddings, heads and norms to
-    AdamW) instead of a split by dimensionality.
+    AdamW) instead of a split by dimensionality. A class that refuses its settings (a model that
+    checks its optimizer's) raises its own error, not jsonargparse's report of every type it tried.
     """
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except (ValueError, TypeError) as error:
+            refused = _raised_by_a_class(error)
+            if refused is None:
+                raise
+            raise refused from None
 
     def _add_configure_optimizers_method_to_model(self, subcommand: str | None) -> None:
         optimizer_init = self._get(self.config_init, "optimizer") if self.auto_configure_optimizers else None
@@ -56,6 +68,19 @@ class CanzonaCLI(LightningCLI):
             return configure(model, optimizer, scheduler)
 
         self.model.configure_optimizers = MethodType(configure_optimizers, self.model)
+
+
+def _raised_by_a_class(error: BaseException) -> BaseException | None:
+    """The error that a class's own code raised inside jsonargparse's ``error``, if any:
+    jsonargparse reports a class that refused its settings as a value of none of the types it
+    tried, with the class's error only as its context."""
+    inner = error.__cause__ or error.__context__
+    while inner is not None:
+        frames = traceback.extract_tb(inner.__traceback__)
+        if frames and f"{os.sep}jsonargparse{os.sep}" not in frames[-1].filename:
+            return inner
+        inner = inner.__cause__ or inner.__context__
+    return None
 
 
 def _optimizer_params(model: LightningModule, class_path: str) -> Any:

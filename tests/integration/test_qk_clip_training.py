@@ -69,3 +69,17 @@ def test_qk_clip_on_a_model_with_qk_norm_is_refused_before_any_rank_starts() -> 
     with pytest.raises(ValueError, match="qk_norm=False"):
         CausalLanguageModel(preset="tiny", optimizer=optimizer)
     CausalLanguageModel(preset="tiny", optimizer=optimizer, qk_norm=False)
+    # From the command line: the model's own error, not jsonargparse's report of the types it tried.
+    with pytest.raises(ValueError, match="^The optimizer's qk_clip bounds attention logits"):
+        CanzonaCLI(
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            parser_kwargs={"parser_mode": "omegaconf"},
+            args=[
+                "--config",
+                str(TINY_CONFIG),
+                "--model.init_args.optimizer.init_args.qk_clip.threshold",
+                "50",
+            ],
+            run=False,
+        )
