@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -138,7 +138,8 @@ class SOAPRule(MatrixRule):
     #: ``"decay_first"`` or ``"update_first"`` (the authors' order; see the module docstring).
     weight_decay_order: str = "decay_first"
     #: This step is the param group's first, whose update is zero: ``update_first`` skips its decay.
-    first_step: bool = False
+    #: Not part of the rule's identity: a plan is built for the rules, and this changes each step.
+    first_step: bool = field(default=False, compare=False)
     name = "soap"
 
     def __post_init__(self) -> None:

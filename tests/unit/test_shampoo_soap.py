@@ -231,5 +231,13 @@ def test_soaps_update_first_order_is_the_authors_and_skips_the_first_decay(row_b
         torch.testing.assert_close(
             default[t], default[t - 1] * (1 - lr * decay) - lr * step, rtol=1e-12, atol=0
         )
+    # A plan is built for its rules (a changed rule rebuilds it, a collective that moves the state):
+    # the group's step count is no part of a rule's identity.
+    optimizer = lc.SOAP([torch.nn.Parameter(initial.clone())], weight_decay_order="update_first")
+    before = optimizer.rule_of(optimizer.param_groups[0])
+    optimizer.param_groups[0]["params"][0].grad = grads[0].clone()
+    optimizer.step()
+    after = optimizer.rule_of(optimizer.param_groups[0])
+    assert before.first_step and not after.first_step and before == after and hash(before) == hash(after)
     with pytest.raises(ValueError, match=r"param_groups\[0\] \(soap\): weight_decay_order must be one of"):
         lc.SOAP([torch.nn.Parameter(initial.clone())], weight_decay_order="after")
