@@ -87,7 +87,7 @@ def format_table(rows: list[Row]) -> str:
     lines = [" ".join(f"{name:>{width}}" for name, width in zip(header, (8, 5, 5, 12, 12, 6, 8)))]
     for row in rows:
         lines.append(
-            f"{row.preset:>8} {row.seq_len:>5} {row.batch_size:>5} {row.plain_ms:12.1f} "
-            f"{row.clipped_ms:12.1f} {row.ratio:6.3f} {row.clip_ms:8.3f}"
+            f"{row.preset:>8} {row.seq_len:>5} {row.batch_size:>5} {row.plain_ms:12.2f} "
+            f"{row.clipped_ms:12.2f} {row.ratio:6.3f} {row.clip_ms:8.3f}"
         )
     return "\n".join(lines)

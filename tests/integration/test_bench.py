@@ -72,3 +72,25 @@ def test_bench_step_times_every_variant_and_a_team_computes_the_large_matrix(cap
     # Whole, the large matrix's owner plans 1.58 × the mean of 2 ranks (whether a team pays at
     # the prices measured on this machine is the machine's to say).
     assert rows["canzona (whole matrices)"][5] == "1.58"
+
+
+def test_bench_qk_clip_times_the_iteration_with_and_without_it(capsys) -> None:
+    main(["bench", "qk-clip", "--presets", "tiny", "--seq-lens", "16", "--batch-size", "1", "--repeats", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split() == [
+        "preset",
+        "seq",
+        "batch",
+        "iteration",
+        "ms",
+        "+",
+        "QK-clip",
+        "ms",
+        "ratio",
+        "clip",
+        "ms",
+    ]
+    preset, seq, batch, plain, clipped, ratio, clip = lines[2].split()
+    assert (preset, seq, batch) == ("tiny", "16", "1")
+    assert float(ratio) == pytest.approx(float(clipped) / float(plain), rel=0.01)  # ms rounded
+    assert 0 < float(clip) < float(plain)
