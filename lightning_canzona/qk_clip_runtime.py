@@ -130,7 +130,7 @@ class QKClipRuntime:
             f"{self.settings.alpha:g}) on {len(self.layers)} attention layers, {self.num_heads} query heads. "
             f"Per step: one MAX all-reduce of {4 * self.num_heads} B, {scaled / 2**20:.2f} MiB of query/key "
             "rows rescaled on this rank, and in each training forward one more q·kᵀ product per "
-            "attention layer for the largest logits (causal: half of full attention's logits)."
+            "attention layer for the largest logits (causal: only the keys its queries see)."
         )
 
 

@@ -22,7 +22,7 @@ from lightning_canzona.compat import transformers_attention_implementation
 from lightning_canzona.qk_clip.heads import AttentionHeads, HeadRows
 from lightning_canzona.qk_clip.logits import MaxLogits
 
-#: The recorder of each attention layer being followed, and the model's own attention function.
+#: The recorder of each attention layer whose logits are followed.
 _RECORDERS: WeakKeyDictionary[nn.Module, MaxLogits] = WeakKeyDictionary()
 PREFIX = "canzona_max_logits+"
 
