@@ -12,7 +12,6 @@ Nothing waits on the host: the factors stay on the device.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -70,14 +69,13 @@ class QKClipRuntime:
             if isinstance(module, ClipsQueryKey):
                 module.max_logits = self.layers[-1].recorder
         for _, hf_model in huggingface.transformers_models(model):
-            recorders = {
-                m: layer.recorder for (m, _), layer in zip(found, self.layers) if _inside(m, hf_model)
-            }
+            inside = set(hf_model.modules())
+            recorders = {m: layer.recorder for (m, _), layer in zip(found, self.layers) if m in inside}
             if recorders:
                 hf_attention.record_max_logits(hf_model, recorders)
         self.num_heads = offset
         self._rows = [
-            _Rows(params[name], layer, name, _local_rows(params[name]))
+            _Rows(params[name], layer, name, _rows(params[name]))
             for layer in self.layers
             for name in layer.heads.params
         ]
@@ -191,31 +189,21 @@ def _attention_layers(model: nn.Module) -> list[tuple[nn.Module, AttentionHeads]
     return list(found.items())
 
 
-def _inside(module: nn.Module, model: nn.Module) -> bool:
-    return any(module is m for m in model.modules())
-
-
-def _local_rows(param: Tensor) -> Tensor:
-    """The global rows of ``param``'s local tensor on this rank, in its order."""
+def _rows(param: Tensor, gathered: tuple[str, ...] = ()) -> Tensor:
+    """The global rows of ``param``'s local tensor on this rank, in its order, with the mesh
+    dimensions named in ``gathered`` taken as gathered (`layout.local_shard`)."""
     device = local_tensor(param).device
     if not isinstance(param, DTensor):
         return torch.arange(param.shape[0], device=device)
-    return _indices(local_shard(param).runs[0], device)
+    runs = local_shard(param, gathered=gathered).runs[0]
+    return torch.cat(
+        [torch.arange(start, start + length) for start, length in runs] or [torch.zeros(0, dtype=torch.long)]
+    ).to(device)
 
 
 def _forward_heads(param: Tensor, heads: AttentionHeads) -> Tensor:
     """The query heads that this rank's forward computes (its tensor-parallel rows of ``param``;
-    FSDP2 gathers the others before the forward), in order."""
-    device = local_tensor(param).device
-    if isinstance(param, DTensor):
-        rows = _indices(local_shard(param, gathered=(DATA_PARALLEL,)).runs[0], device)
-    else:
-        rows = torch.arange(param.shape[0], device=device)
-    first = heads.query[0].first_row
+    FSDP2 gathers the data-parallel ones before the forward), in order."""
+    rows, first = _rows(param, gathered=(DATA_PARALLEL,)), heads.query[0].first_row
     rows = rows[(rows >= first) & (rows < first + heads.num_heads * heads.head_dim)]
     return torch.unique_consecutive((rows - first) // heads.head_dim)
-
-
-def _indices(runs: Any, device: torch.device) -> Tensor:
-    parts = [torch.arange(start, start + length) for start, length in runs]
-    return (torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)).to(device)
