@@ -5,8 +5,9 @@ FSDP2 and DTensor TP, distributed checkpoints) plus:
 
 - **a preflight** in the launching process, before any rank starts (`CanzonaStrategy.preflight`):
   ``"auto"`` mesh sizes the model can take, explicit ones checked against it
-  (`lightning_canzona.mesh`), and the checkpoint path; a failure on the ranks printed in full
-  once (`lightning_canzona.launcher.report_failures_briefly`);
+  (`lightning_canzona.mesh`), the checkpoint path, and the settings of the optimizers that
+  ``configure_optimizers`` builds (`lightning_canzona.optimizer_check`); a failure on the ranks
+  printed in full once (`lightning_canzona.launcher.report_failures_briefly`);
 - **composition** for LightningModules that do not override ``configure_model``: the module's
   ``tensor_parallel_plan()`` is applied on the TP mesh, then ``fully_shard`` wraps its units
   (blocks, experts, top-level submodules) bottom-up over the DP mesh
@@ -72,6 +73,7 @@ from lightning_canzona.launcher import InProcessLauncher, ScriptLauncher, report
 from lightning_canzona.mesh import MeshShape, choose_mesh
 from lightning_canzona.metrics import prepare_metrics
 from lightning_canzona.optim import MatrixOptimizer
+from lightning_canzona.optimizer_check import check_optimizer_settings
 from lightning_canzona.precision import clip_across_meshes, mixed_precision_policy
 from lightning_canzona.preparation import (
     bind_and_describe,
@@ -191,18 +193,22 @@ class CanzonaStrategy(ModelParallelStrategy):
                 "and owner-computed matrix updates do not implement.)"
             )
 
-    def preflight(self, ckpt_path: PathLike | None = None) -> None:
+    def preflight(self, ckpt_path: PathLike | None = None, fitting: bool = False) -> None:
         """Check what the launching process can know before any rank starts, and choose the mesh.
 
         The phases: the mesh (`lightning_canzona.mesh.choose_mesh`: ``"auto"`` sizes that the
         model can take, explicit ones checked against its plan and head counts), named in one
-        info line; ``ckpt_path`` exists (`lightning_canzona.checkpoint.check_path_exists`). The
-        launchers run it before they start the ranks; `setup_environment` runs it where none did
-        (``torchrun``, SLURM).
+        info line; ``ckpt_path`` exists (`lightning_canzona.checkpoint.check_path_exists`); when
+        ``fitting``, the optimizers that ``configure_optimizers`` builds on the module as it is
+        here accept their settings (`lightning_canzona.optimizer_check`). The launchers run it
+        before they start the ranks; `setup_environment` runs it, without the optimizers (the
+        ranks are about to build them), where none did (``torchrun``, SLURM).
 
         Raises:
-            ValueError: A mesh the devices or the model cannot take, naming the setting.
+            ValueError: A mesh the devices or the model cannot take, naming the setting; an
+                optimizer's setting out of its range.
             FileNotFoundError: ``ckpt_path`` names a file or folder that does not exist.
+            TypeError: An optimizer called with a keyword it does not take.
         """
         module = self.lightning_module
         composes = module is None or not is_overridden("configure_model", module)
@@ -211,6 +217,8 @@ class CanzonaStrategy(ModelParallelStrategy):
         )
         rank_zero_info(self._mesh_shape.describe())
         check_path_exists(ckpt_path, "ckpt_path")
+        if fitting and module is not None:
+            check_optimizer_settings(module)
 
     def setup_environment(self) -> None:
         share_cpu_cores(self.root_device, self.num_processes)
