@@ -74,7 +74,7 @@ from lightning_canzona.mesh import MeshShape, choose_mesh
 from lightning_canzona.metrics import prepare_metrics
 from lightning_canzona.optim import MatrixOptimizer
 from lightning_canzona.optimizer_check import check_optimizer_settings
-from lightning_canzona.precision import clip_across_meshes, mixed_precision_policy
+from lightning_canzona.precision import check_precision, clip_across_meshes, mixed_precision_policy
 from lightning_canzona.preparation import (
     bind_and_describe,
     check_not_fsdp1,
@@ -84,8 +84,6 @@ from lightning_canzona.preparation import (
     without_gradient_sync,
 )
 from lightning_canzona.telemetry import OptimizerTelemetry
-
-SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
 
 
 class CanzonaStrategy(ModelParallelStrategy):
@@ -175,6 +173,8 @@ class CanzonaStrategy(ModelParallelStrategy):
         self._gradient_sync_blocked = False
 
     def _configure_launcher(self) -> None:
+        if self.cluster_environment.creates_processes_externally:  # torchrun, SLURM: every rank checks
+            report_failures_briefly(self.global_rank)
         self._check_settings()
         if self.start_method != "popen":
             self._launcher = InProcessLauncher(self, self.start_method, self.preflight, self.return_weights)
@@ -185,13 +185,7 @@ class CanzonaStrategy(ModelParallelStrategy):
         """Settings that would fail on every rank fail when the Trainer is built, before any
         process starts: sizes that do not divide the devices, an unsupported precision."""
         choose_mesh(None, *self._requested_sizes, self.num_nodes, self.num_processes)
-        precision = getattr(self.precision_plugin, "precision", "32-true")
-        if precision not in SUPPORTED_PRECISION:
-            raise ValueError(
-                f"precision={precision!r} is not supported by CanzonaStrategy; use one of "
-                f"{SUPPORTED_PRECISION}. (fp16 needs loss scaling, which FSDP2 sharded gradients "
-                "and owner-computed matrix updates do not implement.)"
-            )
+        check_precision(self.precision_plugin, type(self).__name__)
 
     def preflight(self, ckpt_path: PathLike | None = None, fitting: bool = False) -> None:
         """Check what the launching process can know before any rank starts, and choose the mesh.
@@ -230,7 +224,7 @@ class CanzonaStrategy(ModelParallelStrategy):
         self._tensor_parallel_size = self._mesh_shape.tensor_parallel_size
         self._mesh_shape = None  # the next run's preflight chooses again (it may bring another model)
         super().setup_environment()
-        report_failures_briefly(self.global_rank)
+        report_failures_briefly(self.global_rank)  # after init_process_group, which installs its own
 
     def setup(self, trainer: pl.Trainer) -> None:
         # ModelParallelStrategy.setup, with composition where it would demand configure_model.
