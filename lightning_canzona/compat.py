@@ -45,6 +45,7 @@ __all__ = [
     "SubprocessScriptLauncher",
     "WorkerOutput",
     "align_compiled_param_names",
+    "detached_from_trainer",
     "foreach_add_",
     "foreach_addcdiv_",
     "foreach_addcmul_",
@@ -194,6 +195,19 @@ def set_device_mesh(module: Any, mesh: DeviceMesh) -> None:
     """Give a LightningModule its ``device_mesh`` (which ``ModelParallelStrategy`` sets before
     ``configure_model``). Public alternative: none (the property has no setter)."""
     module._device_mesh = mesh
+
+
+@contextlib.contextmanager
+def detached_from_trainer(module: Any) -> Iterator[None]:
+    """A LightningModule with no trainer attached meanwhile: code that reads ``self.trainer``
+    fails at once instead of acting on the trainer. Public alternative: none (the property raises
+    while no trainer is attached, so the attached one cannot be read to be restored)."""
+    trainer = module._trainer
+    module.trainer = None
+    try:
+        yield
+    finally:
+        module.trainer = trainer
 
 
 def should_update_logs(trainer: Any) -> bool:

@@ -47,9 +47,9 @@ from lightning_canzona.compat import BackwardSyncControl, PathLike, materialize_
 from lightning_canzona.composition import compose
 from lightning_canzona.config import PlanConfig
 from lightning_canzona.distributed.clipping import clip_grad_norm_
-from lightning_canzona.launcher import FabricInProcessLauncher
+from lightning_canzona.launcher import FabricInProcessLauncher, report_failures_briefly
 from lightning_canzona.mesh import MeshShape, choose_mesh
-from lightning_canzona.precision import mixed_precision_policy
+from lightning_canzona.precision import check_precision, mixed_precision_policy
 
 #: Builds the parallel model from the module and the ``(data_parallel, tensor_parallel)`` mesh.
 ParallelizeFn = Callable[[nn.Module, DeviceMesh], nn.Module]
@@ -110,18 +110,26 @@ class CanzonaFabricStrategy(ModelParallelStrategy):
         self._backward_sync_control = _NoBackwardSync(self)
 
     def _configure_launcher(self) -> None:
-        # Sizes that cannot divide the devices fail before any process starts.
+        # Sizes that cannot divide the devices, or a precision it does not support, fail before
+        # any process starts (under torchrun or SLURM, as one traceback: rank 0's).
+        if self.cluster_environment.creates_processes_externally:
+            report_failures_briefly(self.global_rank)
         choose_mesh(None, *self._requested_sizes, self.num_nodes, self.num_processes)
+        check_precision(self.precision, type(self).__name__)
         if self.start_method != "popen":
             self._launcher = FabricInProcessLauncher(self, self.start_method)
         else:
             super()._configure_launcher()
 
     def setup_environment(self) -> None:
-        """Start the process group; the mesh waits for the model (`setup_module`)."""
+        """Start the process group; the mesh waits for the model (`setup_module`) unless both
+        sizes are given. From here an exception that ends a rank other than 0 prints one line
+        (`lightning_canzona.launcher.report_failures_briefly`): a mistake every rank meets, such
+        as a model that cannot take the sizes, prints one traceback, rank 0's."""
         preparation.share_cpu_cores(self.root_device, self.num_processes)
         ParallelStrategy.setup_environment(self)  # not ModelParallelStrategy's: it builds the mesh now
         self._setup_distributed()
+        report_failures_briefly(self.global_rank)  # after init_process_group, which installs its own
         if "auto" not in self._requested_sizes:
             self._build_mesh(choose_mesh(None, *self._requested_sizes, self.num_nodes, self.num_processes))
 

@@ -3,8 +3,8 @@ the current process (``fork`` in notebooks, or ``spawn``), each after the strate
 and how the ranks report a failure.
 
 **Preflight.** Both launchers first run the strategy's checks in the launching process
-(`Preflight`: the mesh for the model, the checkpoint path), so that a mistake is one error, in
-seconds, before any rank starts.
+(`Preflight`: the mesh for the model, the checkpoint path, and when fitting the optimizers'
+settings), so that a mistake is one error, in seconds, before any rank starts.
 
 **One report per failure.** An exception that ends a rank other than 0 prints one line, its
 traceback going to a file (`report_failures_briefly`): a failure that every rank meets prints one
@@ -55,22 +55,27 @@ from lightning_canzona.compat import (
     WorkerOutput,
 )
 
-#: What a launcher checks before any rank starts, given the call's ``ckpt_path``.
-Preflight = Callable[[PathLike | None], None]
+#: What a launcher checks before any rank starts, given the call's ``ckpt_path`` and whether it fits.
+Preflight = Callable[[PathLike | None, bool], None]
 
 #: ``prctl`` option: the signal a process gets when the thread that created it ends.
 _PR_SET_PDEATHSIG = 1
 
 
-def ckpt_path_of(
-    function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> PathLike | None:
-    """The ``ckpt_path`` argument of a call of the trainer's ``_fit_impl``, ``_validate_impl``…"""
+def run_preflight(
+    preflight: Preflight,
+    function: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    trainer: pl.Trainer | None,
+) -> None:
+    """Run ``preflight`` for a launch of ``function`` (the trainer's ``_fit_impl``,
+    ``_validate_impl``…) with ``args`` and ``kwargs``: its ``ckpt_path``, and whether it fits."""
     try:
-        bound = inspect.signature(function).bind(*args, **kwargs)
-    except (TypeError, ValueError):  # not a trainer entry point: nothing to check
-        return None
-    return bound.arguments.get("ckpt_path")
+        ckpt_path = inspect.signature(function).bind(*args, **kwargs).arguments.get("ckpt_path")
+    except (TypeError, ValueError):  # not a trainer entry point: no path to check
+        ckpt_path = None
+    preflight(ckpt_path, trainer is not None and trainer.state.fn == TrainerFn.FITTING)
 
 
 class ScriptLauncher(SubprocessScriptLauncher):
@@ -84,7 +89,7 @@ class ScriptLauncher(SubprocessScriptLauncher):
         self._preflight = preflight
 
     def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
-        self._preflight(ckpt_path_of(function, args, kwargs))
+        run_preflight(self._preflight, function, args, kwargs, trainer)
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
@@ -162,7 +167,7 @@ class InProcessLauncher(ForkSafeLaunch, MultiProcessingLauncher):
 
     def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         if self._preflight is not None:
-            self._preflight(ckpt_path_of(function, args, kwargs))
+            run_preflight(self._preflight, function, args, kwargs, trainer)
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> WorkerOutput | None:

@@ -1,6 +1,9 @@
-"""Lightning precision plugins under `CanzonaStrategy`: FSDP2's policy, and clipping."""
+"""Lightning precision plugins under the strategies: which they support, FSDP2's policy, and
+clipping."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
@@ -8,6 +11,24 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.optim import Optimizer
 
 from lightning_canzona.distributed.clipping import clip_grad_norm_
+
+#: The precisions of the Trainer's and Fabric's strategies.
+SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
+
+
+def check_precision(plugin: Any, strategy: str) -> None:
+    """Refuse the precision of ``plugin`` (the Trainer's or Fabric's) unless ``strategy`` supports it.
+
+    Raises:
+        ValueError: Naming the precision and the supported ones.
+    """
+    precision = getattr(plugin, "precision", "32-true")
+    if precision not in SUPPORTED_PRECISION:
+        raise ValueError(
+            f"precision={precision!r} is not supported by {strategy}; use one of "
+            f"{SUPPORTED_PRECISION}. (fp16 needs loss scaling, which FSDP2 sharded gradients "
+            "and owner-computed matrix updates do not implement.)"
+        )
 
 
 def mixed_precision_policy(plugin: Precision) -> MixedPrecisionPolicy | None:

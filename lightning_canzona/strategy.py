@@ -5,8 +5,9 @@ FSDP2 and DTensor TP, distributed checkpoints) plus:
 
 - **a preflight** in the launching process, before any rank starts (`CanzonaStrategy.preflight`):
   ``"auto"`` mesh sizes the model can take, explicit ones checked against it
-  (`lightning_canzona.mesh`), and the checkpoint path; a failure on the ranks printed in full
-  once (`lightning_canzona.launcher.report_failures_briefly`);
+  (`lightning_canzona.mesh`), the checkpoint path, and the settings of the optimizers that
+  ``configure_optimizers`` builds (`lightning_canzona.optimizer_check`); a failure on the ranks
+  printed in full once (`lightning_canzona.launcher.report_failures_briefly`);
 - **composition** for LightningModules that do not override ``configure_model``: the module's
   ``tensor_parallel_plan()`` is applied on the TP mesh, then ``fully_shard`` wraps its units
   (blocks, experts, top-level submodules) bottom-up over the DP mesh
@@ -72,7 +73,8 @@ from lightning_canzona.launcher import InProcessLauncher, ScriptLauncher, report
 from lightning_canzona.mesh import MeshShape, choose_mesh
 from lightning_canzona.metrics import prepare_metrics
 from lightning_canzona.optim import MatrixOptimizer
-from lightning_canzona.precision import clip_across_meshes, mixed_precision_policy
+from lightning_canzona.optimizer_check import check_optimizer_settings
+from lightning_canzona.precision import check_precision, clip_across_meshes, mixed_precision_policy
 from lightning_canzona.preparation import (
     bind_and_describe,
     check_not_fsdp1,
@@ -82,8 +84,6 @@ from lightning_canzona.preparation import (
     without_gradient_sync,
 )
 from lightning_canzona.telemetry import OptimizerTelemetry
-
-SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
 
 
 class CanzonaStrategy(ModelParallelStrategy):
@@ -173,6 +173,8 @@ class CanzonaStrategy(ModelParallelStrategy):
         self._gradient_sync_blocked = False
 
     def _configure_launcher(self) -> None:
+        if self.cluster_environment.creates_processes_externally:  # torchrun, SLURM: every rank checks
+            report_failures_briefly(self.global_rank)
         self._check_settings()
         if self.start_method != "popen":
             self._launcher = InProcessLauncher(self, self.start_method, self.preflight, self.return_weights)
@@ -183,26 +185,24 @@ class CanzonaStrategy(ModelParallelStrategy):
         """Settings that would fail on every rank fail when the Trainer is built, before any
         process starts: sizes that do not divide the devices, an unsupported precision."""
         choose_mesh(None, *self._requested_sizes, self.num_nodes, self.num_processes)
-        precision = getattr(self.precision_plugin, "precision", "32-true")
-        if precision not in SUPPORTED_PRECISION:
-            raise ValueError(
-                f"precision={precision!r} is not supported by CanzonaStrategy; use one of "
-                f"{SUPPORTED_PRECISION}. (fp16 needs loss scaling, which FSDP2 sharded gradients "
-                "and owner-computed matrix updates do not implement.)"
-            )
+        check_precision(self.precision_plugin, type(self).__name__)
 
-    def preflight(self, ckpt_path: PathLike | None = None) -> None:
+    def preflight(self, ckpt_path: PathLike | None = None, fitting: bool = False) -> None:
         """Check what the launching process can know before any rank starts, and choose the mesh.
 
         The phases: the mesh (`lightning_canzona.mesh.choose_mesh`: ``"auto"`` sizes that the
         model can take, explicit ones checked against its plan and head counts), named in one
-        info line; ``ckpt_path`` exists (`lightning_canzona.checkpoint.check_path_exists`). The
-        launchers run it before they start the ranks; `setup_environment` runs it where none did
-        (``torchrun``, SLURM).
+        info line; ``ckpt_path`` exists (`lightning_canzona.checkpoint.check_path_exists`); when
+        ``fitting``, the optimizers that ``configure_optimizers`` builds on the module as it is
+        here accept their settings (`lightning_canzona.optimizer_check`). The launchers run it
+        before they start the ranks; `setup_environment` runs it, without the optimizers (the
+        ranks are about to build them), where none did (``torchrun``, SLURM).
 
         Raises:
-            ValueError: A mesh the devices or the model cannot take, naming the setting.
+            ValueError: A mesh the devices or the model cannot take, naming the setting; an
+                optimizer's setting out of its range.
             FileNotFoundError: ``ckpt_path`` names a file or folder that does not exist.
+            TypeError: An optimizer called with a keyword it does not take.
         """
         module = self.lightning_module
         composes = module is None or not is_overridden("configure_model", module)
@@ -211,6 +211,8 @@ class CanzonaStrategy(ModelParallelStrategy):
         )
         rank_zero_info(self._mesh_shape.describe())
         check_path_exists(ckpt_path, "ckpt_path")
+        if fitting and module is not None:
+            check_optimizer_settings(module)
 
     def setup_environment(self) -> None:
         share_cpu_cores(self.root_device, self.num_processes)
@@ -222,7 +224,7 @@ class CanzonaStrategy(ModelParallelStrategy):
         self._tensor_parallel_size = self._mesh_shape.tensor_parallel_size
         self._mesh_shape = None  # the next run's preflight chooses again (it may bring another model)
         super().setup_environment()
-        report_failures_briefly(self.global_rank)
+        report_failures_briefly(self.global_rank)  # after init_process_group, which installs its own
 
     def setup(self, trainer: pl.Trainer) -> None:
         # ModelParallelStrategy.setup, with composition where it would demand configure_model.

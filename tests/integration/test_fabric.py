@@ -8,9 +8,11 @@ re-running it; the reference runs the same loop here on the whole model with `lc
 from __future__ import annotations
 
 import csv
+import dataclasses
 import re
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -18,11 +20,13 @@ import torch
 import transformers
 from fabric_loop import ACCUMULATE, MAX_NORM, MUON, batches, build, loss_of, train
 from lightning.fabric import Fabric
+from scripts import run_script
 
 import lightning_canzona as lc
 from lightning_canzona.export import consolidated_weights
 from lightning_canzona.launcher import FabricInProcessLauncher
 from lightning_canzona.mesh import choose_mesh
+from lightning_canzona.models.qwen3 import PRESETS, Qwen3
 from lightning_canzona.telemetry import COMPUTE_MAX_MS, COMPUTE_MS, MATRICES, SENT_MIB, STEP_MS
 
 LOOP = Path(__file__).with_name("fabric_loop.py")
@@ -95,14 +99,60 @@ def test_litgpts_gpt_trains_exactly_with_the_users_parallelize_fn(tmp_path) -> N
     _check_against_one_process(torch.load(out), tensor_parallel=True, model_name="litgpt")
 
 
-def test_fabric_takes_the_strategy_by_name_and_checks_its_sizes_before_any_rank_starts() -> None:
+def test_fabric_takes_the_strategy_by_name_and_checks_its_settings_before_any_rank_starts() -> None:
     assert isinstance(
         Fabric(accelerator="cpu", devices=4, strategy="canzona").strategy, lc.CanzonaFabricStrategy
     )
     with pytest.raises(ValueError, match=r"data_parallel_size=3 does not divide the 4 devices"):
         Fabric(accelerator="cpu", devices=4, strategy=lc.CanzonaFabricStrategy(data_parallel_size=3))
+    with pytest.raises(ValueError, match=r"precision='16-true' is not supported by CanzonaFabricStrategy"):
+        Fabric(accelerator="cpu", devices=4, strategy="canzona", precision="16-true")
     with pytest.raises(TypeError, match="plan must be a lightning_canzona.PlanConfig"):
         lc.CanzonaFabricStrategy(plan={"policy": "lpt"})
+
+
+# A model that cannot take the sizes asked for: tensor parallelism over 2 ranks, 1 key/value head.
+# Fabric builds the model after the launch: only the ranks can see it.
+MISMATCH = "ValueError: tensor_parallel_size=2 does not divide Qwen3Config.num_key_value_heads=1"
+MISMATCHED_SCRIPT = """
+import dataclasses
+from datetime import timedelta
+from lightning.fabric import Fabric
+import lightning_canzona as lc
+from lightning_canzona.models.qwen3 import PRESETS, Qwen3
+
+strategy = lc.CanzonaFabricStrategy(tensor_parallel_size=2, timeout=timedelta(seconds=30))
+fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
+fabric.launch()  # Fabric runs this script again for rank 1
+model = fabric.setup_module(Qwen3(dataclasses.replace(PRESETS["tiny"], num_key_value_heads=1)))
+"""
+
+
+def test_a_model_that_cannot_take_the_sizes_is_one_traceback_and_a_line_per_other_rank(tmp_path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(MISMATCHED_SCRIPT)
+    code, output = run_script(script, cwd=tmp_path)
+    assert code != 0 and "device mesh" not in output, output  # refused before the mesh was built
+    assert output.count("Traceback (most recent call last)") == 1, output
+    assert output.count(f"[rank0]: {MISMATCH}") == 1, output
+    (line,) = [line for line in output.splitlines() if line.startswith(f"[rank1]: {MISMATCH}")]
+    path = Path(line.split("its traceback is in ")[1].rstrip(")"))
+    assert MISMATCH in path.read_text()
+    path.unlink()
+
+
+def _set_up_one_kv_head(fabric: Fabric) -> None:
+    fabric.setup_module(Qwen3(dataclasses.replace(PRESETS["tiny"], num_key_value_heads=1)))
+
+
+def test_a_notebook_launch_of_a_model_that_cannot_take_the_sizes_is_one_report(capfd) -> None:
+    timeout = timedelta(seconds=30)
+    strategy = lc.CanzonaFabricStrategy(tensor_parallel_size=2, start_method="fork", timeout=timeout)
+    with pytest.raises(Exception, match="terminated with the following error") as raised:
+        Fabric(accelerator="cpu", devices=2, strategy=strategy).launch(_set_up_one_kv_head)
+    printed = "".join(capfd.readouterr())
+    assert f"{printed}{raised.value}".count(MISMATCH) == 1  # torch reports the first rank that failed
+    assert "device mesh" not in printed
 
 
 def test_a_fabric_checkpoint_resumes_at_dp4_and_tp4_with_every_owners_state(tmp_path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import multiprocessing
 import re
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import torch
 from lightning import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import StrategyRegistry
+from scripts import run_script
 from torch.distributed.tensor import DTensor
 from trainers import quiet_trainer
 
@@ -361,6 +363,15 @@ class Fails(CausalLanguageModel):
     def training_step(self, batch, batch_idx):
         raise RuntimeError("the loss went wrong on every rank")
 
+class NoPlan(CausalLanguageModel):
+    def tensor_parallel_plan(self):
+        return None
+
+class Misspelt(CausalLanguageModel):
+    def configure_optimizers(self):  # docs/index.md's pattern, with a typo
+        groups = lightning_canzona.matrix_param_groups(self)
+        return lightning_canzona.Muon(groups, lr=0.02, wieght_decay=0.01)
+
 trainer = L.Trainer(
     strategy={strategy}, devices={devices}, accelerator="cpu", max_steps=2, limit_val_batches=0,
     logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -370,16 +381,23 @@ trainer.fit({model}("tiny"), ByteTextDataModule(seq_len=32, batch_size=4){fit})
 
 
 def _run_headline(
-    tmp_path, strategy: str = '"canzona"', devices: int = 4, model: str = "CausalLanguageModel", fit: str = ""
+    tmp_path,
+    strategy: str = '"canzona"',
+    devices: int = 4,
+    model: str = "CausalLanguageModel",
+    fit: str = "",
+    torchrun: bool = False,
 ) -> tuple[int, str]:
     """The README's headline, ``Trainer(strategy="canzona", devices=4)``, in a user's script (which
-    Lightning re-runs once per rank); returns its exit code and everything it printed."""
+    Lightning re-runs once per rank, or ``torchrun`` runs on every rank); returns its exit code and
+    everything it printed."""
     script = tmp_path / "train.py"
     script.write_text(HEADLINE.format(strategy=strategy, devices=devices, model=model, fit=fit))
-    run = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path
-    )
-    return run.returncode, run.stdout + run.stderr
+    if torchrun:
+        return run_script(
+            "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={devices}", script, cwd=tmp_path
+        )
+    return run_script(script, cwd=tmp_path)
 
 
 def test_the_headline_trains_the_bundled_model_on_a_mesh_it_can_take(tmp_path) -> None:
@@ -397,14 +415,30 @@ def test_the_headline_trains_the_bundled_model_on_a_mesh_it_can_take(tmp_path) -
             {"strategy": "lightning_canzona.CanzonaStrategy(tensor_parallel_size=4)"},
             "ValueError: tensor_parallel_size=4 does not divide Qwen3Config.num_key_value_heads=2",
         ),
+        (
+            {"model": "Misspelt"},
+            "TypeError: Muon() got an unexpected keyword argument 'wieght_decay'. Did you mean",
+        ),
     ],
-    ids=["missing-ckpt_path", "tp-vs-kv-heads"],
+    ids=["missing-ckpt_path", "tp-vs-kv-heads", "optimizer-keyword"],
 )
 def test_a_mistake_in_the_headline_is_one_error_before_any_rank_starts(tmp_path, mistake, message) -> None:
     code, output = _run_headline(tmp_path, **mistake)
     assert code == 1
     assert output.count(message) == 1 and output.count("Traceback") == 1, output
     assert "Initializing distributed" not in output  # no rank started
+
+
+def test_under_torchrun_a_mistake_every_rank_checks_is_one_traceback_and_a_line_per_other_rank(
+    tmp_path,
+) -> None:
+    strategy = "lightning_canzona.CanzonaStrategy(tensor_parallel_size=2)"
+    code, output = _run_headline(tmp_path, strategy, devices=2, model="NoPlan", torchrun=True)
+    message = "ValueError: tensor_parallel_size=2 but NoPlan declares no tensor_parallel_plan()"
+    assert code != 0
+    assert output.count(message) == 2 and output.count("in preflight") == 1, output  # rank 0's in full
+    (line,) = [line for line in output.splitlines() if line.startswith(f"[rank1]: {message}")]
+    Path(line.split("its traceback is in ")[1].rstrip(")")).unlink()
 
 
 def test_a_failure_on_every_rank_prints_one_traceback_and_a_line_per_other_rank(tmp_path) -> None:
@@ -431,3 +465,22 @@ def test_fsdp1_wrapped_modules_are_a_clear_error() -> None:
         _trainer(strategy, devices=2).fit(
             WrappedWithFSDP1(preset="tiny"), datamodule=ByteTextDataModule(seq_len=32)
         )
+
+
+def test_an_optimizer_setting_out_of_range_in_a_config_is_refused_before_any_rank_starts(tmp_path) -> None:
+    # A keyword the optimizer does not take is jsonargparse's to refuse (troubleshooting's "A
+    # mistyped setting in a config file"); a value is the optimizer's, in the launching process.
+    config = tmp_path / "config.yaml"
+    config.write_text("optimizer:\n  class_path: lightning_canzona.Muon\n  init_args:\n    momentum: 1.5\n")
+    arguments = ["--config", str(TINY_CONFIG), "--config", str(config), "--trainer.devices", "2"]
+    cli = CanzonaCLI(
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        args=[*arguments, "--trainer.strategy", "canzona_notebook"],  # forked ranks, were any started
+        run=False,
+    )
+    with pytest.raises(
+        ValueError, match=r"^param_groups\[0\] \(muon\): momentum must lie in \[0, 1\), got 1.5"
+    ):
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert not multiprocessing.active_children()  # no rank was started

@@ -32,6 +32,7 @@ LAYERS: list[set[str]] = [
         "launcher",
         "mesh",
         "metrics",
+        "optimizer_check",
         "precision",
         "preparation",
         "qk_clip_runtime",
