@@ -2,8 +2,9 @@
 
 Each is a break waiting for the next release, so each is reached through this module only, with
 the public API that would replace it and the versions it was checked on: torch 2.10 and 2.13,
-Lightning 2.6.1 and 2.6.6 (the floors and the newest; CI runs the suite on both). A test keeps
-private names of those libraries out of every other module (``tests/unit/test_layers.py``).
+Lightning 2.6.1 and 2.6.6, jsonargparse 4.39 and 4.53 (the floors and the newest; CI runs the
+suite on both). A test keeps private names of those libraries out of every other module
+(``tests/unit/test_layers.py``).
 
 Not here: the hooks and attributes that a Lightning strategy or launcher subclass overrides or
 sets on itself (``_configure_launcher``, ``_launcher``, ``_device_mesh``,
@@ -16,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -46,6 +47,7 @@ __all__ = [
     "WorkerOutput",
     "align_compiled_param_names",
     "detached_from_trainer",
+    "check_option_values_with",
     "foreach_add_",
     "foreach_addcdiv_",
     "foreach_addcmul_",
@@ -57,6 +59,7 @@ __all__ = [
     "foreach_sqrt",
     "local_shape",
     "materialize_distributed_module",
+    "nested_option",
     "optimizers_to_device",
     "root_mesh",
     "set_device_mesh",
@@ -233,3 +236,31 @@ def track_optimizer_steps(optimizer: torch.optim.Optimizer) -> None:
 
     tracked_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     optimizer.step = tracked_step  # type: ignore[method-assign]
+
+
+# --- jsonargparse (LightningCLI's parser) ---------------------------------------------------------
+
+
+def check_option_values_with(parser: Any, option: str, prepare: Callable[[Any, Any], Any]) -> None:
+    """Pass every value of ``option`` that ``parser`` checks against the option's type (from the
+    command line, a config file, or a nested option such as ``--option.key``: see `nested_option`)
+    through ``prepare(value, config)`` first, and check what it returns. ``config`` is the
+    namespace the value is merged into, or None; ``prepare`` may replace what it holds under the
+    option. Public alternative: none (``ActionTypeHint._check_type``, whose keywords
+    ``_check_type_`` reads from its signature: hence ``functools.wraps``)."""
+    action = parser._option_string_actions[option]
+    check = action._check_type
+
+    @functools.wraps(check)
+    def prepared_check(value: Any, *args: Any, **kwargs: Any) -> Any:
+        return check(prepare(value, kwargs.get("cfg")), *args, **kwargs)
+
+    action._check_type = prepared_check
+
+
+def nested_option(value: Any) -> tuple[str, Any] | None:
+    """``(key, value)`` of a nested option (``--option.key value``) as the option's type check
+    gets it, or None for any other value. Public alternative: none (``NestedArg``)."""
+    from jsonargparse._util import NestedArg
+
+    return (value.key, value.val) if isinstance(value, NestedArg) else None

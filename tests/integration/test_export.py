@@ -8,7 +8,9 @@ pretrained weights, exported to a folder that ``from_pretrained`` loads in a fre
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import os
 import subprocess
 import sys
@@ -25,6 +27,7 @@ import lightning_canzona as lc
 from lightning_canzona.models import CausalLanguageModel
 
 BATCH, SEQ = 4, 32
+TINY_CONFIG = Path(__file__).resolve().parents[2] / "examples" / "configs" / "tiny.yaml"
 OPTIMIZER = functools.partial(lc.Muon, lr=0.02, adamw_lr=3e-3, compute_dtype="float32")
 
 
@@ -64,12 +67,21 @@ def _fit(module: LightningModule, folder, steps: int, vocab: int = 256) -> float
     return float(torch.load(folder / "first_loss.pt"))
 
 
-def test_the_bundled_model_exported_and_fine_tuned_from_its_export(tmp_path) -> None:
+@pytest.fixture(scope="module")
+def bundled(tmp_path_factory) -> tuple[Path, CausalLanguageModel]:
+    """The bundled model trained 2 steps at dp2 x tp2 (its weights handed back), and the folder of
+    its distributed checkpoint ``trained.ckpt``."""
+    folder = tmp_path_factory.mktemp("bundled")
     torch.manual_seed(0)
     trained = CausalLanguageModel("tiny", optimizer=OPTIMIZER)
-    _fit(trained, tmp_path, steps=2)
+    _fit(trained, folder, steps=2)
+    return folder, trained
+
+
+def test_the_bundled_model_exported_and_fine_tuned_from_its_export(bundled, tmp_path) -> None:
+    folder, trained = bundled
     exported = tmp_path / "tiny.safetensors"
-    command = ["canzona", "export", str(tmp_path / "trained.ckpt"), str(exported)]
+    command = ["canzona", "export", str(folder / "trained.ckpt"), str(exported)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     weights = load_file(exported)
@@ -84,6 +96,54 @@ def test_the_bundled_model_exported_and_fine_tuned_from_its_export(tmp_path) -> 
     assert _fit(tuned, tmp_path, steps=1) == pytest.approx(expected, rel=1e-6)
 
 
+def _export(*arguments: object) -> str:
+    """``canzona export`` in this process, expected to fail: the one line it printed."""
+    from lightning_canzona.cli import main
+
+    with pytest.raises(SystemExit) as exited, contextlib.redirect_stderr(io.StringIO()) as printed:
+        main(["export", *map(str, arguments)])
+    assert exited.value.code == 2
+    (line,) = printed.getvalue().splitlines()
+    return line
+
+
+def test_the_command_says_in_one_line_what_to_pass(bundled, tmp_path) -> None:
+    checkpoint = bundled[0] / "trained.ckpt"
+    # A Trainer checkpoint of a module that no config built: nothing names its class.
+    line = _export(checkpoint, tmp_path / "hf", "--format", "transformers")
+    assert line.startswith(f"canzona export: error: Exporting {checkpoint} as a transformers folder needs ")
+    assert "pass --config with its training config, or in Python lc.export_checkpoint(" in line
+    assert "module=model) with the LightningModule or the transformers model." in line
+    # The bundled model is no transformers model, whichever way it is given.
+    line = _export(checkpoint, tmp_path / "hf", "--format", "transformers", "--config", TINY_CONFIG)
+    assert line == (
+        "canzona export: error: CausalLanguageModel holds no transformers model, so there is no "
+        "transformers folder to write: export the checkpoint as one file, format='safetensors' "
+        "(the default) or 'torch' (--format safetensors, --format torch)."
+    )
+    line = _export(checkpoint, tmp_path / "model.safetensors", "--model-key", "model")
+    assert line == (
+        f"canzona export: error: The checkpoint {checkpoint} holds no model under 'model': its model "
+        "is under 'state_dict': pass model_key='state_dict' (--model-key state_dict) or none."
+    )
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "model.safetensors").exists()
+
+
+def test_a_checkpoint_of_several_models_is_exported_by_the_key_of_one(tmp_path) -> None:
+    # fabric.save of a state with two models (a teacher and a student), in its single-file layout.
+    student, teacher = torch.nn.Linear(2, 3), torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(student.parameters())
+    checkpoint = tmp_path / "distilled.ckpt"
+    state = {"student": student.state_dict(), "teacher": teacher.state_dict(), "step": 1}
+    torch.save({**state, "optimizer": optimizer.state_dict()}, checkpoint)
+    with pytest.raises(
+        ValueError, match=r"holds several models: it holds models under \['student', 'teacher'\]"
+    ):
+        lc.export_checkpoint(checkpoint, tmp_path / "model.safetensors")
+    lc.export_checkpoint(checkpoint, tmp_path / "teacher.safetensors", model_key="teacher")
+    assert load_file(tmp_path / "teacher.safetensors").keys() == teacher.state_dict().keys()
+
+
 class Pretrained(LightningModule):
     """A transformers causal LM fine-tuned from pretrained weights in a local folder."""
 
@@ -91,6 +151,7 @@ class Pretrained(LightningModule):
         super().__init__()
         import transformers
 
+        self.save_hyperparameters()  # built by the CLI: with its class path
         self.model = transformers.AutoModelForCausalLM.from_pretrained(folder)
 
     def training_step(self, batch, batch_idx):
@@ -103,23 +164,23 @@ class Pretrained(LightningModule):
 def test_a_pretrained_transformers_model_fine_tuned_and_exported_for_from_pretrained(tmp_path) -> None:
     import transformers
 
+    from lightning_canzona.cli import CanzonaCLI
+
     config = transformers.Qwen3Config(
         vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True,
     )  # fmt: skip
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "base")
-    module = Pretrained(str(tmp_path / "base"))
+    # As `canzona fit --model test_export.Pretrained --model.folder base` builds it.
+    arguments = ["--model", "test_export.Pretrained", "--model.folder", str(tmp_path / "base")]
+    module = CanzonaCLI(subclass_mode_model=True, args=arguments, run=False).model
     batch = _batches(1, vocab=128)[:BATCH]
     with torch.no_grad():
         expected = float(module.training_step(batch, 0))  # the pretrained weights on one process
     assert _fit(module, tmp_path, steps=2, vocab=128) == pytest.approx(expected, rel=1e-6)
 
-    # As a user exports it: the command, with the training config's model.
-    config = tmp_path / "config.yaml"
-    config.write_text(
-        f"model:\n  class_path: test_export.Pretrained\n  init_args:\n    folder: {tmp_path / 'base'}\n"
-    )
+    # As a user exports it: the command, which builds the module its hyperparameters name.
     exported = tmp_path / "tuned"
     command = ["canzona", "export", str(tmp_path / "trained.ckpt"), str(exported), "--format", "transformers"]
     tests = str(Path(__file__).parent)
@@ -127,10 +188,18 @@ def test_a_pretrained_transformers_model_fine_tuned_and_exported_for_from_pretra
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])),
     }
-    done = subprocess.run(
-        [*command, "--config", str(config)], capture_output=True, text=True, timeout=120, env=environment
-    )
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=environment)
     assert done.returncode == 0, done.stderr[-2000:]
+    assert (
+        "building test_export.Pretrained from the checkpoint's hyperparameters" in done.stdout + done.stderr
+    )
+    # Given the transformers model itself, found in the checkpoint under the LightningModule's `model.`.
+    own = lc.export_checkpoint(tmp_path / "trained.ckpt", tmp_path / "own", "transformers", module.model)
+    # Both by transformers' own names, the tied head stored once, as its save_pretrained writes them.
+    names = load_file(tmp_path / "base" / "model.safetensors").keys()
+    assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
+    assert load_file(exported / "model.safetensors").keys() == names
+    assert load_file(own / "model.safetensors").keys() == names
     torch.save(batch, tmp_path / "batch.pt")
     script = textwrap.dedent(
         f"""
@@ -153,10 +222,7 @@ def test_a_pretrained_transformers_model_fine_tuned_and_exported_for_from_pretra
 def test_the_command_builds_the_module_of_a_training_config_without_weights() -> None:
     from lightning_canzona.export import _module_from_config
 
-    config = Path(__file__).resolve().parents[2] / "examples" / "configs" / "tiny.yaml"
-    module = _module_from_config(str(config))
+    module = _module_from_config(str(TINY_CONFIG))
     assert isinstance(module, CausalLanguageModel) and next(module.parameters()).is_meta
     with pytest.raises(ValueError, match=r"format must be one of \('safetensors', 'torch', 'transformers'\)"):
-        lc.export_checkpoint(config, "out", "onnx")
-    with pytest.raises(ValueError, match=r"needs the module that holds one transformers model"):
-        lc.export_checkpoint(config, "out", "transformers", module)
+        lc.export_checkpoint(TINY_CONFIG, "out", "onnx")

@@ -20,9 +20,11 @@ import torch
 import transformers
 from fabric_loop import ACCUMULATE, MAX_NORM, MUON, batches, build, loss_of, train
 from lightning.fabric import Fabric
+from safetensors.torch import load_file
 from scripts import run_script
 
 import lightning_canzona as lc
+from lightning_canzona.cli import main
 from lightning_canzona.export import consolidated_weights
 from lightning_canzona.launcher import FabricInProcessLauncher
 from lightning_canzona.mesh import choose_mesh
@@ -197,11 +199,12 @@ def test_the_fabric_example_fine_tunes_a_transformers_model_and_exports_it(tmp_p
     assert after < before - 0.5  # measured: 5.390 → 4.511
     tuned = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tuned").state_dict()
     saved = consolidated_weights(tmp_path / "checkpoint", model_key="model")
-    with pytest.raises(
-        ValueError, match="holds no model under 'state_dict': pass the key its model was saved under"
-    ):
-        consolidated_weights(tmp_path / "checkpoint")  # the Trainer's key: said, not an empty export
-    assert tuned.keys() == saved.keys()
+    with pytest.raises(ValueError, match="holds no model under 'state_dict': its model is under 'model'"):
+        consolidated_weights(
+            tmp_path / "checkpoint", "state_dict"
+        )  # the Trainer's key: said, not an empty export
+    main(["export", str(tmp_path / "checkpoint"), str(tmp_path / "tuned.safetensors")])  # the one model
+    assert load_file(tmp_path / "tuned.safetensors").keys() == tuned.keys() == saved.keys()
     for name, weight in saved.items():
         assert torch.equal(tuned[name], weight), name
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
+import io
 import multiprocessing
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from trainers import quiet_trainer
 
 import lightning_canzona as lc
-from lightning_canzona.cli import CanzonaCLI
+from lightning_canzona.cli import CanzonaCLI, main
 from lightning_canzona.data import ByteTextDataModule
 from lightning_canzona.models import CausalLanguageModel
 
@@ -237,14 +238,11 @@ def test_mistakes_fail_in_the_launching_process_before_any_rank_starts(
     assert not getattr(trainer.strategy.launcher, "procs", [])  # no rank was started
 
 
-def test_cli_help_shows_every_strategy_argument() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "lightning_canzona.cli", "fit", "--trainer.strategy.help", "CanzonaStrategy"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr
+def test_cli_help_shows_every_strategy_argument(capsys) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["fit", "--trainer.strategy.help", "CanzonaStrategy"])
+    assert exited.value.code == 0
+    shown = capsys.readouterr().out
     for argument in (
         "data_parallel_size",
         "tensor_parallel_size",
@@ -253,9 +251,9 @@ def test_cli_help_shows_every_strategy_argument() -> None:
         "process_group_backend",
         "timeout",
     ):
-        assert f"--trainer.strategy.{argument}" in result.stdout, argument
+        assert f"--trainer.strategy.{argument}" in shown, argument
     for setting in ("policy", "alpha", "cost", "micro_group_capacity", "max_team", "team_prices", "overlap"):
-        assert f"``{setting}``" in result.stdout, setting  # named in the description of `plan`
+        assert f"``{setting}``" in shown, setting  # named in the description of `plan`
 
 
 def _fit_with_cli(tmp_path, *overrides: str, config: Path = TINY_CONFIG) -> str:
@@ -299,8 +297,10 @@ def test_cli_top_level_optimizer_is_built_from_the_sharded_model_with_matrix_gro
         tmp_path,
         *("--trainer.devices", "2", "--trainer.max_steps", "2"),
         *("--optimizer", "lightning_canzona.SOAP", "--optimizer.lr", "0.003"),
+        # Settings of `strategy: canzona` as users guess them, the plan's by its fields.
+        *("--trainer.strategy.tensor_parallel_size", "1", "--trainer.strategy.plan.policy", "lpt"),
     )
-    assert "lightning_canzona plan on mesh (1, 2)" in output  # "auto": TP over both devices
+    assert "device mesh data_parallel 2 × tensor_parallel 1" in output and "policy lpt" in output
     assert "`max_steps=2` reached" in output
     # 28 matrices (4 blocks × 7 linear layers); the embedding and the head went to AdamW.
     assert _planned_matrices(output) == 28
@@ -308,7 +308,7 @@ def test_cli_top_level_optimizer_is_built_from_the_sharded_model_with_matrix_gro
 
 def _planned_matrices(output: str) -> int:
     """The matrix count of the plan table printed at fit start (rows: rank, load, matrices, state)."""
-    table = output.split("lightning_canzona plan on mesh", 1)[1].split("policy canzona", 1)[0]
+    table = output.split("lightning_canzona plan on mesh", 1)[1].split("policy ", 1)[0]
     return sum(int(row[2]) for row in re.findall(r"^\s*(\d+)\s+([\d.]+)\s+(\d+)\s+([\d.]+)$", table, re.M))
 
 
@@ -342,6 +342,104 @@ def test_cli_top_level_optimizer_takes_matrix_param_groups_and_configs_interpola
     ]
     assert "model.embed_tokens.weight" in adamw and "model.lm_head.weight" in adamw
     assert optimizer.param_groups[0]["lr"] == 0.05
+
+
+def _cli(*arguments: object) -> CanzonaCLI:
+    """``canzona`` on ``arguments``, up to the objects it builds."""
+    arguments = [str(argument) for argument in arguments]
+    return CanzonaCLI(subclass_mode_model=True, subclass_mode_data=True, args=arguments, run=False)
+
+
+@pytest.mark.parametrize(
+    "config, arguments, settings",
+    [
+        (TINY_CONFIG, ["--trainer.strategy.data_parallel_size", 4], {"_requested_sizes": (4, "auto")}),
+        (  # the registered name, in the nested form
+            TINY_CONFIG.with_name("tiny-moe.yaml"),
+            [
+                "--config",
+                "{trainer: {strategy: {class_path: canzona_notebook, init_args: {plan: {max_team: 1}}}}}",
+            ],
+            {"start_method": "fork", "plan_config.max_team": 1, "plan_config.policy": "canzona"},
+        ),
+        (  # settings alone in a second file, over `strategy: canzona_notebook`
+            TINY_CONFIG,
+            [
+                "--trainer.strategy",
+                "canzona_notebook",
+                "--config",
+                "{trainer: {strategy: {tensor_parallel_size: 1}}}",
+            ],
+            {"start_method": "fork", "_requested_sizes": ("auto", 1)},
+        ),
+    ],
+    ids=["command-line", "class_path-name", "settings-file"],
+)
+def test_every_strategy_setting_comes_from_yaml_and_the_command_line(config, arguments, settings) -> None:
+    strategy = _cli("--config", config, *arguments).trainer.strategy
+    assert type(strategy) is lc.CanzonaStrategy
+    for name, value in settings.items():
+        assert functools.reduce(getattr, name.split("."), strategy) == value, name
+
+
+def test_lightnings_strategy_names_are_left_to_lightning() -> None:
+    from lightning.pytorch.strategies import DDPStrategy
+
+    assert type(_cli("--config", TINY_CONFIG, "--trainer.strategy", "ddp").trainer.strategy) is DDPStrategy
+    nested = _cli(
+        *("--config", TINY_CONFIG, "--trainer.strategy", "ddp_spawn"),
+        *("--trainer.strategy.find_unused_parameters", "true"),
+    )
+    assert nested.trainer.strategy._start_method == "spawn"  # its registered settings, and the given one
+    assert nested.trainer.strategy._ddp_kwargs["find_unused_parameters"] is True
+
+
+def _fails(*arguments: object) -> list[str]:
+    """What ``canzona`` printed when it refused ``arguments``, line by line."""
+    with pytest.raises(SystemExit) as exited, contextlib.redirect_stderr(io.StringIO()) as printed:
+        main([str(argument) for argument in arguments])
+    assert exited.value.code == 2
+    return printed.getvalue().splitlines()
+
+
+@pytest.mark.parametrize(
+    "arguments, error",
+    [
+        (
+            ["--trainer.strategy.tensor_paralel_size", "1"],
+            "trainer.strategy: CanzonaStrategy has no setting 'tensor_paralel_size'; did you mean "
+            "'tensor_parallel_size'? (--trainer.strategy.help CanzonaStrategy lists them)",
+        ),
+        (
+            ["--config", "{trainer: {strategy: {init_args: {plan: {polcy: lpt}}}}}"],
+            "trainer.strategy: CanzonaStrategy has no setting 'plan.polcy'; did you mean 'plan.policy'? "
+            "(--trainer.strategy.help CanzonaStrategy lists them)",
+        ),
+    ],
+    ids=["command-line", "yaml"],
+)
+def test_a_misspelt_strategy_setting_is_one_error_naming_the_nearest(arguments, error) -> None:
+    *tip, line = _fails("fit", "--config", TINY_CONFIG, *arguments)
+    assert line == f"error: {error}"
+    assert tip in ([], ["tip: For details of accepted options run: canzona fit --help"])  # newer jsonargparse
+
+
+def test_the_command_lists_every_subcommand_with_what_it_does(capsys) -> None:
+    from lightning_canzona.cli import COMMANDS
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--help"])
+    assert exited.value.code == 0
+    listed = capsys.readouterr().out
+    for command in [*CanzonaCLI.subcommands(), *COMMANDS]:
+        assert re.search(rf"^    {command} +[A-Z]", listed, re.M), command
+    assert (
+        "invalid choice: 'fitt' (choose from 'fit', 'validate', 'test', 'predict', 'plan'"
+        in _fails("fitt")[-1]
+    )
+    with pytest.raises(SystemExit) as exited:
+        main(["export", "--help"])
+    assert exited.value.code == 0 and "usage: canzona export" in capsys.readouterr().out
 
 
 def test_a_bad_optimizer_keyword_names_the_class_when_the_model_is_built() -> None:

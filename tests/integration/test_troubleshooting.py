@@ -33,7 +33,7 @@ from lightning_canzona.checkpoint import (
     verify,
     write_manifest,
 )
-from lightning_canzona.cli import CanzonaCLI
+from lightning_canzona.cli import CanzonaCLI, main
 from lightning_canzona.distributed.failures import raise_on_every_rank
 from lightning_canzona.mesh import choose_mesh
 from lightning_canzona.models import CausalLanguageModel
@@ -170,6 +170,44 @@ def _cli_typo() -> None:
     raise SystemExit(line.strip())
 
 
+def _strategy_typo() -> None:
+    stderr = io.StringIO()
+    with redirect_stderr(stderr), pytest.raises(SystemExit):
+        main(["fit", "--config", str(TINY_CONFIG), "--trainer.strategy.tensor_paralel_size", "1"])
+    (line,) = [line for line in stderr.getvalue().splitlines() if line.startswith("error:")]
+    raise SystemExit(line)
+
+
+@functools.cache
+def _transformers_model() -> nn.Module:
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_config(
+        transformers.Qwen3Config(
+            vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=4,
+        )
+    )  # fmt: skip
+
+
+def _saved(path: Path, **state: object) -> Path:
+    torch.save(state, path)
+    return path
+
+
+def _export_holds_twice(tmp_path: Path) -> None:
+    weights = _transformers_model().state_dict()
+    state_dict = {
+        f"{who}.{name}": tensor for who in ("student", "teacher") for name, tensor in weights.items()
+    }
+    lc.export_checkpoint(
+        _saved(tmp_path / "last.ckpt", state_dict=state_dict),
+        "hf-model",
+        "transformers",
+        _transformers_model(),
+    )
+
+
 #: The mistake behind each entry, by its heading.
 TRIGGERS: dict[str, Callable[[Path], None]] = {
     "A tensor-parallel size the model's heads cannot take": lambda _: _mesh_for_heads(),
@@ -210,11 +248,44 @@ TRIGGERS: dict[str, Callable[[Path], None]] = {
         [torch.zeros(2, 2, requires_grad=True)], qk_clip=lc.QKClip()
     ).step(),
     "A mistyped setting in a config file": lambda _: _cli_typo(),
+    "A misspelt strategy setting": lambda _: _strategy_typo(),
     "A checkpoint of another model": _other_model,
     "A checkpoint of another optimizer": lambda _: _other_optimizer(),
     "A file of a checkpoint that changed": _changed_file,
     "A checkpoint file cut short": _cut_file,
     "A checkpoint that would run code": _crafted,
+    "A transformers export without the module": lambda tmp_path: lc.export_checkpoint(
+        _saved(tmp_path / "last.ckpt", state_dict={"weight": torch.zeros(2)}), "hf-model", "transformers"
+    ),
+    "A transformers export of a model that is not one": lambda tmp_path: lc.export_checkpoint(
+        _saved(tmp_path / "last.ckpt", state_dict={"weight": torch.zeros(2)}),
+        "hf-model",
+        "transformers",
+        CausalLanguageModel("tiny"),
+    ),
+    "A transformers model that the checkpoint does not hold": lambda tmp_path: lc.export_checkpoint(
+        _saved(tmp_path / "last.ckpt", state_dict={"weight": torch.zeros(2)}),
+        "hf-model",
+        "transformers",
+        _transformers_model(),
+    ),
+    "A transformers model held twice": _export_holds_twice,
+    "A model key that the checkpoint does not have": lambda tmp_path: lc.export_checkpoint(
+        _saved(tmp_path / "checkpoint", model={"weight": torch.zeros(2)}),
+        "model.safetensors",
+        model_key="state_dict",
+    ),
+    "A checkpoint with several models": lambda tmp_path: lc.export_checkpoint(
+        _saved(tmp_path / "distilled.ckpt", student={"w": torch.zeros(2)}, teacher={"w": torch.zeros(2)}),
+        "model.safetensors",
+    ),
+    "A checkpoint with no model": lambda tmp_path: lc.export_checkpoint(
+        _saved(
+            tmp_path / "optimizer.ckpt",
+            optimizer=torch.optim.SGD([nn.Parameter(torch.zeros(2))]).state_dict(),
+        ),
+        "model.safetensors",
+    ),
     "A NaN or Inf gradient": lambda _: _non_finite(),
     "A failure on another rank": _another_rank,
 }
