@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from lightning_canzona import huggingface
 from lightning_canzona.checkpoint.integrity import verify
-from lightning_canzona.checkpoint.reading import MODEL_KEY, SafeReader, safe_load
+from lightning_canzona.checkpoint.reading import MODEL_KEY, SafeReader, load_file, safe_load
 
 log = logging.getLogger(__name__)
 
@@ -41,14 +41,15 @@ def consolidated_weights(checkpoint: str | Path, model_key: str = MODEL_KEY) -> 
             the model's key in the state given to ``fabric.save``.
 
     Raises:
-        ValueError: The checkpoint is corrupt, incomplete, holds what loading could run, or holds
-            no model under ``model_key``.
+        CorruptCheckpointError: A file of the checkpoint is missing, cut short, changed or
+            unreadable, naming it.
+        ValueError: The checkpoint holds what loading could run, or no model under ``model_key``.
     """
     path = Path(checkpoint)
     if not verify(path, collective=False):  # this process alone, as a distributed job's rank 0 may
         log.warning("The checkpoint %s has no manifest: its files cannot be verified.", path)
     if not path.is_dir():
-        saved = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        saved = load_file(path, weights_only=True)
         if not isinstance(saved.get(model_key), dict):
             raise _no_model(path, model_key)
         return dict(saved[model_key])
