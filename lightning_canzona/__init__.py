@@ -8,6 +8,7 @@ filters the third-party warnings that are harmless in its runs (`lightning_canzo
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_canzona.checkpoint import CorruptCheckpointError, UnsafeCheckpointError
 from lightning_canzona.config import PlanConfig
 from lightning_canzona.export import export_checkpoint
 from lightning_canzona.fabric import CanzonaFabricStrategy
@@ -22,12 +23,14 @@ __all__ = [
     "SOAP",
     "CanzonaFabricStrategy",
     "CanzonaStrategy",
+    "CorruptCheckpointError",
     "Muon",
     "NorMuon",
     "PlanConfig",
     "QKClip",
     "Shampoo",
     "StepTelemetry",
+    "UnsafeCheckpointError",
     "attach_qk_clip",
     "export_checkpoint",
     "matrix_param_groups",

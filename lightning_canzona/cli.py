@@ -19,18 +19,20 @@ import os
 import sys
 import traceback
 import typing
+from pathlib import Path
 from types import MethodType
 from typing import Any, NoReturn
 
 from jsonargparse import Namespace, dict_to_namespace
 from lightning.pytorch import LightningModule
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, instantiate_class
+from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI, instantiate_class
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 
 import lightning_canzona  # noqa: F401  (registers the "canzona" strategies)
+from lightning_canzona.checkpoint import check_file_before_launch
 from lightning_canzona.compat import check_option_values_with, nested_option
 from lightning_canzona.optim import MatrixOptimizer, matrix_param_groups
 
@@ -215,6 +217,25 @@ class CanzonaCLI(LightningCLI):
             if refused is None:
                 raise
             raise refused from None
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
+        """Parse the command line, then check a single-file ``ckpt_path`` before LightningCLI
+        reads its hyperparameters in this process: a damaged file is the strategy's
+        ``CorruptCheckpointError`` naming it, here and before any rank starts, not torch's error
+        from inside LightningCLI (`lightning_canzona.checkpoint.check_file_before_launch`;
+        the records' checksums too unless the config sets ``verify_checkpoints: false``)."""
+        super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        settings = self.config.get(subcommand) if subcommand else None
+        ckpt_path = settings.get("ckpt_path") if settings is not None else None
+        if ckpt_path and Path(ckpt_path).is_file():
+            strategy = settings.get("trainer.strategy")
+            verify = (
+                strategy.get("init_args.verify_checkpoints", True)
+                if isinstance(strategy, Namespace)
+                else True
+            )
+            check_file_before_launch(Path(ckpt_path), verify_files=verify is not False)
 
     def _add_configure_optimizers_method_to_model(self, subcommand: str | None) -> None:
         optimizer_init = self._get(self.config_init, "optimizer") if self.auto_configure_optimizers else None

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from lightning_canzona import huggingface
 from lightning_canzona.checkpoint.integrity import verify
-from lightning_canzona.checkpoint.reading import LIGHTNING_METADATA, SafeReader, safe_load
+from lightning_canzona.checkpoint.reading import LIGHTNING_METADATA, SafeReader, load_file, safe_load
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +44,10 @@ def consolidated_weights(checkpoint: str | Path, model_key: str | None = None) -
             holds a model's tensors (an optimizer's are not a model's).
 
     Raises:
-        ValueError: The checkpoint is corrupt, incomplete, holds what loading could run, holds
-            no model under ``model_key``, or (``model_key=None``) no model or several.
+        CorruptCheckpointError: A file of the checkpoint is missing, cut short, changed or
+            unreadable, naming it.
+        ValueError: The checkpoint holds what loading could run, holds no model under
+            ``model_key``, or (``model_key=None``) no model or several.
     """
     path = Path(checkpoint)
     _verify(path)
@@ -60,7 +62,7 @@ def _verify(path: Path) -> None:
 def _read_weights(path: Path, model_key: str | None) -> dict[str, Tensor]:
     """`consolidated_weights` of a verified checkpoint."""
     if not path.is_dir():
-        saved = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        saved = load_file(path, weights_only=True)
         models = [key for key, value in saved.items() if _is_state_dict(value)]
         return dict(saved[_model_key(path, model_key, models)])
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -237,7 +239,7 @@ def _module_from_hyperparameters(checkpoint: str | Path) -> nn.Module | None:
     if not saved.is_file():
         return None
     try:
-        hyperparameters = torch.load(saved, map_location="cpu", weights_only=True).get("hyper_parameters")
+        hyperparameters = load_file(saved, weights_only=True).get("hyper_parameters")
     except pickle.UnpicklingError:  # hyperparameters that only full unpickling reads: none for us
         return None
     if not isinstance(hyperparameters, dict) or "_class_path" not in hyperparameters:

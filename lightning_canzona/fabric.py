@@ -41,6 +41,7 @@ from lightning_canzona.checkpoint import (
     load_single_file,
     record,
     save_atomically,
+    verify,
     write_state,
 )
 from lightning_canzona.compat import BackwardSyncControl, PathLike, materialize_distributed_module
@@ -72,8 +73,10 @@ class CanzonaFabricStrategy(ModelParallelStrategy):
             plan (or a transformers model's) with FSDP2 (`lightning_canzona.composition`).
         save_distributed_checkpoint: Save one shard per rank (``True``) or one full file.
         verify_checkpoints: Before loading a checkpoint, check every file against the sizes and
-            CRC-32 checksums recorded when it was saved: a file cut short or changed is an error,
-            not wrong weights.
+            CRC-32 checksums recorded when it was saved: a file cut short or changed is a
+            ``CorruptCheckpointError`` naming it on every rank, not wrong weights. ``False``
+            skips that read: a file missing, cut short or unreadable is still that error, but
+            bytes changed where they still read (inside a tensor) load as they are.
         process_group_backend: ``nccl``, ``gloo``…; ``None`` picks the device's default.
         timeout: Timeout of collective operations.
         start_method: ``popen`` re-runs the script per rank (scripts, torchrun, SLURM); ``fork``
@@ -240,8 +243,10 @@ class CanzonaFabricStrategy(ModelParallelStrategy):
         optimizers; other keys are replaced by the saved values), after checking it on every
         rank: its files (``verify_checkpoints``), its model's shapes, its optimizers. Returns
         what the checkpoint holds besides."""
-        if not isinstance(state, dict) or not state:
-            return super().load_checkpoint(path, state, strict, weights_only)  # a bare module's weights
+        if not isinstance(state, dict) or not state:  # a bare module's weights (fabric.load_raw)
+            if isinstance(state, nn.Module) and self.verify_checkpoints:
+                verify(Path(self.broadcast(path)))
+            return super().load_checkpoint(path, state, strict, weights_only)
         path = Path(self.broadcast(path))
         key, module = _the_model(state)
         optimizers = {name: value for name, value in state.items() if isinstance(value, Optimizer)}

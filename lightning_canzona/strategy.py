@@ -105,8 +105,11 @@ class CanzonaStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: Save one shard per rank (``True``) or one full file.
         verify_checkpoints: Before loading a checkpoint, check every file against the sizes and
             CRC-32 checksums recorded when it was saved (a distributed checkpoint's manifest, a
-            single file's zip directory): a file cut short or changed is an error, not wrong
-            weights. Costs one read of the checkpoint, shared by the ranks.
+            single file's zip directory): a file cut short or changed is a
+            ``CorruptCheckpointError`` naming it on every rank, not wrong weights. Costs one read
+            of the checkpoint, shared by the ranks. ``False`` skips that read: a file missing,
+            cut short or unreadable is still that error, but bytes changed where they still read
+            (inside a tensor) load as they are.
         load_optimizer_state: Load the optimizer's state (and its schedulers') with the weights.
             ``False`` loads the weights and the training progress only and starts the optimizer
             afresh: to resume with another optimizer than the checkpoint's, which is otherwise an

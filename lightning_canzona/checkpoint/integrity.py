@@ -7,8 +7,9 @@
   last, holds every record's size and CRC-32.
 
 `verify` checks either before a load, the ranks again sharing the files: a file missing, cut short
-or changed is found on the rank that read it and is an error on every rank. CRC-32 is
-zlib's (3.7 GB/s on one core of this project's CPU), the checksum of the zip format itself.
+or changed — or any failure of a rank's share of the check — is found on the rank that read it
+and is the same `CorruptCheckpointError` on every rank. CRC-32 is zlib's (3.7 GB/s on one core of
+this project's CPU), the checksum of the zip format itself.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+
+from lightning_canzona.checkpoint.errors import corrupt, describe
 
 #: The manifest of a distributed checkpoint.
 MANIFEST = "manifest.json"
@@ -71,25 +74,24 @@ def verify(path: Path, collective: bool = True) -> bool:
         version or another strategy), which cannot be checked.
 
     Raises:
-        ValueError: On every rank, naming the checkpoint and the files that differ from what was
-            saved.
+        CorruptCheckpointError: On every rank, naming the checkpoint and the files that differ
+            from what was saved.
     """
     found = problems(path, collective)
     if found is None:
         return False
     if found:
-        raise ValueError(
-            f"The checkpoint {path} is corrupt or incomplete: {'; '.join(found[:3])}"
-            f"{f' (and {len(found) - 3} more)' if len(found) > 3 else ''}. Load another checkpoint; "
-            "CanzonaStrategy(verify_checkpoints=False) loads it unchecked."
-        )
+        # Files whose checksums differ, or a manifest that cannot be used, still read unchecked.
+        readable = all("CRC-32" in problem or MANIFEST in problem for problem in found)
+        raise corrupt(path, found, readable)
     return True
 
 
 def problems(path: Path, collective: bool = True) -> list[str] | None:
     """What differs from what was saved in the files of the checkpoint at ``path``, found on any
     rank (the same list on every rank; empty: it is whole), or ``None`` without a manifest;
-    ``collective=False``: found by this process alone."""
+    ``collective=False``: found by this process alone. Whatever this rank's share of the check
+    raised is one of its findings: no rank may raise before the others hear of it."""
     rank, world = _ranks(collective)
     if path.is_dir() and not (path / MANIFEST).is_file():
         return None
@@ -97,12 +99,16 @@ def problems(path: Path, collective: bool = True) -> list[str] | None:
     if path.is_dir():
         try:
             files = json.loads((path / MANIFEST).read_text())["files"]
-        except (OSError, ValueError, KeyError, TypeError) as error:
-            files = {}
+            names = sorted(files)
+        except Exception as error:
+            files, names = {}, []
             if rank == 0:
-                found.append(f"its {MANIFEST} cannot be read ({error})")
-        for name in sorted(files)[rank::world]:
-            found += _check(path / name, files[name])
+                found.append(f"its {MANIFEST} cannot be read ({describe(error)})")
+        for name in names[rank::world]:
+            try:
+                found += _check(path / name, files[name])
+            except Exception as error:  # an entry of a damaged manifest that parsed
+                found.append(f"{name} cannot be checked against its {MANIFEST} entry ({describe(error)})")
     elif rank == 0:
         found += _check_archive(path)
     return [problem for share in _gathered(found, collective) for problem in share]
@@ -147,8 +153,10 @@ def _check_archive(path: Path) -> list[str]:
     try:
         with zipfile.ZipFile(path) as archive:
             bad = archive.testzip()
+    except FileNotFoundError:
+        return [f"{path.name} is missing"]
     except zipfile.BadZipFile as error:
         return [f"{path.name} is not a whole zip archive, as torch saves one ({error})"]
-    except OSError as error:
-        return [f"{path.name} cannot be read ({error})"]
+    except Exception as error:  # a damaged header: a name that is not UTF-8, an offset past the end…
+        return [f"{path.name} is not a whole zip archive, as torch saves one ({describe(error)})"]
     return [] if bad is None else [f"the record {bad} of {path.name} has another CRC-32 than when saved"]

@@ -1,11 +1,13 @@
 """Loading a checkpoint at any mesh, for both strategies, after checking it on every rank.
 
 `check_before_loading` puts back a checkpoint that a crash left beside its name, verifies its
-files against what was saved, and checks its model's shapes and its optimizers against this
-run's: each problem is the same error on every rank before any state is touched.
-`load_distributed` then loads a distributed checkpoint through the readers that run no code
+files against what was saved, reads what it holds, and checks its model's shapes and its
+optimizers against this run's: each problem is the same error on every rank before any state is
+touched (`lightning_canzona.checkpoint.errors.on_every_rank`). `load_distributed` then loads a
+distributed checkpoint through the readers that run no code and name a file they cannot read
 (`lightning_canzona.checkpoint.reading`), every owner's matrix state going to the matrix's owner
-under this run's plan.
+under this run's plan; DCP gathers each rank's failure to read, so it too is an error on every
+rank. `load_single_file` loads Fabric's single file.
 """
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_canzona.checkpoint.errors import corrupt, on_every_rank
 from lightning_canzona.checkpoint.identity import check_same_optimizers
 from lightning_canzona.checkpoint.integrity import verify
 from lightning_canzona.checkpoint.reading import (
@@ -27,6 +29,7 @@ from lightning_canzona.checkpoint.reading import (
     MODEL_KEY,
     Saved,
     check_compatible,
+    load_file,
     read_saved,
     safe_load,
 )
@@ -48,10 +51,15 @@ def check_before_loading(
     """Every check of the checkpoint at ``path`` before anything loads (collective); returns what
     `read_saved` found. ``optimizers``: those whose state will be loaded (checked to be the
     checkpoint's); ``verify_files``: check the files against the manifest (a checkpoint without
-    one is loaded with a warning)."""
-    if dist.get_rank() == 0:
-        recover(path)  # a swap interrupted by a crash
-    dist.barrier()
+    one is loaded with a warning).
+
+    Raises:
+        CorruptCheckpointError: A file is missing, cut short, changed (``verify_files``) or
+            cannot be read, naming it.
+        ValueError: The checkpoint holds another model or another optimizer's state.
+    """
+    # Put back a swap interrupted by a crash; the gather is the barrier before anyone reads.
+    on_every_rank(lambda: dist.get_rank() == 0 and recover(path))
     if verify_files and not verify(path) and dist.get_rank() == 0:
         warnings.warn(
             f"The checkpoint {path} has no manifest (it was saved by an earlier version of "
@@ -59,12 +67,31 @@ def check_before_loading(
             UserWarning,
             stacklevel=3,
         )
-    saved = read_saved(path, weights_only, model_key)
-    expected = {name: tuple(tensor.shape) for name, tensor in module.state_dict().items()}
-    check_compatible(path, expected, strict=strict, saved=saved, partial_load=partial_load)
-    if optimizers:
-        check_same_optimizers(saved.identity, optimizers, path)
-    return saved
+
+    def read_and_compare() -> Saved:
+        if path.is_dir() and not (path / LIGHTNING_METADATA).is_file():  # Lightning writes it last
+            raise corrupt(path, [f"{LIGHTNING_METADATA} is missing"])
+        saved = read_saved(path, weights_only, model_key)
+        expected = {name: tuple(tensor.shape) for name, tensor in module.state_dict().items()}
+        check_compatible(path, expected, strict=strict, saved=saved, partial_load=partial_load)
+        if optimizers:
+            check_same_optimizers(saved.identity, optimizers, path)
+        return saved
+
+    return on_every_rank(read_and_compare)
+
+
+def check_file_before_launch(path: Path, verify_files: bool) -> None:
+    """Check a single-file checkpoint that the launching process reads before any rank starts
+    (LightningCLI reads its hyperparameters): its records against its zip directory
+    (``verify_files``), then that torch can read it as the ranks will.
+
+    Raises:
+        CorruptCheckpointError: The file is cut short, changed or unreadable, naming it.
+    """
+    if verify_files:
+        verify(path, collective=False)
+    read_saved(path)
 
 
 def load_distributed(
@@ -103,8 +130,7 @@ def load_distributed(
         options = StateDictOptions(cpu_offload=True)
         set_optimizer_state_dict(module, optimizer, optim_state_dict=state[key], options=options)
     weights_only = True if weights_only is None else weights_only
-    metadata = path / LIGHTNING_METADATA
-    return torch.load(metadata, map_location="cpu", weights_only=weights_only) if metadata.is_file() else {}
+    return load_file(path / LIGHTNING_METADATA, weights_only, path)
 
 
 def load_single_file(
@@ -124,7 +150,7 @@ def load_single_file(
     )
 
     weights_only = True if weights_only is None else weights_only
-    checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+    checkpoint = load_file(path, weights_only)
     options = StateDictOptions(full_state_dict=True, cpu_offload=True, strict=strict)
     set_model_state_dict(module, checkpoint.pop(module_key), options=options)
     for key, optimizer in optimizers.items():

@@ -9,7 +9,13 @@ A checkpoint may come from elsewhere (a download, a shared disk), so nothing in 
   ``DefaultLoadPlanner`` with ``torch.load(weights_only=False)``: either can run any code.
   `SafeReader` first unpickles ``.metadata`` with `MetadataUnpickler`, which knows only the
   classes DCP's metadata is made of, and `SafePlanner` first loads each value with
-  ``weights_only=True``; what they refuse never reaches the unrestricted readers.
+  ``weights_only=True``; what they refuse never reaches the unrestricted readers
+  (`UnsafeCheckpointError`).
+
+A file that cannot be read — missing, cut short, damaged — is a `CorruptCheckpointError` naming
+it, never the reader's own error: `load_file` for torch files, `SafeReader` for DCP's ``.metadata``
+and each ``.distcp`` file (a missing file, or one shorter than the metadata says, is named before
+DCP reads it).
 
 Also here: the model's shapes and the optimizer record a checkpoint holds (`read_saved`), the
 clear error for a checkpoint of another model (`check_compatible`), and the check that a
@@ -22,15 +28,23 @@ import io
 import os
 import pickle
 import warnings
+import zipfile
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.futures import Future
 
+from lightning_canzona.checkpoint.errors import (
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+    corrupt,
+    describe,
+)
 from lightning_canzona.checkpoint.swap import recover
 
 #: Where a Trainer checkpoint keeps the model's tensors (Fabric's: under the key the user gave).
@@ -63,7 +77,7 @@ _METADATA_CLASSES = {
 }
 
 
-class UnsafeCheckpointError(pickle.UnpicklingError):
+class _Forbidden(pickle.UnpicklingError):
     """A checkpoint's pickle refers to something that loading it could run."""
 
 
@@ -76,33 +90,64 @@ class MetadataUnpickler(pickle.Unpickler):
             module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         ):
             return super().find_class(module, name)
-        raise UnsafeCheckpointError(f"{module}.{name}")
+        raise _Forbidden(f"{module}.{name}")
 
 
 class SafeReader(FileSystemReader):
-    """torch's ``FileSystemReader``, whose ``.metadata`` must first unpickle with `MetadataUnpickler`.
+    """torch's ``FileSystemReader``, whose ``.metadata`` must first unpickle with `MetadataUnpickler`,
+    and whose every failure to read a file is an error naming the file.
 
     Raises:
-        ValueError: Naming the checkpoint, when ``.metadata`` refers to anything else (a crafted
-            file: nothing of it ran) or cannot be read at all (a damaged one).
+        UnsafeCheckpointError: ``.metadata`` refers to anything else (a crafted file: nothing of
+            it ran).
+        CorruptCheckpointError: ``.metadata`` or a ``.distcp`` file is missing, shorter than the
+            metadata says, or cannot be read (naming the file).
     """
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         path = Path(self.path) / ".metadata"
         try:
             MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
-        except UnsafeCheckpointError as refused:
-            raise ValueError(
+        except _Forbidden as refused:
+            raise UnsafeCheckpointError(
                 f"The checkpoint {self.path} was refused: its .metadata refers to {refused}, which "
                 "a distributed checkpoint's metadata never holds, so loading it could run code. "
                 "Nothing of it was run. Load only checkpoints from sources you trust."
             ) from None
+        except FileNotFoundError:
+            raise corrupt(self.path, ["its .metadata is missing"]) from None
         except Exception as error:
-            raise ValueError(
-                f"The checkpoint {self.path} is corrupt or incomplete: its .metadata cannot be read "
-                f"({type(error).__name__}: {error})."
-            ) from None
+            raise corrupt(self.path, [f"its .metadata cannot be read ({describe(error)})"]) from None
         return super().read_metadata(*args, **kwargs)
+
+    def read_data(self, plan: Any, planner: Any) -> Future[None]:
+        """Read the plan's items file by file, each file first checked to hold them all."""
+        by_file: dict[str, list[Any]] = {}
+        for item in plan.items:
+            by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for name, items in by_file.items():
+            file = Path(self.path) / name
+            try:
+                _check_holds(file, [self.storage_data[item.storage_index] for item in items])
+                super().read_data(replace(plan, items=items), planner).wait()
+            except (CorruptCheckpointError, UnsafeCheckpointError):
+                raise
+            except Exception as error:
+                raise corrupt(self.path, [f"{name} cannot be read ({describe(error)})"]) from None
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+
+def _check_holds(file: Path, stored: list[Any]) -> None:
+    """Raise the `CorruptCheckpointError` of a ``.distcp`` file that is missing or ends before
+    the last of the ``stored`` items the metadata places in it."""
+    if not file.is_file():
+        raise corrupt(file.parent, [f"{file.name} is missing"])
+    needed, size = max(info.offset + info.length for info in stored), file.stat().st_size
+    if size < needed:
+        cut = f"{file.name} is cut short: {size} bytes, where .metadata places data up to byte {needed}"
+        raise corrupt(file.parent, [cut])
 
 
 class SafePlanner(DefaultLoadPlanner):
@@ -113,7 +158,7 @@ class SafePlanner(DefaultLoadPlanner):
         try:
             torch.load(value, weights_only=True)
         except pickle.UnpicklingError as refused:
-            raise ValueError(
+            raise UnsafeCheckpointError(
                 f"A value of the checkpoint ({read_item.dest_index.fqn}) was refused: it is not "
                 f"plain data, so loading it could run code ({str(refused).splitlines()[0]})."
             ) from None
@@ -142,6 +187,9 @@ def read_saved(path: Path, weights_only: bool | None = None, model_key: str = MO
     A single file is unpickled with ``weights_only`` (``None``: ``True``, as ``torch.load`` does),
     a distributed checkpoint's ``.metadata`` by `SafeReader`, so that a checkpoint from elsewhere
     runs no code unless the caller asks for full unpickling.
+
+    Raises:
+        CorruptCheckpointError: A file it reads is missing or cannot be read, naming it.
     """
     weights_only = True if weights_only is None else weights_only
     prefix = model_key + "."
@@ -155,15 +203,35 @@ def read_saved(path: Path, weights_only: bool | None = None, model_key: str = MO
             if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)
         }
         lightning = path / LIGHTNING_METADATA
-        rest = (
-            torch.load(lightning, map_location="cpu", weights_only=weights_only)
-            if lightning.is_file()
-            else {}
-        )
+        rest = load_file(lightning, weights_only, path) if lightning.is_file() else {}
         return Saved(shapes, rest.get(IDENTITY_KEY))
-    checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+    checkpoint = load_file(path, weights_only)
     shapes = {key: tuple(value.shape) for key, value in checkpoint.get(model_key, {}).items()}
     return Saved(shapes, checkpoint.get(IDENTITY_KEY))
+
+
+def load_file(file: Path, weights_only: bool | None, checkpoint: Path | None = None) -> Any:
+    """``torch.load`` of ``file`` (a single-file checkpoint, or the file ``meta.pt`` of the
+    distributed ``checkpoint``) on the CPU, memory-mapped.
+
+    Raises:
+        CorruptCheckpointError: ``file`` is missing or cannot be read, naming it.
+        pickle.UnpicklingError: torch's weights-only unpickler refused a class it names (a file
+            from elsewhere that is whole; nothing of it ran), as ``torch.load`` raises it.
+    """
+    try:
+        return torch.load(file, map_location="cpu", mmap=True, weights_only=weights_only)
+    except FileNotFoundError:
+        raise corrupt(checkpoint or file, [f"{file.name} is missing"]) from None
+    except Exception as error:
+        if isinstance(error, pickle.UnpicklingError) and "Unsupported global" in str(error):
+            raise
+        problem = (
+            f"{file.name} cannot be read ({describe(error)})"
+            if zipfile.is_zipfile(file)
+            else f"{file.name} is not a whole zip archive, as torch saves one"
+        )
+        raise corrupt(checkpoint or file, [problem]) from None
 
 
 def check_compatible(
@@ -212,8 +280,9 @@ def check_compatible(
 
 def safe_load(state: dict[str, Any], path: Path, no_dist: bool = False) -> None:
     """``torch.distributed.checkpoint.load`` of ``state`` from ``path`` through `SafeReader` and
-    `SafePlanner` (collective, unless ``no_dist``: this process alone); their refusal is raised
-    as it is, not inside DCP's ``CheckpointException``."""
+    `SafePlanner` (collective, unless ``no_dist``: this process alone); their errors
+    (`CorruptCheckpointError`, `UnsafeCheckpointError`) are raised as they are, on every rank,
+    not inside DCP's ``CheckpointException``, which gathers every rank's failure."""
     from torch.distributed.checkpoint import CheckpointException, load
 
     try:
@@ -222,9 +291,13 @@ def safe_load(state: dict[str, Any], path: Path, no_dist: bool = False) -> None:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninit")
             load(state, storage_reader=SafeReader(path), planner=SafePlanner(), no_dist=no_dist)
     except CheckpointException as failed:
-        refused = [error for error, _ in failed.failures.values() if isinstance(error, ValueError)]
-        if refused:
-            raise refused[0] from None
+        ours = [
+            error
+            for _, (error, _) in sorted(failed.failures.items())
+            if isinstance(error, (CorruptCheckpointError, UnsafeCheckpointError))
+        ]
+        if ours:
+            raise ours[0] from None
         raise
 
 
@@ -263,6 +336,7 @@ __all__ = [
     "Saved",
     "check_compatible",
     "check_path_exists",
+    "load_file",
     "read_saved",
     "safe_load",
 ]

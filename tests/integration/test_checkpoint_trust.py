@@ -1,8 +1,9 @@
 """Checkpoints that are never lost, never silently wrong, never a way in.
 
 A swap killed at each of its steps leaves one complete checkpoint under its name; bytes flipped in
-a file are found before anything loads; another optimizer's state is refused, or left out when
-asked; a crafted checkpoint runs none of its code.
+a file are found before anything loads; any damage to any file, through every door, is one error
+naming the file on every rank (a fuzz test); another optimizer's state is refused, or left out
+when asked; a crafted checkpoint runs none of its code.
 """
 
 from __future__ import annotations
@@ -11,33 +12,50 @@ import functools
 import json
 import pickle
 import shutil
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning import Callback
 from multiprocess import run_on_ranks
 from test_checkpoints import _fit, _RunsCode
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 import lightning_canzona as lc
 from lightning_canzona.checkpoint import (
+    CorruptCheckpointError,
+    check_before_loading,
     check_path_exists,
     integrity,
+    load_distributed,
+    load_single_file,
     read_saved,
     recover,
     replace_with,
     staging_path,
     swap,
 )
-from lightning_canzona.checkpoint.integrity import MANIFEST, _entry, problems
-from lightning_canzona.checkpoint.reading import safe_load
+from lightning_canzona.checkpoint.integrity import MANIFEST, _entry
+from lightning_canzona.checkpoint.reading import MODEL_KEY, safe_load
 from lightning_canzona.checkpoint.swap import previous_path
+from lightning_canzona.cli import CanzonaCLI
+from lightning_canzona.composition import compose
+from lightning_canzona.models import CausalLanguageModel
 
 MUON = functools.partial(lc.Muon, lr=0.02, adamw_lr=3e-3)
 SOAP = functools.partial(lc.SOAP, lr=3e-3, precondition_frequency=2)
 STEP_3 = Path("checkpoints") / "epoch=0-step=3.ckpt"
+TINY_CONFIG = Path(__file__).resolve().parents[2] / "examples" / "configs" / "tiny.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +69,9 @@ def saved(tmp_path_factory) -> dict[str, Path]:
     return paths
 
 
-def _copy(source: Path, tmp_path: Path) -> Path:
-    target = tmp_path / "copy.ckpt"
+def _copy(source: Path, directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / "copy.ckpt"
     (shutil.copytree if source.is_dir() else shutil.copy)(source, target)
     return target
 
@@ -201,25 +220,210 @@ def test_flipped_bytes_are_an_error_on_every_rank_before_anything_loads(
     assert lc.CanzonaStrategy(verify_checkpoints=False).verify_checkpoints is False
 
 
-def _every_rank_finds(rank: int, world_size: int, path: str, expected: str) -> None:
-    found = problems(Path(path))
-    assert found and expected in found[0], found
-
-
-def test_damaged_metadata_and_a_cut_file_are_named(saved, tmp_path) -> None:
+def test_damage_is_named_by_a_reader_that_does_not_verify_and_by_fabric_load_raw(saved, tmp_path) -> None:
+    # Each file damaged in every way, on two ranks, through the loaders: the fuzz test below.
     folder = _copy(saved["distributed"], tmp_path)
     _flip(folder / ".metadata")
-    run_on_ranks(2, _every_rank_finds, str(folder), ".metadata has CRC-32", timeout=30)
-    # Unverified, the damage is still named, not an UnpicklingError from deep inside torch.
+    # Read unverified, the damage is still named, not an UnpicklingError from deep inside torch.
     with pytest.raises(
-        ValueError, match=rf"The checkpoint {folder} is corrupt or incomplete: its \.metadata cannot be read"
+        CorruptCheckpointError,
+        match=rf"The checkpoint {folder} is corrupt or incomplete: its \.metadata cannot be read",
     ):
         read_saved(folder)
     single = tmp_path / "cut.ckpt"
     single.write_bytes(saved["single-file"].read_bytes()[: saved["single-file"].stat().st_size // 2])
-    run_on_ranks(2, _every_rank_finds, str(single), "cut.ckpt is not a whole zip archive", timeout=30)
+    # fabric.load_raw(path, module): a bare state dict's file, verified too.
+    with pytest.raises(CorruptCheckpointError, match=r"cut\.ckpt is not a whole zip archive"):
+        lc.CanzonaFabricStrategy().load_checkpoint(single, nn.Linear(2, 2))
     manifest = json.loads((saved["distributed"] / MANIFEST).read_text())["files"]
     assert set(manifest) == {".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"}
+
+
+# -- Any damage, through the loaders -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Damage:
+    """One way to damage one file of a checkpoint (``name``: in its folder; ``""``: the file)."""
+
+    name: str
+    operation: str  # "flip" or "zero" 8 bytes at the offset, "truncate" there, or "delete"
+    offset: int = 0
+
+    def file(self, checkpoint: Path) -> Path:
+        return checkpoint / self.name if self.name else checkpoint
+
+    def of(self, data: bytes) -> bytes | None:
+        """The file's bytes after the damage (``None``: deleted)."""
+        if self.operation == "delete":
+            return None
+        damaged, part = bytearray(data), slice(self.offset, self.offset + 8)
+        if self.operation == "truncate":
+            del damaged[self.offset :]
+        elif self.operation == "flip":
+            damaged[part] = bytes(b ^ 0xFF for b in damaged[part])
+        else:
+            damaged[part] = bytes(len(damaged[part]))
+        return bytes(damaged)
+
+
+def _offsets(size: int) -> set[int]:
+    """Where to damage a file: its first bytes (a zip's first local header and the name in it, a
+    pickle's protocol, JSON's opening brace), its quarters, and its last bytes (a zip's central
+    directory and end record, a pickle's STOP)."""
+    offsets = (0, 1, 30, size // 4, size // 2, 3 * size // 4, size - 100, size - 22, size - 1)
+    return {offset for offset in offsets if 0 <= offset < size}
+
+
+def _damages(path: Path, operations: tuple[str, ...], offsets=_offsets) -> list[Damage]:
+    """Each of ``operations`` at each of ``offsets`` of every file of the checkpoint at ``path``
+    that changes it (zeros written over zeros do not)."""
+    damages = []
+    for file in sorted(path.iterdir()) if path.is_dir() else [path]:
+        data = file.read_bytes()
+        for operation in operations:
+            for offset in [0] if operation == "delete" else sorted(offsets(len(data))):
+                damage = Damage(file.name if path.is_dir() else "", operation, offset)
+                if damage.of(data) != data:
+                    damages.append(damage)
+    return damages
+
+
+def _load_each_damaged_copy(rank: int, world_size: int, checkpoints: list, report: str) -> None:
+    """Load each checkpoint as the strategies do, then under each of its damages (rank 0 damages a
+    file, then puts it back), checked or not (``checkpoints``: each path with pairs of
+    ``verify_files`` and damages; unchecked, a folder without its manifest). Each load must give
+    the saved weights or the package's error naming the file, on every rank, in seconds. Rank 0
+    writes each outcome's count and every other outcome to ``report``."""
+    mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    module = CausalLanguageModel("tiny")
+    compose(module, mesh)
+
+    def load(path: Path, verify: bool) -> None:
+        # A new optimizer each time: one that loaded a state once has more param-group keys.
+        optimizer = MUON(lc.matrix_param_groups(module.model))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*has no manifest")
+            check_before_loading(path, module, [optimizer], strict=True, verify_files=verify)
+            if path.is_dir():
+                load_distributed(path, module, {"optimizer_0": optimizer})
+            else:
+                load_single_file(path, module, MODEL_KEY, {})
+
+    def weights() -> dict[str, torch.Tensor]:  # this rank's shards: no collective
+        state = module.state_dict()
+        return {name: t.to_local() if isinstance(t, DTensor) else t for name, t in state.items()}
+
+    counts, problems = {"loaded": 0, "corrupt": 0}, []
+    for path, phases in checkpoints:
+        path = Path(path)
+        load(path, verify=True)
+        saved = {name: tensor.clone() for name, tensor in weights().items()}
+        for verify, damages in phases:
+            if rank == 0 and not verify and path.is_dir():
+                (path / MANIFEST).unlink()
+            for damage in damages:
+                file = damage.file(path)
+                if rank == 0:
+                    original = file.read_bytes()
+                    damaged = damage.of(original)
+                    file.unlink() if damaged is None else file.write_bytes(damaged)
+                dist.barrier()
+                with torch.no_grad():
+                    for parameter in module.parameters():
+                        parameter.add_(1.0)  # a load that succeeds must put the saved weights back
+                start = time.monotonic()
+                try:
+                    load(path, verify)
+                    same = all(torch.equal(tensor, saved[name]) for name, tensor in weights().items())
+                    outcome = "loaded" if same else "loaded other weights"
+                except CorruptCheckpointError as error:
+                    checkpoint, _, listed = str(error).partition(" is corrupt or incomplete: ")
+                    named = checkpoint == f"The checkpoint {path}" and file.name in listed
+                    outcome = "corrupt" if named else f"the file not named: {error}"
+                except Exception as error:
+                    outcome = f"{type(error).__name__}: {error}"
+                outcomes: list = [None] * world_size
+                dist.all_gather_object(outcomes, (outcome, time.monotonic() - start))
+                if rank == 0:
+                    kinds = {outcome for outcome, _ in outcomes}
+                    if len(kinds) > 1 or not kinds <= set(counts) or max(s for _, s in outcomes) > 10:
+                        problems.append(f"{damage} (verify_files={verify}): {outcomes}")
+                    else:
+                        counts[kinds.pop()] += 1
+                    file.write_bytes(original)
+                dist.barrier()
+    if rank == 0:
+        Path(report).write_text(json.dumps({"counts": counts, "problems": problems}, indent=1))
+
+
+def test_any_damage_loads_the_saved_weights_or_is_one_named_error_on_every_rank(saved, tmp_path) -> None:
+    checkpoints, cases = [], 0
+    for form in ("distributed", "single-file"):
+        path = _copy(saved[form], tmp_path / form)
+        checked = _damages(path, ("flip", "zero", "truncate", "delete"))
+        # Unchecked (a folder without a manifest, as an earlier version saved; verify_files=False):
+        # a file missing or cut short is still the error, never torch's or DCP's. Any cut is one
+        # case of the same check: at its start, middle and last byte.
+        ends = _damages(path, ("truncate", "delete"), offsets=lambda size: {0, size // 2, size - 1})
+        unchecked = [damage for damage in ends if damage.name != MANIFEST]
+        checkpoints.append((str(path), [(True, checked), (False, unchecked)]))
+        cases += len(checked) + len(unchecked)
+    report = tmp_path / "report.json"
+    run_on_ranks(2, _load_each_damaged_copy, checkpoints, str(report), timeout=30)
+    outcome = json.loads(report.read_text())
+    assert outcome["problems"] == []
+    # Nearly every case is the error. The folder without its manifest loads unverified, and so
+    # does a file whose damage is in bytes no reader uses (the high byte of the zip comment's
+    # length, at the end of the single file): the saved weights, as asserted on the ranks.
+    assert sum(outcome["counts"].values()) == cases
+    assert outcome["counts"]["loaded"] >= 1 and outcome["counts"]["corrupt"] > 0.95 * cases
+
+
+def _cli_refuses(path: Path, *arguments: str) -> str:
+    """The message of ``canzona fit --ckpt_path path`` (in this process), which must stop on it."""
+    with pytest.raises(CorruptCheckpointError) as refused:
+        CanzonaCLI(
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            parser_kwargs={"parser_mode": "omegaconf"},
+            args=["fit", "--config", str(TINY_CONFIG), "--ckpt_path", str(path), *arguments],
+        )
+    return str(refused.value)
+
+
+def test_canzona_fit_refuses_a_damaged_ckpt_path_before_any_rank_starts(saved, tmp_path, monkeypatch) -> None:
+    # LightningCLI reads a single file's hyperparameters in the launching process: before it,
+    # the file is checked there, and its damage is the package's error, once.
+    cut = tmp_path / "cut.ckpt"
+    cut.write_bytes(saved["single-file"].read_bytes()[:-5000])  # its zip directory is gone
+    run = subprocess.run(
+        ["canzona", "fit", "--config", str(TINY_CONFIG), "--ckpt_path", str(cut)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    printed = run.stdout + run.stderr
+    assert run.returncode == 1 and printed.count("Traceback") == 1, printed[-3000:]
+    assert "Initializing distributed" not in printed  # no rank started
+    assert (
+        f"CorruptCheckpointError: The checkpoint {cut} is corrupt or incomplete: cut.ckpt is not a "
+        "whole zip archive, as torch saves one (File is not a zip file). Load another checkpoint."
+    ) in printed
+    # The same door with other damage, and with verify_checkpoints=False (the read still checked).
+    monkeypatch.setattr(sys, "argv", ["canzona"])  # LightningCLI warns of arguments given twice
+    start = tmp_path / "start.ckpt"
+    # The first record's name: torch reads on, Python's zipfile does not.
+    start.write_bytes(Damage("", "flip", 30).of(saved["single-file"].read_bytes()))
+    refused = _cli_refuses(start)
+    assert "start.ckpt is not a whole zip archive, as torch saves one (UnicodeDecodeError" in refused
+    garbage = tmp_path / "garbage.ckpt"
+    garbage.write_bytes(bytes(range(256)) * 16)
+    unchecked = ("--trainer.strategy", "lightning_canzona.CanzonaStrategy")
+    unchecked += ("--trainer.strategy.verify_checkpoints", "false")
+    for path in (garbage, cut):
+        assert f"{path.name} is not a whole zip archive" in _cli_refuses(path, *unchecked)
 
 
 # -- The optimizer -------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from lightning_canzona.checkpoint import (
     verify,
     write_manifest,
 )
+from lightning_canzona.checkpoint.reading import safe_load
 from lightning_canzona.cli import CanzonaCLI, main
 from lightning_canzona.distributed.failures import raise_on_every_rank
 from lightning_canzona.mesh import choose_mesh
@@ -105,6 +106,14 @@ def _changed_file(tmp_path: Path) -> None:
     shard = next(folder.glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:-16] + bytes(16))
     verify(folder)
+
+
+def _cut_shard(tmp_path: Path) -> None:
+    folder = tmp_path / "run.ckpt"
+    dcp.save({"state_dict": {"weight": torch.zeros(1024)}}, checkpoint_id=folder)  # no manifest
+    shard = next(folder.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    safe_load({"state_dict": {"weight": torch.ones(1024)}}, folder, no_dist=True)
 
 
 def _cut_file(tmp_path: Path) -> None:
@@ -253,6 +262,7 @@ TRIGGERS: dict[str, Callable[[Path], None]] = {
     "A checkpoint of another optimizer": lambda _: _other_optimizer(),
     "A file of a checkpoint that changed": _changed_file,
     "A checkpoint file cut short": _cut_file,
+    "A distributed checkpoint file cut short": _cut_shard,
     "A checkpoint that would run code": _crafted,
     "A transformers export without the module": lambda tmp_path: lc.export_checkpoint(
         _saved(tmp_path / "last.ckpt", state_dict={"weight": torch.zeros(2)}), "hf-model", "transformers"
