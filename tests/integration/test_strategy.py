@@ -14,6 +14,7 @@ import torch
 from lightning import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import StrategyRegistry
+from printed import warning_lines
 from torch.distributed.tensor import DTensor
 from trainers import quiet_trainer
 
@@ -265,10 +266,6 @@ def _fit_with_cli(tmp_path, *overrides: str, config: Path = TINY_CONFIG) -> str:
     return result.stdout + result.stderr
 
 
-#: Lines that a warning of this package, or of the way it calls LightningCLI, would print.
-OUR_WARNINGS = re.compile(r"lightning_canzona/\S+\.py:\d+: |LightningCLI's args parameter|LeafSpec")
-
-
 def test_cli_runs_the_main_job_config_quietly_on_the_mesh_auto_chose(tmp_path) -> None:
     output = _fit_with_cli(tmp_path, "--trainer.max_steps", "3")
     # `strategy: canzona`: "auto" sizes, which the model's 2 key/value heads limit to TP 2.
@@ -276,13 +273,13 @@ def test_cli_runs_the_main_job_config_quietly_on_the_mesh_auto_chose(tmp_path) -
     assert "data_parallel 2 × tensor_parallel 2" in mesh and "num_key_value_heads=2" in mesh
     assert "lightning_canzona plan on mesh (2, 2)" in output and "policy canzona" in output
     assert "`max_steps=3` reached" in output
-    assert not OUR_WARNINGS.findall(output), output
+    assert not warning_lines(output), output
 
 
 def test_cli_runs_the_mixture_of_experts_config_with_experts_updated_where_they_lie(tmp_path) -> None:
     config = TINY_CONFIG.with_name("tiny-moe.yaml")
     output = _fit_with_cli(tmp_path, "--trainer.max_steps", "3", config=config)
-    assert "`max_steps=3` reached" in output and not OUR_WARNINGS.findall(output)
+    assert "`max_steps=3` reached" in output and not warning_lines(output)
     # `strategy: canzona`: the heads allow TP 2 (the experts are not split over TP).
     assert "device mesh data_parallel 2 × tensor_parallel 2" in output
     # The expert stacks live on the data-parallel slice of the (2, 2) mesh, replicated over TP;
@@ -386,7 +383,7 @@ def test_the_headline_trains_the_bundled_model_on_a_mesh_it_can_take(tmp_path) -
     code, output = _run_headline(tmp_path)
     assert code == 0, output[-3000:]
     assert "device mesh data_parallel 2 × tensor_parallel 2" in output
-    assert "`max_steps=2` reached" in output and not OUR_WARNINGS.findall(output)
+    assert "`max_steps=2` reached" in output and not warning_lines(output)
 
 
 @pytest.mark.parametrize(
