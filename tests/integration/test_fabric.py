@@ -23,7 +23,6 @@ from printed import warning_lines
 import lightning_canzona as lc
 from lightning_canzona.export import consolidated_weights
 from lightning_canzona.launcher import FabricInProcessLauncher
-from lightning_canzona.mesh import choose_mesh
 from lightning_canzona.telemetry import COMPUTE_MAX_MS, COMPUTE_MS, MATRICES, SENT_MIB, STEP_MS
 
 LOOP = Path(__file__).with_name("fabric_loop.py")
@@ -83,17 +82,16 @@ def test_a_fabric_script_trains_the_bundled_model_exactly(tmp_path) -> None:
     _check_against_one_process(torch.load(out), tensor_parallel=True)
 
 
-def test_litgpts_gpt_trains_exactly_with_the_users_parallelize_fn(tmp_path) -> None:
-    # A plain nn.Module of a Fabric-based library: no tensor-parallel plan, so "auto" gives it
-    # data parallelism alone; at dp 2 × tp 2 the user's parallelize_fn splits its MLPs.
-    assert choose_mesh(build("litgpt"), "auto", "auto", 1, 4).tensor_parallel_size == 1
+def test_a_third_party_model_trains_exactly_with_the_users_parallelize_fn(tmp_path) -> None:
+    # A transformers Llama whose own plan the user's parallelize_fn replaces: at dp 2 × tp 2 it
+    # splits the MLPs and keeps attention whole on each TP rank.
     out = tmp_path / "trained.pt"
-    printed = _run(LOOP, out, 2, 2, "joint", "litgpt", cwd=tmp_path)
+    printed = _run(LOOP, out, 2, 2, "joint", "llama", cwd=tmp_path)
     # One plan over the whole mesh: attention's matrices, whole on each TP rank, are computed
     # once too (one owner for the TP replicas of its data-parallel shards), like the split MLPs.
     assert printed.count("lightning_canzona plan on mesh (2, 2)") == 1
-    assert "warn" not in printed.lower(), printed[-3000:]
-    _check_against_one_process(torch.load(out), tensor_parallel=True, model_name="litgpt")
+    assert not warning_lines(printed), printed[-3000:]
+    _check_against_one_process(torch.load(out), tensor_parallel=True, model_name="llama")
 
 
 def test_fabric_takes_the_strategy_by_name_and_checks_its_sizes_before_any_rank_starts() -> None:
