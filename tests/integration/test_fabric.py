@@ -123,11 +123,14 @@ def test_a_fabric_checkpoint_resumes_at_dp4_and_tp4_with_every_owners_state(tmp_
 
 def test_the_fabric_example_pretrains_logs_the_step_costs_and_saves(tmp_path) -> None:
     example = Path(__file__).resolve().parents[2] / "examples" / "fabric" / "pretrain.py"
-    printed = _run(example, "--steps", 2, "--log-every", 1, "--checkpoint", "pretrained", cwd=tmp_path)
+    checkpoint = "runs/pretrain/checkpoint"  # as the example's docstring shows
+    printed = _run(example, "--steps", 2, "--log-every", 1, "--checkpoint", checkpoint, cwd=tmp_path)
     assert "lightning_canzona: device mesh data_parallel 2 × tensor_parallel 2" in printed
-    assert "trained 2 steps" in printed and "warn" not in printed.lower(), printed[-3000:]
-    assert (tmp_path / "pretrained" / "manifest.json").is_file()  # loadable with --resume
-    with open(tmp_path / "logs" / "metrics.csv") as file:
+    assert "trained 2 steps" in printed and not warning_lines(printed), printed[-3000:]
+    run = tmp_path / "runs" / "pretrain"
+    assert [path.name for path in tmp_path.iterdir()] == ["runs"]  # nothing else in the folder
+    assert (run / "checkpoint" / "manifest.json").is_file()  # loadable with --resume
+    with open(run / "logs" / "metrics.csv") as file:
         logged = [row for row in csv.DictReader(file) if row.get(STEP_MS)]
     assert [int(row["step"]) for row in logged] == [1, 2]
     for row in logged:  # every rank's costs, gathered (the Trainer's telemetry test checks them all)
@@ -144,12 +147,15 @@ def test_the_fabric_example_fine_tunes_a_transformers_model_and_exports_it(tmp_p
         float, re.search(r"held-out loss: ([\d.]+) before, ([\d.]+) after 4 steps", printed).groups()
     )
     assert after < before - 0.5  # measured: 5.390 → 4.511
-    tuned = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tuned").state_dict()
-    saved = consolidated_weights(tmp_path / "checkpoint", model_key="model")
+    run = tmp_path / "runs" / "finetune"
+    assert [path.name for path in tmp_path.iterdir()] == ["runs"]  # nothing else in the folder
+    assert sorted(path.name for path in run.iterdir()) == ["base", "checkpoint", "tuned"]
+    tuned = transformers.AutoModelForCausalLM.from_pretrained(run / "tuned").state_dict()
+    saved = consolidated_weights(run / "checkpoint", model_key="model")
     with pytest.raises(
         ValueError, match="holds no model under 'state_dict': pass the key its model was saved under"
     ):
-        consolidated_weights(tmp_path / "checkpoint")  # the Trainer's key: said, not an empty export
+        consolidated_weights(run / "checkpoint")  # the Trainer's key: said, not an empty export
     assert tuned.keys() == saved.keys()
     for name, weight in saved.items():
         assert torch.equal(tuned[name], weight), name
