@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -405,14 +408,29 @@ def test_a_mistake_in_the_headline_is_one_error_before_any_rank_starts(tmp_path,
 
 
 def test_a_failure_on_every_rank_prints_one_traceback_and_a_line_per_other_rank(tmp_path) -> None:
-    code, output = _run_headline(tmp_path, devices=2, model="Fails")
+    # The reports of an earlier launch whose launching process has ended, and of a live one.
+    ended = subprocess.Popen([sys.executable, "-c", ""])
+    ended.wait()
+    reports = Path(tempfile.gettempdir())
+    stale, live = (reports / f"lightning_canzona-{pid}" for pid in (ended.pid, os.getpid()))
+    for folder in (stale, live):
+        folder.mkdir(exist_ok=True)
+        (folder / "rank1.txt").write_text("Traceback (most recent call last): …")
+    try:
+        code, output = _run_headline(tmp_path, devices=2, model="Fails")
+        assert (live / "rank1.txt").exists() and not stale.exists()  # the launch removed it
+    finally:
+        shutil.rmtree(live)
     assert code != 0
     assert output.count("Traceback (most recent call last)") == 1, output
     (line,) = [line for line in output.splitlines() if line.startswith("[rank1]: RuntimeError")]
     assert "the loss went wrong on every rank" in line
+    # The file the line names is there to read after the run, in the folder of the process that
+    # launched the ranks (the script): the first launch after it ended removes it.
     path = Path(line.split("its traceback is in ")[1].rstrip(")"))
     assert "Traceback (most recent call last)" in path.read_text() and "training_step" in path.read_text()
-    path.unlink()
+    assert path.parent.parent == reports and path.parent.name.startswith("lightning_canzona-")
+    shutil.rmtree(path.parent)
 
 
 class WrappedWithFSDP1(CausalLanguageModel):
