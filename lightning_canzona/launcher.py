@@ -8,7 +8,8 @@ settings), so that a mistake is one error, in seconds, before any rank starts.
 
 **One report per failure.** An exception that ends a rank other than 0 prints one line, its
 traceback going to a file (`report_failures_briefly`): a failure that every rank meets prints one
-traceback, not one per rank.
+traceback, not one per rank. The files stay while the launching process lives, and the next
+launch after it has ended removes them (`prune_failure_reports`).
 
 Two hazards of starting ranks from a live process are handled here:
 
@@ -227,22 +228,32 @@ def _die_with_launching_thread() -> None:
         os._exit(1)
 
 
+#: The folder of the failure reports of the ranks that one process launched: ``…-<its pid>``.
+_REPORTS = "lightning_canzona-"
+
+
 def report_failures_briefly(rank: int) -> None:
     """On rank ``rank`` (not 0), print an uncaught exception as one line and its traceback to a file.
 
     A failure that every rank meets (a bad batch, a shape) would otherwise print one traceback per
     rank, interleaved; rank 0 prints its own in full, and a failure of this rank alone is still
-    named, with where its traceback is. Only the display of an exception that ends the process
+    named, with where its traceback is: ``rank<N>.txt`` in a folder of the process that launched
+    the ranks (a script, a notebook's kernel, ``torchrun``), where the rank's next failure
+    overwrites it; the first launch after that process has ended removes the folder
+    (`prune_failure_reports`, run here). Only the display of an exception that ends the process
     changes: code that catches it sees it unchanged. (torch's ``init_process_group`` installs a
     hook the same way, to prefix the lines with the rank; this one is installed after it.)
     """
     if rank == 0:
         return
+    prune_failure_reports()
+    folder = Path(tempfile.gettempdir()) / f"{_REPORTS}{os.getppid()}"
 
     def report(kind: type[BaseException], error: BaseException, trace: TracebackType | None) -> None:
-        path = Path(tempfile.gettempdir()) / f"lightning_canzona-rank{rank}-{os.getpid()}.txt"
+        path = folder / f"rank{rank}.txt"
         text = "".join(traceback.format_exception(kind, error, trace))
         try:
+            folder.mkdir(exist_ok=True)
             path.write_text(text)
             where = f"its traceback is in {path}"
         except OSError:
@@ -252,3 +263,22 @@ def report_failures_briefly(rank: int) -> None:
         sys.stderr.flush()
 
     sys.excepthook = report
+
+
+def prune_failure_reports() -> None:
+    """Remove the failure reports (`report_failures_briefly`) of launches whose launching process
+    has ended: by then its ranks have ended too, and their one-line messages were printed."""
+    for folder in Path(tempfile.gettempdir()).glob(f"{_REPORTS}*"):
+        pid = folder.name.removeprefix(_REPORTS)
+        if folder.is_dir() and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # no signal: only whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        pass
+    return True

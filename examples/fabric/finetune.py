@@ -4,10 +4,11 @@
     python examples/fabric/finetune.py --base path/to/model --text my_corpus.txt --steps 200
 
 The model comes from ``from_pretrained`` (with no ``--base``, a tiny random Qwen3 is saved to
-``base/`` first: nothing is downloaded). ``Fabric(strategy="canzona")`` splits it with its own
-tensor-parallel plan and FSDP2 on the mesh it chooses, and Muon updates every weight matrix once,
-on one owner. The loop evaluates the held-out loss before and after, saves a distributed
-checkpoint, and exports it as a folder that ``from_pretrained`` loads (``tuned/``).
+``runs/finetune/base/`` first: nothing is downloaded). ``Fabric(strategy="canzona")`` splits it
+with its own tensor-parallel plan and FSDP2 on the mesh it chooses, and Muon updates every weight
+matrix once, on one owner. The loop evaluates the held-out loss before and after, saves a
+distributed checkpoint (``runs/finetune/checkpoint/``), and exports it as a folder that
+``from_pretrained`` loads (``runs/finetune/tuned/``).
 """
 
 from __future__ import annotations
@@ -67,13 +68,15 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--out", default="runs/finetune", help="the run's folder: base/, checkpoint/, tuned/")
     args = parser.parse_args()
+    out = Path(args.out)
     transformers.utils.logging.disable_progress_bar()  # one bar per rank for every load and save
 
     fabric = Fabric(accelerator="cpu", devices=args.devices, strategy="canzona")
     fabric.launch()
     fabric.seed_everything(0, verbose=False)
-    base = Path(args.base or "base")
+    base = Path(args.base or out / "base")
     with fabric.rank_zero_first():  # rank 0 writes the stand-in; the others then read it
         if args.base is None and not (base / "config.json").is_file():
             stand_in_base(base)
@@ -106,14 +109,16 @@ def main() -> None:
     after = held_out_loss(fabric, model, validation_loader)
     fabric.print(f"held-out loss: {before:.3f} before, {after:.3f} after {step} steps")
 
-    fabric.save("checkpoint", {"model": model, "optimizer": optimizer, "step": step})
+    fabric.save(out / "checkpoint", {"model": model, "optimizer": optimizer, "step": step})
     if fabric.global_rank == 0:  # one process reads every shard into a from_pretrained folder
         with torch.device("meta"):  # the model's class and config, without weights or shards
             blank = transformers.AutoModelForCausalLM.from_config(
                 transformers.AutoConfig.from_pretrained(base)
             )
-        lc.export_checkpoint("checkpoint", "tuned", "transformers", blank, model_key="model")
-        fabric.print("exported tuned/: transformers.AutoModelForCausalLM.from_pretrained('tuned')")
+        tuned = lc.export_checkpoint(
+            out / "checkpoint", out / "tuned", "transformers", blank, model_key="model"
+        )
+        fabric.print(f"exported: transformers.AutoModelForCausalLM.from_pretrained('{tuned}')")
     fabric.barrier()
 
 

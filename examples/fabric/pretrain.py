@@ -1,14 +1,14 @@
 """Pre-train the bundled Qwen3-style model with a hand-written Lightning Fabric loop.
 
     python examples/fabric/pretrain.py                # 4 CPU processes, dp 2 × tp 2 chosen for the model
-    python examples/fabric/pretrain.py --steps 200 --checkpoint pretrained
+    python examples/fabric/pretrain.py --steps 200 --checkpoint runs/pretrain/checkpoint
 
 ``Fabric(strategy="canzona")`` composes the model's tensor-parallel plan with FSDP2 on the mesh it
 chooses, prints the optimizer's plan, and computes every weight matrix's Muon update once, on one
 owner. The loop is plain Fabric: accumulation under ``no_backward_sync``, clipping, ``fabric.log``
 of the loss and of the optimizer step's costs (`lightning_canzona.StepTelemetry`, in
-``logs/metrics.csv``), ``fabric.save`` — which keeps the last good checkpoint until the new one is
-complete, and loads at any mesh (``--resume``).
+``runs/pretrain/logs/metrics.csv``), ``fabric.save`` — which keeps the last good checkpoint until
+the new one is complete, and loads at any mesh (``--resume``).
 """
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ def main() -> None:
     parser.add_argument("--checkpoint", default=None, help="save the run here at its end")
     parser.add_argument("--resume", default=None, help="a checkpoint to continue from")
     parser.add_argument("--log-every", type=int, default=10, help="steps between logs of the step's costs")
+    parser.add_argument("--out", default="runs/pretrain", help="the run's folder: its logs/")
     args = parser.parse_args()
 
-    logger = CSVLogger("logs", name="", version="")
+    logger = CSVLogger(f"{args.out}/logs", name="", version="")
     fabric = Fabric(accelerator="cpu", devices=args.devices, strategy="canzona", loggers=logger)
     fabric.launch()
     fabric.seed_everything(0, verbose=False)

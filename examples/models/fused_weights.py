@@ -67,14 +67,20 @@ class FusedDecoder(L.LightningModule):
         self.norm = nn.RMSNorm(WIDTH)
         self.lm_head = nn.Linear(WIDTH, VOCAB_SIZE, bias=False)
 
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+    def loss(self, batch: torch.Tensor) -> torch.Tensor:
         hidden = self.embed(batch[:, :-1])
         for block in self.blocks:
             hidden = block(hidden)
         logits = self.lm_head(self.norm(hidden))
-        loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
         self.log("train_loss", loss, prog_bar=True)
         return loss
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.log("val_loss", self.loss(batch), prog_bar=True, sync_dist=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         q_rows, k_rows, v_rows = self.blocks[0].rows

@@ -94,11 +94,17 @@ class OwnLanguageModel(L.LightningModule):
             fully_shard(block, mesh=dp_mesh)
         fully_shard(self, mesh=dp_mesh)  # the embedding, the final norm and the head
 
-    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+    def loss(self, batch: Tensor) -> Tensor:
         logits = self(batch[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten().long())
+        return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten().long())
+
+    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        loss = self.loss(batch)
         self.log("train_loss", loss, prog_bar=True)
         return loss
+
+    def validation_step(self, batch: Tensor, batch_idx: int) -> None:
+        self.log("val_loss", self.loss(batch), prog_bar=True, sync_dist=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         # Called after configure_model: the groups hold the sharded parameters.

@@ -42,6 +42,9 @@ class TransformersCausalLM(L.LightningModule):
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.log("val_loss", self.model(input_ids=batch, labels=batch).loss, prog_bar=True, sync_dist=True)
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         # Called on the sharded model: hidden matrices to Muon, the rest to AdamW.
         return lc.Muon(lc.matrix_param_groups(self), lr=self.lr, adamw_lr=self.adamw_lr)

@@ -4,8 +4,8 @@ re-run from it): a model, ``fabric.setup(model, optimizer)``, gradient accumulat
 
 Usage: ``python fabric_loop.py OUT DP TP SETUP [MODEL]`` (``auto`` for either size; SETUP
 ``joint``: ``fabric.setup(model, optimizer)``, ``separate``: ``setup_module`` then
-``setup_optimizers``; MODEL ``qwen3``, the bundled model, or ``litgpt``: litgpt's ``GPT``, which
-declares no tensor-parallel plan, parallelized by the user's ``parallelize_fn``).
+``setup_optimizers``; MODEL ``qwen3``, the bundled model, or ``llama``: a ``transformers`` Llama
+parallelized by the user's ``parallelize_fn`` instead of its own plan).
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ def batches() -> torch.Tensor:
 
 
 def loss_of(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    logits = model(tokens[:, :-1])
+    output = model(tokens[:, :-1])
+    logits = getattr(output, "logits", output)  # a transformers model returns them in its output
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)) / ACCUMULATE
 
 
@@ -41,36 +42,30 @@ def build(model: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if model == "qwen3":
         return Qwen3("tiny")
-    from litgpt import GPT, Config  # a test dependency: litgpt's Llama-style GPT, tiny
+    import transformers  # a test dependency: a third-party model, random weights, nothing downloaded
 
-    config = Config(
-        n_layer=2,
-        n_head=4,
-        n_query_groups=2,
-        n_embd=64,
-        intermediate_size=96,
-        block_size=64,
+    config = transformers.LlamaConfig(
         vocab_size=256,
-        padded_vocab_size=256,
-        bias=False,
-        norm_class_name="RMSNorm",
-        mlp_class_name="LLaMAMLP",
-        rotary_percentage=1.0,
-        parallel_residual=False,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
     )
-    return GPT(config)
+    return transformers.LlamaForCausalLM(config)
 
 
-def parallelize_litgpt(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
-    """What a litgpt user writes: tensor parallelism for the MLPs (litgpt's fused QKV splits its
-    heads by the global head count, so attention stays whole on the TP ranks), FSDP2 per block."""
+def parallelize_mlps(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
+    """What a user writes who keeps attention whole on the TP ranks (as for litgpt's fused QKV, which
+    splits heads by the global head count): tensor parallelism for the MLPs, FSDP2 per layer."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    mlp_plan = {"fc_1": ColwiseParallel(), "fc_2": ColwiseParallel(), "proj": RowwiseParallel()}
-    for block in model.transformer.h:
-        parallelize_module(block.mlp, mesh["tensor_parallel"], mlp_plan)
-        fully_shard(block, mesh=mesh["data_parallel"])
+    mlp_plan = {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(), "down_proj": RowwiseParallel()}
+    for layer in model.model.layers:
+        parallelize_module(layer.mlp, mesh["tensor_parallel"], mlp_plan)
+        fully_shard(layer, mesh=mesh["data_parallel"])
     fully_shard(model, mesh=mesh["data_parallel"])
     return model
 
@@ -98,8 +93,8 @@ def train(fabric: Fabric, setup: str, model_name: str = "qwen3") -> dict[str, ob
 def main(out: str, dp: str, tp: str, setup: str, model: str = "qwen3") -> None:
     sizes = [size if size == "auto" else int(size) for size in (dp, tp)]
     # The headline: the strategy by name; explicit sizes (or the user's parallelize_fn) through the class.
-    if model == "litgpt":
-        strategy = lc.CanzonaFabricStrategy(*sizes, parallelize_fn=parallelize_litgpt)
+    if model == "llama":
+        strategy = lc.CanzonaFabricStrategy(*sizes, parallelize_fn=parallelize_mlps)
     else:
         strategy = "canzona" if sizes == ["auto", "auto"] else lc.CanzonaFabricStrategy(*sizes)
     fabric = Fabric(accelerator="cpu", devices=4, strategy=strategy)

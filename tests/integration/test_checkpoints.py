@@ -73,7 +73,9 @@ def _fit(
             **strategy_kwargs,
         ),
         max_steps=6,
-        limit_train_batches=3,  # the checkpoint at step 3 ends an epoch: both runs see the same data
+        # The checkpoint at step 3 is in the middle of the first epoch, the second begins at step 5:
+        # the data module's loader resumes where it stopped.
+        limit_train_batches=4,
         limit_val_batches=0,
         logger=False,
         default_root_dir=tmp_path,
@@ -95,8 +97,9 @@ def test_checkpoint_resumes_exactly_at_the_same_mesh(tmp_path, distributed) -> N
     assert checkpoint.is_dir() == distributed
     resumed = _fit(tmp_path, "resumed", ckpt_path=str(checkpoint), distributed=distributed)
     assert len(resumed) == 3
-    # The next three losses: the first checks the weights, the next two the optimizer state
-    # (owner-held SOAP factors and bases, sharded moments) and the learning-rate schedule.
+    # The next three losses: the first checks the weights and the data (the batch after the
+    # checkpoint's, in the same epoch), the next two the optimizer state (owner-held SOAP factors
+    # and bases, sharded moments), the learning-rate schedule and the next epoch's order.
     for got, expected in zip(resumed, uninterrupted[3:]):
         assert abs(got - expected) <= 1e-6, (resumed, uninterrupted[3:])
 

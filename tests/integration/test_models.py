@@ -1,9 +1,11 @@
 import pytest
 import torch
+from torch.utils.data import DistributedSampler
 from trainers import quiet_trainer
 
 import lightning_canzona as lc
 from lightning_canzona.data import ByteChunks, ByteTextDataModule, load_corpus
+from lightning_canzona.data.text import ResumableLoader
 from lightning_canzona.models import PRESETS, CausalLanguageModel, Qwen3
 
 
@@ -58,6 +60,38 @@ def test_byte_corpus_ships_with_python_and_chunks_into_shifted_windows(tmp_path)
     assert bytes(load_corpus(path).tolist()).decode() == "héllo " * 20
     with pytest.raises(ValueError, match="cannot fill one window"):
         ByteChunks(load_corpus(path), seq_len=1000)
+
+
+def _loaders(dataset, replicas: int, epoch: int) -> list[ResumableLoader]:
+    """The training loaders of ``replicas`` data-parallel ranks, as Lightning makes them."""
+    loaders = []
+    for rank in range(replicas):
+        order = DistributedSampler(dataset, replicas, rank, shuffle=True, seed=0)
+        order.set_epoch(epoch)
+        loaders.append(ResumableLoader(dataset, batch_size=4, sampler=order, drop_last=True))
+    return loaders
+
+
+def test_the_training_loader_resumes_where_the_checkpoint_stopped_at_any_data_parallel_size() -> None:
+    data = ByteTextDataModule(seq_len=32, batch_size=4)
+    data.setup("fit")
+    one = data.train_dataloader()  # in one process: one replica's order
+    one.sampler.set_epoch(1)
+    assert torch.equal(next(iter(one)), next(iter(_loaders(data.train_set, 1, epoch=1)[0])))
+    # Three batches on each of two ranks in epoch 1, then a checkpoint: 24 samples drawn.
+    samples = list(range(50))
+    saved = _loaders(samples, 2, epoch=1)
+    assert saved[0].state_dict() == {"epoch": None, "samples": 0}
+    ranks = [iter(loader) for loader in saved]
+    drawn = [int(i) for _ in range(3) for rank in ranks for i in next(rank)]
+    assert saved[0].state_dict() == {"epoch": 1, "samples": 24} == saved[1].state_dict()
+    # Resumed on one rank: the rest of epoch 1, no sample twice (48: whole batches of 50); in
+    # epoch 2 (a checkpoint at the end of epoch 1), the whole epoch.
+    for epoch, before in ((1, drawn), (2, [])):
+        (resumed,) = _loaders(samples, 1, epoch)
+        resumed.load_state_dict(saved[0].state_dict())
+        seen = before + [int(i) for batch in resumed for i in batch]
+        assert len(set(seen)) == len(seen) == 48, (epoch, seen)
 
 
 def test_language_model_trains_through_a_lightning_trainer() -> None:

@@ -1,6 +1,6 @@
 """The fine-tuning notebooks run end to end in a real Jupyter kernel: base model, fine-tune on 4
 forked ranks, the weights back in the notebook (samples and validation loss before and after), an
-export that loads back equal."""
+export that loads back equal; and no cell prints a warning."""
 
 import os
 import signal
@@ -10,6 +10,7 @@ from pathlib import Path
 import nbformat
 import pytest
 from nbclient import NotebookClient
+from printed import warning_lines
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "examples" / "notebooks"
 #: What each notebook must print: the export's check, and lines found before and after the fine-tune.
@@ -51,6 +52,8 @@ def test_a_finetuning_notebook_runs_in_a_kernel(tmp_path, name) -> None:
     )
     for check in CHECKS[name]:
         assert check in outputs, (check, outputs[-3000:])
+    # Every cell's output, the forked ranks' included (the kernel forwards their output).
+    assert not warning_lines(outputs), outputs[-3000:]
     # The fine-tuned model, back in the notebook, does better than the base model on held-out text.
     losses = {when: float(outputs.split(f"{when}: val_loss=")[1].split()[0]) for when in ("before", "after")}
     assert losses["after"] < losses["before"]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from printed import warning_lines
 from torch import nn
 
 import lightning_canzona as lc
@@ -234,3 +235,4 @@ def test_the_documented_example_trains_with_split_weights(tmp_path) -> None:
     assert "2: blocks.0.gate_up.weight and 1 more" in done.stdout
     (line,) = [line for line in done.stdout.splitlines() if line.startswith("final train_loss")]
     assert float(line.split()[-1]) < math.log(256) - 0.5  # well below a uniform guess over bytes
+    assert not warning_lines(done.stdout), done.stdout[-3000:]

@@ -7,8 +7,12 @@ import functools
 import importlib
 import io
 import multiprocessing
+import os
 import re
+import shutil
 import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,6 +20,7 @@ import torch
 from lightning import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import StrategyRegistry
+from printed import warning_lines
 from scripts import run_script
 from torch.distributed.tensor import DTensor
 from trainers import quiet_trainer
@@ -265,10 +270,6 @@ def _fit_with_cli(tmp_path, *overrides: str, config: Path = TINY_CONFIG) -> str:
     return result.stdout + result.stderr
 
 
-#: Lines that a warning of this package, or of the way it calls LightningCLI, would print.
-OUR_WARNINGS = re.compile(r"lightning_canzona/\S+\.py:\d+: |LightningCLI's args parameter|LeafSpec")
-
-
 def test_cli_runs_the_main_job_config_quietly_on_the_mesh_auto_chose(tmp_path) -> None:
     output = _fit_with_cli(tmp_path, "--trainer.max_steps", "3")
     # `strategy: canzona`: "auto" sizes, which the model's 2 key/value heads limit to TP 2.
@@ -276,13 +277,13 @@ def test_cli_runs_the_main_job_config_quietly_on_the_mesh_auto_chose(tmp_path) -
     assert "data_parallel 2 × tensor_parallel 2" in mesh and "num_key_value_heads=2" in mesh
     assert "lightning_canzona plan on mesh (2, 2)" in output and "policy canzona" in output
     assert "`max_steps=3` reached" in output
-    assert not OUR_WARNINGS.findall(output), output
+    assert not warning_lines(output), output
 
 
 def test_cli_runs_the_mixture_of_experts_config_with_experts_updated_where_they_lie(tmp_path) -> None:
     config = TINY_CONFIG.with_name("tiny-moe.yaml")
     output = _fit_with_cli(tmp_path, "--trainer.max_steps", "3", config=config)
-    assert "`max_steps=3` reached" in output and not OUR_WARNINGS.findall(output)
+    assert "`max_steps=3` reached" in output and not warning_lines(output)
     # `strategy: canzona`: the heads allow TP 2 (the experts are not split over TP).
     assert "device mesh data_parallel 2 × tensor_parallel 2" in output
     # The expert stacks live on the data-parallel slice of the (2, 2) mesh, replicated over TP;
@@ -502,7 +503,7 @@ def test_the_headline_trains_the_bundled_model_on_a_mesh_it_can_take(tmp_path) -
     code, output = _run_headline(tmp_path)
     assert code == 0, output[-3000:]
     assert "device mesh data_parallel 2 × tensor_parallel 2" in output
-    assert "`max_steps=2` reached" in output and not OUR_WARNINGS.findall(output)
+    assert "`max_steps=2` reached" in output and not warning_lines(output)
 
 
 @pytest.mark.parametrize(
@@ -540,14 +541,29 @@ def test_under_torchrun_a_mistake_every_rank_checks_is_one_traceback_and_a_line_
 
 
 def test_a_failure_on_every_rank_prints_one_traceback_and_a_line_per_other_rank(tmp_path) -> None:
-    code, output = _run_headline(tmp_path, devices=2, model="Fails")
+    # The reports of an earlier launch whose launching process has ended, and of a live one.
+    ended = subprocess.Popen([sys.executable, "-c", ""])
+    ended.wait()
+    reports = Path(tempfile.gettempdir())
+    stale, live = (reports / f"lightning_canzona-{pid}" for pid in (ended.pid, os.getpid()))
+    for folder in (stale, live):
+        folder.mkdir(exist_ok=True)
+        (folder / "rank1.txt").write_text("Traceback (most recent call last): …")
+    try:
+        code, output = _run_headline(tmp_path, devices=2, model="Fails")
+        assert (live / "rank1.txt").exists() and not stale.exists()  # the launch removed it
+    finally:
+        shutil.rmtree(live)
     assert code != 0
     assert output.count("Traceback (most recent call last)") == 1, output
     (line,) = [line for line in output.splitlines() if line.startswith("[rank1]: RuntimeError")]
     assert "the loss went wrong on every rank" in line
+    # The file the line names is there to read after the run, in the folder of the process that
+    # launched the ranks (the script): the first launch after it ended removes it.
     path = Path(line.split("its traceback is in ")[1].rstrip(")"))
     assert "Traceback (most recent call last)" in path.read_text() and "training_step" in path.read_text()
-    path.unlink()
+    assert path.parent.parent == reports and path.parent.name.startswith("lightning_canzona-")
+    shutil.rmtree(path.parent)
 
 
 class WrappedWithFSDP1(CausalLanguageModel):

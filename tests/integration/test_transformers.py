@@ -21,6 +21,7 @@ import torch
 import transformers
 from lightning import Callback, LightningModule
 from lightning.fabric import Fabric
+from printed import warning_lines
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
@@ -259,3 +260,4 @@ def test_the_documented_examples_train(tmp_path, script, arguments) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     (line,) = [line for line in done.stdout.splitlines() if line.startswith("final train_loss")]
     assert float(line.split()[-1]) < math.log(256) - 1.0  # well below a uniform guess over bytes
+    assert not warning_lines(done.stdout + done.stderr), done.stderr[-3000:]

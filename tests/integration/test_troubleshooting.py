@@ -1,9 +1,9 @@
 """docs/troubleshooting.md stays true: each entry's message is what its mistake prints today.
 
-Every ``###`` entry of the page shows, in a ``text`` block, the error a mistake raises (``…``
-stands for a part that varies: a path, a pid). Each entry has a trigger here, which makes that
-mistake as a user would (in this process, or on two ranks where only ranks can meet it); the
-page and the triggers must name the same entries.
+Every ``###`` entry of the page (before its last section, Lightning's own messages) shows, in a
+``text`` block, the error a mistake raises (``…`` stands for a part that varies: a path, a pid).
+Each entry has a trigger here, which makes that mistake as a user would (in this process, or on
+two ranks where only ranks can meet it); the page and the triggers must name the same entries.
 """
 
 from __future__ import annotations
@@ -45,9 +45,11 @@ TINY_CONFIG = PAGE.parents[1] / "examples" / "configs" / "tiny.yaml"
 
 
 def _entries() -> dict[str, str]:
-    """Each entry's heading and the message of its ``text`` block."""
+    """Each entry's heading and the message of its ``text`` block (the package's messages: the
+    page's last section, Lightning's own, is not the package's to print)."""
     entries = {}
-    for section in re.split(r"^### ", PAGE.read_text(), flags=re.M)[1:]:
+    ours = PAGE.read_text().split("\n## Lightning's own messages\n")[0]
+    for section in re.split(r"^### ", ours, flags=re.M)[1:]:
         heading, body = section.split("\n", 1)
         block = re.search(r"```text\n(.*?)\n```", body, re.S)
         assert block, f"the entry {heading!r} shows no message"
