@@ -22,17 +22,22 @@ from lightning_canzona.planning import PlanSettings
 from lightning_canzona.planning.devices import H100
 
 
+#: A matmul timed for its rate takes at least this long (seconds), unless it has `LARGEST_MATMUL`
+#: rows: an H100 multiplies two 8192² bf16 matrices in about 1.1 ms.
+TIMED_MATMUL_SECONDS = 0.02
+LARGEST_MATMUL = 8192
+
+
 def measure_team_costs(
     group: dist.ProcessGroup | None = None,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.bfloat16,
-    size: int = 1024,
 ) -> dict[str, float]:
     """The planner's prices of collectives (`PlanSettings` ``flops_per_element`` and
     ``flops_per_message``, and the gathers' and scatters' ``exchange_flops_per_element`` and
     ``exchange_flops_per_message``), measured on this machine instead of the H100 defaults.
 
-    Times a ``size × size`` matmul in ``dtype`` (the compute rate), sums of one element
+    Times a square matmul in ``dtype`` (the compute rate, `_seconds_per_flop`), sums of one element
     (latency) and of ``2²⁰`` elements (bandwidth) over ``group`` (the whole job by default: a
     team's links are no faster), summed as teams sum ``dtype`` (`agreement.Reduction`: on gloo
     the one element in one round, as a team's Gram matrices), and turns the collectives into
@@ -42,7 +47,7 @@ def measure_team_costs(
     slowest figures, so that all plan alike.
     """
     device = torch.device(device)
-    matmul = _seconds_per_flop(device, dtype, size)
+    matmul = _seconds_per_flop(device, dtype)
     summed = summed_dtype(dtype, group)
     one, many = torch.zeros(1, dtype=summed, device=device), torch.zeros(2**20, dtype=summed, device=device)
     latency = _seconds(lambda: Reduction(one, dist.ReduceOp.SUM, group).wait(), 20, device)
@@ -74,10 +79,18 @@ def _seconds(work: Callable[[], object], repeats: int, device: torch.device) -> 
     return interval.seconds / repeats
 
 
-def _seconds_per_flop(device: torch.device, dtype: torch.dtype, size: int = 1024) -> float:
-    """Seconds per FLOP of a ``size × size`` matmul in ``dtype`` on ``device``."""
-    matrix = torch.randn(size, size, device=device).to(dtype)
-    return _seconds(lambda: matrix @ matrix, 5, device) / (2 * size**3)
+def _seconds_per_flop(device: torch.device, dtype: torch.dtype) -> float:
+    """Seconds per FLOP of a square matmul in ``dtype`` on ``device``: the first of 256, 512, …
+    up to `LARGEST_MATMUL` rows whose product takes `TIMED_MATMUL_SECONDS` (a rate read off a
+    fixed size would cost seconds where the dtype is slow, bf16 on a CPU without bf16
+    instructions, and be too short to time on a GPU)."""
+    size = 256
+    while True:
+        matrix = torch.randn(size, size, device=device).to(dtype)
+        seconds = _seconds(lambda: matrix @ matrix, 3, device)
+        if seconds >= TIMED_MATMUL_SECONDS or size >= LARGEST_MATMUL:
+            return seconds / (2 * size**3)
+        size *= 2
 
 
 def flops_weights(

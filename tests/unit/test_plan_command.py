@@ -184,8 +184,9 @@ def test_the_balance_target_holds_on_a_small_sweep() -> None:
 
 
 def test_a_mixture_of_experts_preset_is_planned_expert_by_expert_where_experts_lie(capsys, tmp_path) -> None:
-    out, _ = _plan_output(capsys, tmp_path, "--preset", "30B-A3B", "--dp", "8", "--tp", "2", "--no-simulate")
-    # 48 blocks × (4 attention matrices + 2 stacks × 128 experts)
-    assert "Qwen3 30B-A3B: 12480 matrices" in out
-    saved = re.search(r"locality: 12288 matrices lie whole on some rank .* ([\d.]+)× less", out)
-    assert saved is not None and float(saved.group(1)) > 10
+    # The real shapes' planning at scale is the 32B test's; here the tiny mixture's 4 blocks ×
+    # (4 attention matrices + 2 stacks × 8 experts).
+    out, _ = _plan_output(capsys, tmp_path, "--preset", "tiny-moe", "--dp", "8", "--tp", "2", "--no-simulate")
+    assert "Qwen3 tiny-moe: 80 matrices" in out
+    saved = re.search(r"locality: 64 matrices lie whole on some rank .* ([\d.]+)× less", out)
+    assert saved is not None and float(saved.group(1)) > 5  # measured 6.6
