@@ -59,15 +59,19 @@ class SaveFinalWeights(Callback):
             torch.save({n: t.detach().clone() for n, t in whole.items()}, self.path)
 
 
-@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+# Spawn on 2 ranks (tp 2): each spawned rank imports torch and Lightning anew (38 s for 4 here).
+@pytest.mark.parametrize("start_method, mesh", [("fork", (2, 2)), ("spawn", (1, 2))], ids=["fork", "spawn"])
 def test_the_trained_weights_come_back_to_the_launching_process(
-    tmp_path, capfd, start_method, quiet_trainer, one_thread
+    tmp_path, capfd, start_method, mesh, quiet_trainer, one_thread
 ) -> None:
     torch.manual_seed(0)
     module = FineTune("tiny")
     initial = {name: tensor.clone() for name, tensor in module.state_dict().items()}
     trainer = quiet_trainer(
-        strategy=lc.CanzonaStrategy(data_parallel_size=2, tensor_parallel_size=2, start_method=start_method),
+        strategy=lc.CanzonaStrategy(
+            data_parallel_size=mesh[0], tensor_parallel_size=mesh[1], start_method=start_method
+        ),
+        devices=mesh[0] * mesh[1],
         max_steps=STEPS,
         use_distributed_sampler=False,  # every rank the same batches: the one process's
         callbacks=[SaveFinalWeights(tmp_path / "ranks.pt")],
