@@ -44,7 +44,7 @@ PLANS = [
     {"policy": "canzona", "alpha": 0.5},
     {"policy": "canzona", "alpha": 1.0},
 ]
-STEPS = 4
+STEPS = 3  # a None gradient at step 1, a lost block at step 2 (0-based)
 ROW_BLOCKS = {"qkv.weight": (10, 6, 6), "experts.gate_up": 2}
 
 
