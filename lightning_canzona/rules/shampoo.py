@@ -50,13 +50,15 @@ def _frobenius(matrix: Tensor) -> Tensor:
     return torch.linalg.vector_norm(matrix, dim=(-2, -1), keepdim=True)
 
 
-def inverse_fourth_root(factor: Tensor, epsilon: float, mode: EpsilonMode = "relative") -> Tensor:
+def inverse_fourth_root(
+    factor: Tensor, epsilon: float, mode: EpsilonMode = "relative", dtype: torch.dtype = torch.float32
+) -> Tensor:
     """``(F + δ·λ_max·I)^(-1/4)`` (``mode="relative"``) or ``(F + δ·I)^(-1/4)`` (``"absolute"``)
-    of a symmetric PSD ``factor`` (or stack) by ``eigh``."""
-    eigenvalues, eigenvectors = torch.linalg.eigh(factor)
+    of a symmetric PSD ``factor`` (or stack) by ``eigh``, computed in ``dtype``."""
+    eigenvalues, eigenvectors = kronecker.eigh(factor, dtype)
     eigenvalues = eigenvalues.clamp_min(0.0)
     if mode == "relative":
-        floor = epsilon * eigenvalues.amax(dim=-1, keepdim=True).clamp_min(_TINY)
+        floor = epsilon * eigenvalues.amax(dim=-1, keepdim=True).clamp_min(torch.finfo(dtype).tiny)
     else:  # a zero factor with δ = 0 gives infinite roots, which `kronecker.decompose` refuses
         floor = torch.full_like(eigenvalues[..., :1], epsilon)
     scale = (eigenvalues + floor).pow(-0.25)
@@ -151,7 +153,7 @@ class ShampooRule(MatrixRule):
 
     def _decompose(self, state: State, side: str) -> None:
         root = functools.partial(inverse_fourth_root, state[side], self.epsilon, self.epsilon_mode)
-        kronecker.decompose(state, f"{side}_root", root)
+        kronecker.decompose(state, f"{side}_root", root)  # root(dtype)
 
     def cost(self, shape: Sequence[int]) -> UpdateCost:
         return kronecker.cost(shape, self.max_precond_dim, self.precondition_frequency, products=2)

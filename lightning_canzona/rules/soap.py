@@ -93,14 +93,20 @@ def _project(matrix: Tensor, state: State, *, back: bool = False, rows: slice | 
     return turn_right(turn_left(matrix))
 
 
-def _eigenbasis(factor: Tensor) -> Tensor:
-    """Eigenvectors of a symmetric factor, columns ordered by decreasing eigenvalue."""
-    _, eigenvectors = torch.linalg.eigh(factor)
+#: Added to a factor's diagonal before its eigendecomposition, as the authors' code does: it only
+#: moves a factor with an all-zero row (a gradient's zero row) off exact singularity.
+RIDGE = 1e-30
+
+
+def _eigenbasis(factor: Tensor, dtype: torch.dtype) -> Tensor:
+    """Eigenvectors of a symmetric factor, columns ordered by decreasing eigenvalue, computed in
+    ``dtype``."""
+    _, eigenvectors = kronecker.eigh(factor, dtype, RIDGE)
     return eigenvectors.flip(-1)
 
 
-def _power_iteration(factor: Tensor, basis: Tensor) -> Tensor:
-    return torch.linalg.qr(factor @ basis).Q
+def _power_iteration(factor: Tensor, basis: Tensor, dtype: torch.dtype) -> Tensor:
+    return torch.linalg.qr(factor.to(dtype) @ basis.to(dtype)).Q
 
 
 def _reordered_basis(state: State, side: str) -> tuple[Tensor, Tensor]:
