@@ -39,6 +39,7 @@ from torch import Tensor
 from lightning_canzona.geometry import long_dim, split_sizes
 from lightning_canzona.rules import kronecker
 from lightning_canzona.rules.base import MatrixRule, State, TeamComputation, TeamRows, TeamSum, UpdateCost
+from lightning_canzona.rules.ieee import ieee_float32_products
 
 _TINY = torch.finfo(torch.float32).tiny
 #: How ``epsilon`` floors a factor's eigenvalues: relative to the largest, or added as it is.
@@ -88,6 +89,7 @@ class ShampooRule(MatrixRule):
     def team_sliced_keys(self, shape: Sequence[int]) -> tuple[str, ...]:
         return kronecker.sliced_keys(shape, self.max_precond_dim, "root")
 
+    @ieee_float32_products
     def direction(self, matrix: Tensor, state: State) -> Tensor:
         grad = matrix.float()
         kronecker.update_factors(state, grad, self.betas[1])
@@ -105,6 +107,7 @@ class ShampooRule(MatrixRule):
             preconditioned = preconditioned @ state["right_root"]
         return preconditioned * (_frobenius(adam) / _frobenius(preconditioned).clamp_min(_TINY))
 
+    @ieee_float32_products
     def team_direction(
         self, matrix: Tensor, shape: Sequence[int], member: int, size: int, state: State
     ) -> TeamComputation:

@@ -62,6 +62,7 @@ from lightning_canzona.rules.base import (
     TeamRows,
     UpdateCost,
 )
+from lightning_canzona.rules.ieee import ieee_float32_products
 from lightning_canzona.rules.rounding import scale_
 
 #: Where SOAP's weight decay goes: before the update (default) or after it, as the authors' code.
@@ -182,6 +183,7 @@ class SOAPRule(MatrixRule):
     def team_sliced_keys(self, shape: Sequence[int]) -> tuple[str, ...]:
         return kronecker.sliced_keys(shape, self.max_precond_dim, companion=None)
 
+    @ieee_float32_products
     def direction(self, matrix: Tensor, state: State) -> Tensor:
         state["step"] += 1
         step = int(state["step"])
@@ -198,6 +200,7 @@ class SOAPRule(MatrixRule):
                 _refreshed_basis(state, side, _reordered_basis(state, side)[0])
         return direction
 
+    @ieee_float32_products
     def team_direction(
         self, matrix: Tensor, shape: Sequence[int], member: int, size: int, state: State
     ) -> TeamComputation:
