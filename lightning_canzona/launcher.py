@@ -11,13 +11,18 @@ traceback going to a file (`report_failures_briefly`): a failure that every rank
 traceback, not one per rank. The files stay while the launching process lives, and the next
 launch after it has ended removes them (`prune_failure_reports`).
 
-Two hazards of starting ranks from a live process are handled here:
+Three hazards of starting ranks from a live process are handled here:
 
 - **fork after OpenMP.** GNU OpenMP's thread pool does not survive ``fork``: a child forked from
   a thread that has run a multi-threaded OpenMP region (any large enough torch CPU op in a
   notebook cell, such as ``cos`` of a rotary embedding) deadlocks in its first OpenMP region of
   its own, on some CPUs. The pool belongs to the thread that used it, so the ranks are forked
   from a new thread that has never run one.
+- **fork after CUDA.** A process forked from one that has used CUDA cannot use it
+  (``Cannot re-initialize CUDA in forked subprocess``, in every rank). A notebook that put a
+  model or tensor on a GPU before ``fit`` is told so in one error, before any rank starts
+  (`refuse_fork_after_cuda`): switching to ``spawn`` behind its back would fail on the classes
+  it defined (a spawned rank imports them by name).
 - **Orphans.** Ranks must not outlive their launch. Each rank asks the kernel to kill it when
   the thread that started it ends (``PR_SET_PDEATHSIG`` on Linux), which covers a launching
   process that is killed; a launch interrupted in the notebook (``KeyboardInterrupt``) kills its
@@ -106,7 +111,12 @@ class ForkSafeLaunch:
         """Run the launcher's launch in a new thread, and wait for it here.
 
         The thread lives as long as the ranks (it joins them), so that they die with it.
+
+        Raises:
+            RuntimeError: Forking ranks for CUDA from a process that has used CUDA
+                (`refuse_fork_after_cuda`), before any rank starts.
         """
+        refuse_fork_after_cuda(self._start_method, self._strategy.root_device)  # type: ignore[attr-defined]
         before = set(multiprocessing.active_children())
         outcome: dict[str, Any] = {}
 
@@ -205,6 +215,23 @@ class FabricInProcessLauncher(ForkSafeLaunch, FabricMultiProcessingLauncher):
             return torch.load(path, weights_only=False)  # what rank 0 of this launch returned
         finally:
             shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+
+
+def refuse_fork_after_cuda(start_method: str, device: torch.device) -> None:
+    """Refuse to fork ranks that compute on CUDA ``device``s from this process once it has used
+    CUDA, which a forked process cannot: say what to do instead, before any rank starts.
+
+    Raises:
+        RuntimeError: ``start_method`` is ``fork``, ``device`` is a GPU and CUDA is initialized here.
+    """
+    if start_method == "fork" and device.type == "cuda" and torch.cuda.is_initialized():
+        raise RuntimeError(
+            "canzona_notebook forks this process into its ranks, and this process has already used "
+            "CUDA (a model or tensor was put on a GPU here), which forked ranks cannot use. Restart "
+            "the kernel and keep this process off the GPU until training starts: build, load and "
+            "train the model here on the CPU (the ranks move it to their GPUs), or run a script "
+            'with strategy="canzona".'
+        )
 
 
 def _saved_on_rank_zero(function: Callable[..., Any], *args: Any, **kwargs: Any) -> str | None:

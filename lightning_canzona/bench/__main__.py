@@ -17,11 +17,21 @@ from pathlib import Path
 import torch
 
 from lightning_canzona.bench import newton_schulz, qk_clip, step, train
+from lightning_canzona.bench.devices import check_devices, default_backend
 
 
 def _shape(text: str) -> tuple[int, int]:
     rows, _, cols = text.partition("x")
     return int(rows), int(cols)
+
+
+def _add_devices(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--device", default="cpu", choices=["cpu", "cuda"], help="cpu: CPU processes; cuda: one GPU a rank"
+    )
+    parser.add_argument(
+        "--backend", default=None, help="the process group's backend (default: nccl on cuda, gloo on cpu)"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -39,6 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     training.add_argument("--tp", type=int, default=2)
     training.add_argument("--steps", type=int, default=20, help="timed steps per variant")
     training.add_argument("--warmup", type=int, default=5, help="untimed steps before them")
+    _add_devices(training)
     training.add_argument("--json", type=Path, default=Path("bench.json"), help="results file")
     training.add_argument("--out", type=Path, default=Path("bench.png"), help="chart file")
     ns = commands.add_parser(
@@ -50,8 +61,9 @@ def main(argv: list[str] | None = None) -> None:
     ns.add_argument("--repeats", type=int, default=7)
     ns.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
     steps = commands.add_parser(
-        "step", help="optimizer-step latency on dp×tp CPU ranks: canzona vs the alternatives"
+        "step", help="optimizer-step latency on dp×tp ranks (CPU or GPU): canzona vs the alternatives"
     )
+    _add_devices(steps)
     steps.add_argument(
         "--presets",
         nargs="+",
@@ -80,12 +92,35 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv.insert(0, "train")
     args = parser.parse_args(argv)
+    if args.command in ("train", "step"):
+        args.backend = args.backend or default_backend(args.device)
+        problem = check_devices(args.device, args.backend, args.dp * args.tp)
+        if problem:
+            parser.error(problem)  # before any rank starts
 
     if args.command == "train":
-        train.run(args.preset, args.dp, args.tp, args.steps, args.warmup, args.json, args.out)
+        train.run(
+            args.preset,
+            args.dp,
+            args.tp,
+            args.steps,
+            args.warmup,
+            args.json,
+            args.out,
+            device=args.device,
+            backend=args.backend,
+        )
         return
     if args.command == "step":
-        step.run(args.presets, args.dp, args.tp, args.steps, args.optimizer)
+        step.run(
+            args.presets,
+            args.dp,
+            args.tp,
+            args.steps,
+            args.optimizer,
+            device=args.device,
+            backend=args.backend,
+        )
         return
     if args.command == "qk-clip":
         rows = qk_clip.measure(

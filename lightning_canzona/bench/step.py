@@ -1,8 +1,10 @@
 """Optimizer-step latency under FSDP2 × TP: Canzona against the alternatives, in one run.
 
-Spawns ``dp × tp`` gloo ranks (one thread each), parallelizes a Qwen3-style decoder with its TP
-plan and ``fully_shard`` per block, gives every parameter a fixed gradient, and times
-``optimizer.step()`` of each variant in turn, interleaved so that machine noise hits all alike:
+Spawns ``dp × tp`` ranks — CPU processes over gloo (one thread each), or with ``--device cuda``
+one GPU each over NCCL — parallelizes a Qwen3-style decoder with its TP plan and ``fully_shard``
+per block, gives every parameter a fixed gradient, and times ``optimizer.step()`` of each variant
+in turn (on a GPU from a synchronised start to a synchronised end), interleaved so that machine
+noise hits all alike:
 
 - ``sync``: `lightning_canzona.Muon` with every rank computing every matrix (packed all-gather);
 - ``torch.optim.Muon``: PyTorch's Muon on the DTensor parameters (what a Lightning user gets today),
@@ -61,6 +63,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, parallelize_module
 
 import lightning_canzona as lc
+from lightning_canzona.bench.devices import check_devices, default_backend, rank_device, synchronize
 from lightning_canzona.compat import REDISTRIBUTE_LOGGER
 from lightning_canzona.config import PlanConfig
 from lightning_canzona.models.qwen3 import Qwen3, tensor_parallel_plan
@@ -201,23 +204,43 @@ def _gather(value: object) -> list:
 
 
 def _worker(
-    rank: int, world: int, port: int, dp: int, tp: int, preset: str, steps: int, optimizer_name: str, queue
+    rank: int,
+    world: int,
+    port: int,
+    dp: int,
+    tp: int,
+    preset: str,
+    steps: int,
+    optimizer_name: str,
+    queue,
+    device_type: str = "cpu",
+    backend: str = "gloo",
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     # torch.optim.Muon on DTensors notes on every rank that their norms take two all-reduces.
     logging.getLogger(REDISTRIBUTE_LOGGER).setLevel(logging.ERROR)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=10))
-    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    device = rank_device(device_type, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # object collectives and barriers use the current device
+    dist.init_process_group(
+        backend,
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(minutes=10),
+        device_id=device if device.type == "cuda" else None,
+    )
+    mesh = init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
     model, plan = _model(preset)
+    model.to(device)
     parallelize_module(model, mesh["tp"], plan)
     for layer in model.layers:
         fully_shard(layer, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     generator = torch.Generator().manual_seed(1)
     for param in model.parameters():
-        full = torch.randn(param.shape, generator=generator) * 1e-3
+        full = (torch.randn(param.shape, generator=generator) * 1e-3).to(device)
         param.grad = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
 
     variants = VARIANTS
@@ -234,10 +257,12 @@ def _worker(
     peaks: dict[str, int] = dict.fromkeys(variants, 0)
     for repeat in range(steps + 2):  # two warm-up steps: plans, state, allocator
         for variant, optimizer in optimizers.items():
+            synchronize(device)
             dist.barrier()
             start, start_cpu = time.perf_counter(), time.process_time()
             optimizer.step()
-            elapsed = torch.tensor(time.perf_counter() - start)
+            synchronize(device)
+            elapsed = torch.tensor(time.perf_counter() - start, device=device)
             used = time.process_time() - start_cpu
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if repeat >= 2:
@@ -281,22 +306,36 @@ def _free_port() -> int:
 
 
 def measure(
-    preset: str, dp: int = 2, tp: int = 2, steps: int = 10, optimizer: str = "muon"
+    preset: str,
+    dp: int = 2,
+    tp: int = 2,
+    steps: int = 10,
+    optimizer: str = "muon",
+    device: str = "cpu",
+    backend: str | None = None,
 ) -> list[VariantResult]:
-    """Run the benchmark for one model preset on a ``dp × tp`` mesh of CPU processes."""
+    """Run the benchmark for one model preset on a ``dp × tp`` mesh of ``device`` ranks (CPU
+    processes, or one GPU each) over ``backend`` (``None``: `default_backend`)."""
+    backend = backend or default_backend(device)
+    world = dp * tp
+    problem = check_devices(device, backend, world)
+    if problem:
+        raise ValueError(problem)
     context = mp.get_context("spawn")
     queue = context.SimpleQueue()
-    world = dp * tp
-    args = (world, _free_port(), dp, tp, preset, steps, optimizer, queue)
+    args = (world, _free_port(), dp, tp, preset, steps, optimizer, queue, device, backend)
     mp.start_processes(_worker, args=args, nprocs=world, start_method="spawn")
     return queue.get()
 
 
-def format_table(preset: str, results: list[VariantResult], optimizer: str = "muon") -> str:
+def format_table(
+    preset: str, results: list[VariantResult], optimizer: str = "muon", device: str = "cpu"
+) -> str:
     """The results, with ratios against ``canzona``."""
     reference = next(r for r in results if r.name == "canzona")
+    on = "" if device == "cpu" else f" on {device}"
     lines = [
-        f"preset {preset}, {optimizer}: optimizer step, median over ranks' slowest",
+        f"preset {preset}, {optimizer}: optimizer step{on}, median over ranks' slowest",
         f"{'variant':>26} {'step ms':>9} {'÷ canzona':>10} {'CPU ms':>8} {'÷ canzona':>10} "
         f"{'busy max/mean':>14} {'plan max/mean':>14} "
         f"{'peak buffers MiB':>17} {'÷ matrix bytes/rank':>20} {'sent MiB':>9} {'state MiB per rank':>24}",
@@ -329,7 +368,10 @@ def run(
     steps: int,
     optimizer: str = "muon",
     echo: Callable[[str], None] = print,
+    device: str = "cpu",
+    backend: str | None = None,
 ) -> None:
     """Measure and print every preset."""
     for preset in presets:
-        echo(format_table(preset, measure(preset, dp, tp, steps, optimizer), optimizer))
+        results = measure(preset, dp, tp, steps, optimizer, device, backend)
+        echo(format_table(preset, results, optimizer, device))

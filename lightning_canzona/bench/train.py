@@ -1,4 +1,5 @@
-"""End-to-end training iterations on ``dp × tp`` CPU ranks: canzona against what users run today.
+"""End-to-end training iterations on ``dp × tp`` ranks (CPU processes over gloo, or with
+``--device cuda`` one GPU each over NCCL): canzona against what users run today.
 
 Every variant trains the same Qwen3-style model, composed the same way (TP plan, then FSDP2 per
 block), from the same initial weights, on the same batches, on the same mesh:
@@ -15,7 +16,8 @@ block), from the same initial weights, on the same batches, on the same mesh:
 An iteration is ``on_train_batch_start`` to ``on_train_batch_end`` on rank 0 (forward, backward,
 optimizer step; the ranks meet in collectives every step, so rank 0 waits for the slowest); the
 optimizer step is the part after ``on_before_optimizer_step``. The Fabric loop marks the same
-points around the same work (`_Clock`). Medians exclude warm-up steps.
+points around the same work (`_Clock`; on a GPU each mark waits for the device's queued work).
+Medians exclude warm-up steps.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.tensor import DTensor
 
 import lightning_canzona as lc
+from lightning_canzona.bench.devices import check_devices, default_backend, synchronize
 from lightning_canzona.compat import REDISTRIBUTE_LOGGER
 from lightning_canzona.composition import compose
 from lightning_canzona.data import ByteTextDataModule
@@ -87,6 +90,8 @@ class _Setting(NamedTuple):
     steps: int
     warmup: int
     seq_len: int
+    device: str = "cpu"
+    backend: str = "gloo"
 
     @property
     def threads(self) -> int:
@@ -103,25 +108,31 @@ class _Clock:
     (rank 0's are reported).
 
     An iteration runs from its batch in hand to after the optimizer step; the optimizer step,
-    from just before the first optimizer steps to the same end.
+    from just before the first optimizer steps to the same end. On a GPU (``device``) each mark
+    first waits for the work queued before it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, device: str = "cpu") -> None:
         self.iterations: list[float] = []
         self.optimizer_steps: list[float] = []
         self._start = self._step_start = 0.0
         self._stepping = False
+        self._device = device
+
+    def _now(self) -> float:
+        synchronize(torch.device(self._device))
+        return time.perf_counter()
 
     def start_iteration(self) -> None:
-        self._start = self._step_start = time.perf_counter()
+        self._start = self._step_start = self._now()
         self._stepping = False
 
     def start_optimizer_step(self) -> None:
         if not self._stepping:  # the first of possibly several optimizers
-            self._step_start, self._stepping = time.perf_counter(), True
+            self._step_start, self._stepping = self._now(), True
 
     def end_iteration(self) -> None:
-        end = time.perf_counter()
+        end = self._now()
         self.iterations.append(end - self._start)
         self.optimizer_steps.append(end - self._step_start)
 
@@ -204,7 +215,7 @@ class _Timer(Callback):
 
     def __init__(self, name: str, path: Path, setting: _Setting) -> None:
         self.name, self.path, self.setting = name, path, setting
-        self.clock = _Clock()
+        self.clock = _Clock(setting.device)
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         _prepare_rank(self.setting.threads)
@@ -248,12 +259,13 @@ class _LastMetrics(Logger):
         pass  # the Trainer variants keep none either (logger=False)
 
 
-def _strategy(variant: str, dp: int, tp: int) -> Any:
+def _strategy(variant: str, setting: _Setting) -> Any:
+    sizes = {"data_parallel_size": setting.dp, "tensor_parallel_size": setting.tp}
     if variant == "canzona":
         return lc.CanzonaStrategy(
-            data_parallel_size=dp, tensor_parallel_size=tp, start_method="spawn", telemetry=False
+            **sizes, process_group_backend=setting.backend, start_method="spawn", telemetry=False
         )
-    return _SpawnedModelParallel(data_parallel_size=dp, tensor_parallel_size=tp)
+    return _SpawnedModelParallel(**sizes, process_group_backend=setting.backend)
 
 
 def _fit_with_trainer(name: str, model: LightningModule, setting: _Setting) -> TrainTiming:
@@ -263,9 +275,9 @@ def _fit_with_trainer(name: str, model: LightningModule, setting: _Setting) -> T
     with tempfile.TemporaryDirectory() as directory:
         path = Path(directory) / "timing.json"
         trainer = Trainer(
-            accelerator="cpu",
+            accelerator=setting.device,
             devices=setting.dp * setting.tp,
-            strategy=_strategy(name, setting.dp, setting.tp),
+            strategy=_strategy(name, setting),
             max_steps=(setting.warmup + setting.steps) * optimizers_per_iteration,
             limit_val_batches=0,
             logger=False,
@@ -281,10 +293,16 @@ def _fit_with_trainer(name: str, model: LightningModule, setting: _Setting) -> T
 def _fit_with_fabric(name: str, model: LightningModule, setting: _Setting) -> TrainTiming:
     """The Fabric loop (`_train_with_fabric`) on `CanzonaFabricStrategy`; rank 0's timing."""
     strategy = lc.CanzonaFabricStrategy(
-        data_parallel_size=setting.dp, tensor_parallel_size=setting.tp, start_method="spawn"
+        data_parallel_size=setting.dp,
+        tensor_parallel_size=setting.tp,
+        process_group_backend=setting.backend,
+        start_method="spawn",
     )
     fabric = Fabric(
-        accelerator="cpu", devices=setting.dp * setting.tp, strategy=strategy, loggers=_LastMetrics()
+        accelerator=setting.device,
+        devices=setting.dp * setting.tp,
+        strategy=strategy,
+        loggers=_LastMetrics(),
     )
     return fabric.launch(_train_with_fabric, name, model, setting)
 
@@ -303,7 +321,7 @@ def _train_with_fabric(fabric: Fabric, name: str, model: LightningModule, settin
     datamodule.setup("fit")
     # The Trainer's sampling: a DistributedSampler over the data-parallel ranks, shuffled with seed 0.
     loader = fabric.setup_dataloaders(datamodule.train_dataloader())
-    clock = _Clock()
+    clock = _Clock(setting.device)
     for index, batch in enumerate(_batches(loader, setting.warmup + setting.steps)):
         clock.start_iteration()
         optimizer.zero_grad()  # where Lightning's closure zeroes them: before the forward
@@ -321,10 +339,22 @@ def _batches(loader: Iterable[_T], count: int) -> Iterator[_T]:
 
 
 def measure(
-    preset: str = "tiny", dp: int = 2, tp: int = 2, steps: int = 20, warmup: int = 5, seq_len: int = 128
+    preset: str = "tiny",
+    dp: int = 2,
+    tp: int = 2,
+    steps: int = 20,
+    warmup: int = 5,
+    seq_len: int = 128,
+    device: str = "cpu",
+    backend: str | None = None,
 ) -> list[TrainTiming]:
-    """Train every variant for ``warmup + steps`` steps; medians of the last ``steps``."""
-    setting = _Setting(dp, tp, steps, warmup, seq_len)
+    """Train every variant for ``warmup + steps`` steps on ``dp × tp`` ranks of ``device`` over
+    ``backend`` (``None``: NCCL on GPUs, gloo on CPUs); medians of the last ``steps``."""
+    backend = backend or default_backend(device)
+    problem = check_devices(device, backend, dp * tp)
+    if problem:
+        raise ValueError(problem)
+    setting = _Setting(dp, tp, steps, warmup, seq_len, device, backend)
     results = []
     for variant in VARIANTS:
         torch.manual_seed(0)  # the same initial weights for every variant
@@ -341,9 +371,13 @@ def ratios(results: list[TrainTiming]) -> dict[str, float]:
     return {f"{mine} / {theirs}": iteration[mine] / iteration[theirs] for mine, theirs in pairs}
 
 
-def format_table(preset: str, dp: int, tp: int, results: list[TrainTiming]) -> str:
+def _ranks(dp: int, tp: int, device: str) -> str:
+    return f"{dp * tp} {'GPU' if device == 'cuda' else 'CPU'} ranks"
+
+
+def format_table(preset: str, dp: int, tp: int, results: list[TrainTiming], device: str = "cpu") -> str:
     lines = [
-        f"{preset}: training iteration on {dp * tp} CPU ranks (dp{dp} × tp{tp}), medians",
+        f"{preset}: training iteration on {_ranks(dp, tp, device)} (dp{dp} × tp{tp}), medians",
         f"{'variant':>18} {'iteration [ms]':>15} {'optimizer [ms]':>15} {'fwd+bwd [ms]':>13} {'loss':>7}",
     ]
     for r in results:
@@ -392,19 +426,22 @@ def run(
     json_path: Path,
     chart_path: Path,
     echo: Callable[[str], None] = print,
+    device: str = "cpu",
+    backend: str | None = None,
 ) -> list[TrainTiming]:
     """Measure, print the table, write the JSON and the chart."""
-    results = measure(preset, dp, tp, steps, warmup)
-    echo(format_table(preset, dp, tp, results))
+    results = measure(preset, dp, tp, steps, warmup, device=device, backend=backend)
+    echo(format_table(preset, dp, tp, results, device))
     record = {
         "preset": preset,
         "mesh": {"dp": dp, "tp": tp},
+        "device": device,
         "steps": steps,
         "warmup": warmup,
         "results": [asdict(r) for r in results],
         "ratios": ratios(results),
     }
     json_path.write_text(json.dumps(record, indent=2))
-    write_chart(chart_path, f"{preset}, dp{dp} × tp{tp}, {dp * tp} CPU ranks", results)
+    write_chart(chart_path, f"{preset}, dp{dp} × tp{tp}, {_ranks(dp, tp, device)}", results)
     echo(f"wrote {json_path} and {chart_path}")
     return results

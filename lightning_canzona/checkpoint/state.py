@@ -58,15 +58,15 @@ def distributed_optimizer_state(module: nn.Module, optimizer: MatrixOptimizer) -
     options = StateDictOptions(full_state_dict=False, cpu_offload=True)
     with optimizer.whole_team_state():
         state_dict = get_optimizer_state_dict(module, optimizer, options=options)
-    stacks = [name for name, param in module.named_parameters() if param.ndim == 3]
+    stacks = {name: param for name, param in module.named_parameters() if param.ndim == 3}
     if stacks:  # the same on every rank: the model's
-        counts = torch.tensor(
-            [int(state_dict["state"].get(name, {}).get(FAILURES, 0)) for name in stacks], dtype=torch.int64
-        )
+        held = [int(state_dict["state"].get(name, {}).get(FAILURES, 0)) for name in stacks]
+        # On the parameters' device: an NCCL process group takes no host tensor.
+        counts = torch.tensor(held, dtype=torch.int64, device=next(iter(stacks.values())).device)
         torch.distributed.all_reduce(counts)
-        for name, count in zip(stacks, counts):
+        for name, count in zip(stacks, counts.tolist()):
             if FAILURES in state_dict["state"].get(name, {}):
-                state_dict["state"][name][FAILURES] = count.clone()
+                state_dict["state"][name][FAILURES] = torch.tensor(count, dtype=torch.int64)
     return state_dict
 
 

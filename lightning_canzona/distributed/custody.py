@@ -11,8 +11,11 @@ collective over the mesh.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -68,10 +71,9 @@ class MatrixStateCustody:
         mine = {key: held.pop(key) for key in self.state_keys(index)}
         parts = []
         for source in (0,) if old is None else old:
-            payload = [mine if source == planned.rank else None]
             source_rank = dist.get_global_rank(planned.group, source)
-            dist.broadcast_object_list(payload, src=source_rank, group=planned.group)
-            parts.append(payload[0] or {})
+            sent = mine if source == planned.rank else None
+            parts.append(broadcast_state(sent, source_rank, planned.group, param.device))
         if new is not None and planned.rank not in new or not parts[0]:
             return
         sliced = self.sliced_keys(index)
@@ -189,3 +191,45 @@ class MatrixStateCustody:
                     part[FAILURES] = held[FAILURES]
                 owned.setdefault(item.entry, {}).update(part)
         return {entry: part for entry, part in owned.items() if part}
+
+
+class _Spec(NamedTuple):
+    """A tensor of `broadcast_state`, as its receivers are told of it."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def broadcast_state(
+    state: State | None, source: int, group: dist.ProcessGroup, device: torch.device
+) -> State:
+    """``state``, which rank ``source`` (global) passes, on every rank of ``group`` (collective;
+    ``None`` on the others).
+
+    Its keys, and each tensor's dtype and shape, travel as an object; the tensors' bytes as one
+    ``uint8`` tensor on ``device``, where the receivers get them. A tensor inside an object
+    collective would be pickled through the host and arrive on the sender's device index, and
+    an NCCL group takes no host tensor. A value that is no tensor travels as it is.
+    """
+    layout: list[dict | None] = [None]
+    if state is not None:
+        layout[0] = {
+            key: _Spec(value.dtype, tuple(value.shape)) if isinstance(value, Tensor) else value
+            for key, value in state.items()
+        }
+    dist.broadcast_object_list(layout, src=source, group=group)
+    received = dict(layout[0] or {})
+    specs = {key: spec for key, spec in received.items() if isinstance(spec, _Spec)}
+    sizes = [math.prod(spec.shape) * spec.dtype.itemsize for spec in specs.values()]
+    if state is not None:
+        if specs:
+            pieces = [state[key].detach().reshape(-1).view(torch.uint8).to(device) for key in specs]
+            dist.broadcast(torch.cat(pieces), src=source, group=group)
+        return dict(state)
+    if specs:
+        buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+        dist.broadcast(buffer, src=source, group=group)
+        for (key, spec), piece in zip(specs.items(), buffer.split(sizes)):
+            # A copy of its own: aligned for its dtype, and no view of the shared buffer.
+            received[key] = piece.clone().view(spec.dtype).reshape(spec.shape)
+    return received

@@ -8,6 +8,7 @@ multiply in different dtypes by time.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
@@ -17,10 +18,9 @@ import torch.distributed as dist
 from lightning_canzona.config import TeamPrices
 from lightning_canzona.distributed.agreement import Reduction
 from lightning_canzona.distributed.clock import Clock, Intervals
-from lightning_canzona.distributed.team_collectives import summed_dtype
 from lightning_canzona.planning import PlanSettings
 from lightning_canzona.planning.devices import H100
-
+from lightning_canzona.rules.base import summed_dtype
 
 #: A matmul timed for its rate takes at least this long (seconds), unless it has `LARGEST_MATMUL`
 #: rows: an H100 multiplies two 8192² bf16 matrices in about 1.1 ms.
@@ -39,21 +39,24 @@ def measure_team_costs(
 
     Times a square matmul in ``dtype`` (the compute rate, `_seconds_per_flop`), sums of one element
     (latency) and of ``2²⁰`` elements (bandwidth) over ``group`` (the whole job by default: a
-    team's links are no faster), summed as teams sum ``dtype`` (`agreement.Reduction`: on gloo
-    the one element in one round, as a team's Gram matrices), and turns the collectives into
-    FLOPs of the same time. The gathers and scatters cross the same links: their price per
-    element is the same, and the measured latency is spread over the peers that the planner
-    charges an exchange a message for (`plan.estimated_step`). Collective: the ranks agree on the
-    slowest figures, so that all plan alike.
+    team's links are no faster), summed as teams sum ``dtype`` (`agreement.Reduction`, in
+    `rules.base.summed_dtype`: float32 for bf16), and turns the collectives into FLOPs of the
+    same time, per element of ``dtype`` (a float32 element sent is two of bf16, as
+    `rules.base.UpdateCost.team_numel` counts them). The gathers and scatters cross the same
+    links: their price per element is the same, and the measured latency is spread over the
+    peers that the planner charges an exchange a message for (`plan.estimated_step`).
+    Collective: the ranks agree on the slowest figures, so that all plan alike.
     """
     device = torch.device(device)
     matmul = _seconds_per_flop(device, dtype)
-    summed = summed_dtype(dtype, group)
+    summed = summed_dtype(dtype)
     one, many = torch.zeros(1, dtype=summed, device=device), torch.zeros(2**20, dtype=summed, device=device)
     latency = _seconds(lambda: Reduction(one, dist.ReduceOp.SUM, group).wait(), 20, device)
-    # A ring all-reduce sends 2·(w − 1)/w elements per element reduced (what `team_numel` counts).
+    # A ring all-reduce sends 2·(w − 1)/w elements per element reduced (what `team_numel` counts),
+    # each worth ``summed.itemsize / dtype.itemsize`` elements of ``dtype``.
     world = dist.get_world_size(group)
-    sent = 2 * (world - 1) / world * many.numel() if world > 1 else many.numel()
+    reduced = many.numel() * summed.itemsize / dtype.itemsize
+    sent = 2 * (world - 1) / world * reduced if world > 1 else reduced
     summing_many = _seconds(lambda: Reduction(many, dist.ReduceOp.SUM, group).wait(), 3, device)
     per_element = max(summing_many - latency, 0.0) / sent
     figures = torch.tensor([latency, per_element, matmul], dtype=torch.float64, device=device)
@@ -87,7 +90,7 @@ def _seconds_per_flop(device: torch.device, dtype: torch.dtype) -> float:
     size = 256
     while True:
         matrix = torch.randn(size, size, device=device).to(dtype)
-        seconds = _seconds(lambda: matrix @ matrix, 3, device)
+        seconds = _seconds(functools.partial(torch.matmul, matrix, matrix), 3, device)
         if seconds >= TIMED_MATMUL_SECONDS or size >= LARGEST_MATMUL:
             return seconds / (2 * size**3)
         size *= 2

@@ -29,11 +29,23 @@ from torch import Tensor
 from lightning_canzona.distributed.agreement import Reduction
 from lightning_canzona.distributed.inflight import InFlight
 from lightning_canzona.geometry import long_dim, member_blocks
-from lightning_canzona.rules.base import FAILURES, State, TeamComputation, TeamRequest, TeamRows, TeamSum
+from lightning_canzona.rules.base import (
+    FAILURES,
+    State,
+    TeamComputation,
+    TeamRequest,
+    TeamRows,
+    TeamSum,
+    summed_dtype,
+)
 
 Round = tuple[TeamRequest, ...]
-#: torch 2.13 renamed ``all_gather_into_tensor`` (same signature) and warns on the old name.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _all_gather(*args: object, **kwargs: object) -> dist.Work | None:
+    """``all_gather_into_tensor``, by the name torch 2.13 gave it (same signature; the old one warns)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(*args, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -162,17 +174,16 @@ def _launch(
 ) -> list[tuple]:
     """Launch the packed collectives that combine every round over its team.
 
-    Requests are packed per team, kind and the dtype they travel in (sums in the dtype the
-    backend adds them in: on gloo a round's float32 norm and bf16 Gram matrix take one
-    collective), in the order of ``rounds`` and of each round's requests, which every member of
-    a team shares.
+    Requests are packed per team, kind and the dtype they travel in (sums in `summed_dtype`: a
+    round's float32 norm and bf16 Gram matrix take one float32 collective), in the order of
+    ``rounds`` and of each round's requests, which every member of a team shares.
     """
     packs: dict[tuple, list[tuple[int, int]]] = {}
     for i, (team, round_) in enumerate(rounds):
         for j, request in enumerate(round_):
             dtype = request.tensor.dtype
             if isinstance(request, TeamSum):
-                dtype = summed_dtype(dtype, groups[team].group)
+                dtype = summed_dtype(dtype)
             packs.setdefault((team, type(request), dtype), []).append((i, j))
     pending = []
     for (team, kind, dtype), where in packs.items():
@@ -215,14 +226,6 @@ def _finish(pending: list[tuple], rounds: Sequence[Round]) -> list[tuple[Tensor,
         for (i, j), value in zip(where, combined):
             replies[i][j] = value
     return [tuple(reply) for reply in replies]  # type: ignore[arg-type]
-
-
-def summed_dtype(dtype: torch.dtype, group: dist.ProcessGroup | None) -> torch.dtype:
-    """The dtype in which ``group`` sums ``dtype``: gloo adds half precision in software, slower
-    than float32, so there it is widened."""
-    if dtype in (torch.bfloat16, torch.float16) and dist.get_backend(group) == "gloo":
-        return torch.float32
-    return dtype
 
 
 def _padded_rows(request: TeamRows) -> Tensor:

@@ -55,9 +55,17 @@ def store_state_part(state: State, prefix: str, part: State) -> None:
 
 @dataclass(frozen=True)
 class TeamSum:
-    """A partial result that the members of a team add up; each receives the sum."""
+    """A partial result that the members of a team add up; each receives the sum (in the
+    partial result's dtype, added in `summed_dtype`)."""
 
     tensor: Tensor
+
+
+def summed_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype in which a team adds `TeamSum` tensors of ``dtype``: half precision in float32,
+    on every backend (NCCL would add ``k`` members' bf16 Gram matrices in bf16, rounding ``k − 1``
+    times; gloo widens them itself), so the sum is rounded once, as one device's product is."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
 @dataclass(frozen=True)
@@ -88,7 +96,9 @@ class UpdateCost:
             over all shards.
         team_messages: Collectives among a team's members per step (0 for a whole matrix; see
             `MatrixRule.team_cost`).
-        team_numel: Elements each member of a team sends to the others per step.
+        team_numel: Elements each member of a team sends to the others per step, in elements of
+            the rule's matrix-product dtype (what the planner prices them at): a float32 sum of
+            bf16 partial results (`summed_dtype`) counts two per element.
         member_flops: A team's FLOPs that single members carry on top of ``flops``, in member
             order (each factor's decomposition falls to one member); empty: none. The busiest
             member's FLOPs are ``flops + max(member_flops)``.

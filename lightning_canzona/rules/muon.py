@@ -103,7 +103,7 @@ class MuonRule(MatrixRule):
         batch, rows, cols = matrix_dims(shape)
         if size > min(rows, cols):
             return None
-        work = team_work(rows, cols, self.ns_steps, self.ns_form, size, self.compute_dtype != torch.float32)
+        work = team_work(rows, cols, self.ns_steps, self.ns_form, size, self.compute_dtype)
         return UpdateCost(
             flops=batch * work.flops,
             numel=batch * min(rows, cols) * -(-max(rows, cols) // size),

@@ -27,7 +27,8 @@ In the standard form that is 2 of its 3 products per step.
 
 A team of ranks can run any form on one matrix together (`team_newton_schulz`): each member
 holds a slice of the wide orientation's columns, ``X = [X₁ … X_k]``, and the Gram matrix is the
-sum of the members' ``XⱼXⱼᵀ`` (an all-reduce of ``a²`` elements). In the standard form each step
+sum of the members' ``XⱼXⱼᵀ`` (an all-reduce of ``a²`` elements, in float32 for bf16:
+`rules.base.summed_dtype`). In the standard form each step
 sums it, every member forms the polynomial ``P = bA + cA²`` (or its ``1/k`` of the rows, gathered
 after, where the ``2a³`` would weigh: `splits_polynomial`), and updates its slice,
 ``Xⱼ ← aXⱼ + PXⱼ``. The Gram form sums it once per (re)start and otherwise works on ``a × a``
@@ -47,7 +48,7 @@ import torch
 from torch import Tensor
 
 from lightning_canzona.geometry import split_sizes
-from lightning_canzona.rules.base import TeamComputation, TeamRows, TeamSum
+from lightning_canzona.rules.base import TeamComputation, TeamRows, TeamSum, summed_dtype
 
 Coefficients = tuple[float, float, float]
 #: The forms of the iteration (see the module docstring).
@@ -314,7 +315,8 @@ class TeamWork:
     Attributes:
         flops: The busiest member's FLOPs.
         collectives: Collectives among the members.
-        numel: Elements each member sends to the others (ring all-reduce and all-gather).
+        numel: Elements each member sends to the others (ring all-reduce and all-gather), in
+            elements of the iteration's dtype (`rules.base.UpdateCost.team_numel`).
     """
 
     flops: float
@@ -330,15 +332,20 @@ def splits_polynomial(rows: int, cols: int, size: int) -> bool:
     return 2 * a * (size - 1) > b
 
 
-def team_work(rows: int, cols: int, ns_steps: int, form: str, size: int, norm_apart: bool = True) -> TeamWork:
-    """Cost of `team_newton_schulz` to each member of a team of ``size`` on one ``rows × cols`` matrix.
+def team_work(
+    rows: int, cols: int, ns_steps: int, form: str, size: int, dtype: torch.dtype = torch.bfloat16
+) -> TeamWork:
+    """Cost of `team_newton_schulz` in ``dtype`` to each member of a team of ``size`` on one
+    ``rows × cols`` matrix.
 
-    ``norm_apart``: the first round's float32 norm travels in a collective of its own, as beside
-    a Gram matrix of another dtype on NCCL (on gloo, which adds both in float32, or with a
-    float32 Gram matrix, the round is one collective).
+    The Gram matrices are summed in `summed_dtype` (float32 for bf16): each of their elements
+    counts as many elements of ``dtype`` as it has bytes for; the first round's float32 norm
+    travels with them, or apart beside a float64 Gram matrix. Gathered rows travel in ``dtype``.
     """
     iteration, symmetric = _split_form(form)
-    norm = 1 if norm_apart else 0
+    summed = summed_dtype(dtype)
+    norm = 1 if summed != torch.float32 else 0  # a collective of its own
+    per_sum, per_norm = summed.itemsize / dtype.itemsize, 4 / dtype.itemsize
     a, b = min(rows, cols), max(rows, cols)
     slice_, share = -(-b // size), (size - 1) / size
     gram, square = _gram_flops(a, slice_, symmetric), _gram_flops(a, a, symmetric)
@@ -347,14 +354,15 @@ def team_work(rows: int, cols: int, ns_steps: int, form: str, size: int, norm_ap
         # the last), on every member; per (re)start R = XXᵀ and, at its end, X ← QX, by slices.
         starts = 1 + sum(1 for step in GRAM_RESTARTS if 0 < step < ns_steps)
         flops = (gram + 2 * a * a * slice_) * starts + square * ns_steps + 6 * a**3 * (ns_steps - starts)
-        return TeamWork(float(flops), norm + starts, round(2 * share * (1 + starts * a * a)))
+        summed_numel = per_norm + per_sum * starts * a * a
+        return TeamWork(float(flops), norm + starts, round(2 * share * summed_numel))
     split = splits_polynomial(rows, cols, size)
     polynomial = 2 * a * a * -(-a // size) if split else square
     gathered = share * ns_steps * a * a if split else 0
     return TeamWork(
         float(ns_steps * (gram + 2 * a * a * slice_ + polynomial)),
         norm + ns_steps + (ns_steps if split else 0),
-        round(2 * share * (1 + ns_steps * a * a) + gathered),
+        round(2 * share * (per_norm + per_sum * ns_steps * a * a) + gathered),
     )
 
 

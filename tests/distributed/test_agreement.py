@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from multiprocess import run_on_ranks
+from multiprocess import BACKEND, DEVICE, run_on_ranks
 
 from lightning_canzona.distributed.agreement import ONE_ROUND_BYTES, Reduction, agree_on_maximum
 
@@ -13,14 +13,14 @@ from lightning_canzona.distributed.agreement import ONE_ROUND_BYTES, Reduction, 
 def _values(rank: int, shape: tuple[int, ...]) -> torch.Tensor:
     """Per element, another rank holds the largest value; some are negative or infinite."""
     count = torch.Size(shape).numel()
-    values = torch.arange(count, dtype=torch.float32).mul(7).add(3 * rank).remainder(11).sub(5)
+    values = torch.arange(count, dtype=torch.float32, device=DEVICE).mul(7).add(3 * rank).remainder(11).sub(5)
     if count > 3:
         values[3] = -torch.inf if rank else 2.0
     return values.view(shape)
 
 
 def _random(rank: int, numel: int) -> torch.Tensor:
-    return torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+    return torch.randn(numel, generator=torch.Generator().manual_seed(rank)).to(DEVICE)
 
 
 def _agree(rank: int, world_size: int) -> None:
@@ -37,7 +37,7 @@ def _agree(rank: int, world_size: int) -> None:
         agree_on_maximum(tensor)
         expected = torch.stack([_values(r, shape) for r in range(world_size)]).amax(dim=0)
         assert tensor.shape == shape and tensor.equal(expected), shape
-    assert not calls, "gloo's agreement must take one all-to-all, not a ring all-reduce"
+    assert not calls or BACKEND != "gloo", "gloo's agreement must take one all-to-all, not a ring all-reduce"
 
     largest = ONE_ROUND_BYTES // 4
     for numel, rounds in ((5, "one"), (largest, "one"), (largest + 1, "ring")):
@@ -46,7 +46,7 @@ def _agree(rank: int, world_size: int) -> None:
         Reduction(tensor, dist.ReduceOp.SUM).wait()
         expected = torch.stack([_random(r, numel) for r in range(world_size)]).sum(dim=0)
         torch.testing.assert_close(tensor, expected)
-        assert calls == ([] if rounds == "one" else [numel]), numel
+        assert calls == ([] if rounds == "one" else [numel]) or BACKEND != "gloo", numel
         everyone = [torch.empty_like(tensor) for _ in range(world_size)]
         dist.all_gather(everyone, tensor)
         assert all(theirs.equal(tensor) for theirs in everyone), "ranks must get the same sums"

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from lightning import Callback, LightningModule, Trainer
-from multiprocess import run_on_ranks
+from multiprocess import DEVICE, run_on_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -46,9 +46,9 @@ class Tree(nn.Module):
 
 
 def _compose_trees(rank: int, world_size: int) -> None:
-    mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    mesh = init_device_mesh(DEVICE, (world_size, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
     torch.manual_seed(0)
-    model = Tree()
+    model = Tree().to(DEVICE)
     fully_shard(model.blocks[0].experts[0], mesh=mesh["data_parallel"])  # the user sharded one already
     compose(model, mesh)
     units = [*model.blocks, *model.blocks[1].experts, *model.heads.values()]
@@ -58,7 +58,7 @@ def _compose_trees(rank: int, world_size: int) -> None:
     assert plain == ["scale"]
     optimizer = lc.Muon(lc.matrix_param_groups(model), compute_dtype="float32")
     for _ in range(2):
-        model(torch.randn(4, 8)).square().mean().backward()
+        model(torch.randn(4, 8, device=DEVICE)).square().mean().backward()
         optimizer.step()
         optimizer.zero_grad()
     assert all(
@@ -125,13 +125,13 @@ EXPERTS = {f"blocks.{block}.experts.{expert}" for block in range(2) for expert i
 
 def _compose_tied_tree(mesh) -> None:
     torch.manual_seed(0)  # the same weights and inputs on every rank
-    model = TiedTree()
+    model = TiedTree().to(DEVICE)
     compose(model, mesh)
     assert _units(model) == {"blocks.0", "blocks.1", "heads.a", "heads.b", *EXPERTS}
     # Sharding the tied weight in one unit would untie it from the other: it stays plain.
     assert _plain(model) == ["blocks.0.gate", "blocks.1.gate", "embed.weight"]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, foreach=False)
-    x = torch.randn(4, 8)
+    x = torch.randn(4, 8, device=DEVICE)
     for _ in range(2):
         loss = model(x).square().mean()
         # The blocks and heads are each an FSDP2 root: they still free their gathered parameters.
@@ -149,7 +149,7 @@ def _compose_tied_tree(mesh) -> None:
 
 def _compose_around_a_sharded_block(mesh) -> None:
     torch.manual_seed(0)
-    model = TiedTree()
+    model = TiedTree().to(DEVICE)
     gate = model.blocks[0].gate
     fully_shard(model.blocks[0], mesh=mesh["data_parallel"], ignored_params={gate})  # the user's own
     compose(model, mesh)
@@ -157,12 +157,12 @@ def _compose_around_a_sharded_block(mesh) -> None:
     assert _units(model) == {"blocks.0", "blocks.1", "heads.a", "heads.b", *EXPERTS} - {
         f"blocks.0.experts.{expert}" for expert in range(3)
     }
-    model(torch.randn(4, 8)).square().mean().backward()
+    model(torch.randn(4, 8, device=DEVICE)).square().mean().backward()
     assert all(param.grad is not None for param in model.parameters())
 
 
 def _compose_scalars_ties_and_sharded_modules(rank: int, world_size: int) -> None:
-    mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    mesh = init_device_mesh(DEVICE, (world_size, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
     _compose_tied_tree(mesh)
     _compose_around_a_sharded_block(mesh)
     dist.barrier()

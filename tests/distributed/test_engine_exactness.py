@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from multiprocess import run_on_ranks
+from multiprocess import DEVICE, run_on_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -101,7 +101,7 @@ def _parallelize(model: Net, mesh) -> Net:
 
 def _gradients(step: int, shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor | None]:
     generator = torch.Generator().manual_seed(1000 + step)
-    grads = {name: torch.randn(shape, generator=generator) for name, shape in shapes.items()}
+    grads = {name: torch.randn(shape, generator=generator).to(DEVICE) for name, shape in shapes.items()}
     if step == 1:
         grads["side.weight"] = None  # no rank has it: the step skips it, as on one device
     return grads
@@ -119,9 +119,9 @@ def _groups(model: Net) -> list[dict]:
 def _run_combination(rank: int, mesh, optimizer_name: str, plan: dict, overlap: bool) -> None:
     optimizer_class, kwargs = OPTIMIZERS[optimizer_name]
     torch.manual_seed(0)
-    reference_model = Net()
+    reference_model = Net().to(DEVICE)  # on the ranks' device, as the sharded model
     torch.manual_seed(0)
-    model = _parallelize(Net(), mesh)  # the same initial weights, sharded
+    model = _parallelize(Net().to(DEVICE), mesh)  # the same initial weights, sharded
     reference = optimizer_class(_groups(reference_model), **kwargs)
     optimizer = optimizer_class(_groups(model), **kwargs, plan=lc.PlanConfig(**plan, overlap=overlap))
     shapes = {name: p.shape for name, p in reference_model.named_parameters()}
@@ -168,7 +168,7 @@ def _run_combination(rank: int, mesh, optimizer_name: str, plan: dict, overlap: 
 
 def _exactness_on_mesh(rank: int, world_size: int, mesh_name: str) -> None:
     shape, names = MESHES[mesh_name]
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    mesh = init_device_mesh(DEVICE, shape, mesh_dim_names=names)
     for optimizer_name, plan, overlap in itertools.product(OPTIMIZERS, PLANS, (True, False)):
         _run_combination(rank, mesh, optimizer_name, plan, overlap)
     dist.barrier()

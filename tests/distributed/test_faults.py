@@ -1,6 +1,6 @@
 """Fault injection: one rank fails, every rank raises the same error in seconds, nothing drifts.
 
-Each body runs on 2 and 4 gloo ranks with a 30-second collective timeout: a rank left waiting in
+Each body runs on 2 and 4 ranks with a 30-second collective timeout: a rank left waiting in
 a collective fails the test with a timeout instead of hanging the suite. (That a failed save
 leaves the last good checkpoint loadable is tested in ``test_checkpoints.py``.)
 """
@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from multiprocess import run_on_ranks
+from multiprocess import DEVICE, run_on_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -43,11 +43,14 @@ def _snapshot(params) -> list[torch.Tensor]:
 
 
 def _one_rank_fails(rank: int, world_size: int) -> None:
-    mesh = init_device_mesh("cpu", (world_size,))
+    mesh = init_device_mesh(DEVICE, (world_size,))
     last = world_size - 1
     torch.manual_seed(0)
-    plain, head = nn.Parameter(torch.randn(6, 5)), nn.Parameter(torch.randn(5))
-    matrices = [_sharded(torch.randn(4 * world_size + 3, 7), mesh, [Shard(0)]) for _ in range(world_size)]
+    plain, head = nn.Parameter(torch.randn(6, 5, device=DEVICE)), nn.Parameter(torch.randn(5, device=DEVICE))
+    matrices = [
+        _sharded(torch.randn(4 * world_size + 3, 7, device=DEVICE), mesh, [Shard(0)])
+        for _ in range(world_size)
+    ]
     params = [plain, head, *matrices]
     optimizer = lc.Muon(
         [("plain", plain), ("head", head), *((f"matrix{i}", m) for i, m in enumerate(matrices))],
@@ -88,10 +91,10 @@ def _one_rank_fails(rank: int, world_size: int) -> None:
 
 
 def _mixed_gradients(rank: int, world_size: int) -> None:
-    mesh = init_device_mesh("cpu", (world_size,))
+    mesh = init_device_mesh(DEVICE, (world_size,))
     torch.manual_seed(0)
-    full, bias = torch.randn(2 * world_size + 1, 6), torch.randn(6)
-    partials = [torch.randn(full.shape) for _ in range(world_size)]
+    full, bias = torch.randn(2 * world_size + 1, 6, device=DEVICE), torch.randn(6, device=DEVICE)
+    partials = [torch.randn(full.shape, device=DEVICE) for _ in range(world_size)]
     partials[0].zero_()  # rank 0 holds no gradient: it counts as zeros
 
     def fresh():
@@ -102,7 +105,9 @@ def _mixed_gradients(rank: int, world_size: int) -> None:
         weight.grad = None if rank == 0 else DTensor.from_local(partials[rank], mesh, [Partial()])
         # A replicated parameter whose gradient only some ranks hold: replicas must not drift.
         replicated.grad = (
-            None if rank == 1 else distribute_tensor(torch.ones(6), mesh, [Replicate()], src_data_rank=None)
+            None
+            if rank == 1
+            else distribute_tensor(torch.ones(6, device=DEVICE), mesh, [Replicate()], src_data_rank=None)
         )
         return weight, replicated
 
@@ -114,12 +119,12 @@ def _mixed_gradients(rank: int, world_size: int) -> None:
     optimizer = lc.Muon([("weight", weight), ("bias", replicated)], **MUON)
     reference_weight, reference_bias = nn.Parameter(full.clone()), nn.Parameter(bias.clone())
     reference = lc.Muon([("weight", reference_weight), ("bias", reference_bias)], **MUON)
-    reference_weight.grad, reference_bias.grad = sum(partials), torch.ones(6)
+    reference_weight.grad, reference_bias.grad = sum(partials), torch.ones(6, device=DEVICE)
     for _ in range(3):
         optimizer.step()
         reference.step()
     torch.testing.assert_close(weight.full_tensor(), reference_weight.detach(), rtol=1e-5, atol=1e-6)
-    replicas = [torch.empty(6) for _ in range(world_size)]
+    replicas = [torch.empty(6, device=DEVICE) for _ in range(world_size)]
     dist.all_gather(replicas, replicated.to_local())
     assert all(torch.equal(replica, replicas[0]) for replica in replicas)
     torch.testing.assert_close(replicas[0], reference_bias.detach(), rtol=1e-5, atol=1e-6)
@@ -127,8 +132,11 @@ def _mixed_gradients(rank: int, world_size: int) -> None:
 
 def _plain_gradients_across_ranks(rank: int, world_size: int) -> None:
     torch.manual_seed(rank)  # each rank its own data
-    named = [(name, nn.Parameter(torch.zeros(3, 2))) for name in ("embedding", "norm", "unused")]
-    for (_, param), grad in zip(named, (torch.randn(3, 2), torch.randn(3, 2), None)):
+    named = [
+        (name, nn.Parameter(torch.zeros(3, 2, device=DEVICE))) for name in ("embedding", "norm", "unused")
+    ]
+    grads = (torch.randn(3, 2, device=DEVICE), torch.randn(3, 2, device=DEVICE), None)
+    for (_, param), grad in zip(named, grads):
         param.grad = grad
     average_gradients([param for _, param in named], dist.group.WORLD)
     check_gradients_agree(named)  # averaged: every rank agrees
@@ -143,9 +151,9 @@ def _plain_gradients_across_ranks(rank: int, world_size: int) -> None:
 
 
 def _decomposition_fails_on_the_owner(rank: int, world_size: int) -> None:
-    mesh = init_device_mesh("cpu", (world_size,))
+    mesh = init_device_mesh(DEVICE, (world_size,))
     torch.manual_seed(0)
-    weight = _sharded(torch.randn(3 * world_size, 5), mesh, [Shard(0)])
+    weight = _sharded(torch.randn(3 * world_size, 5, device=DEVICE), mesh, [Shard(0)])
     optimizer = lc.Shampoo(
         [("weight", weight)],
         lr=0.01,
@@ -161,9 +169,11 @@ def _decomposition_fails_on_the_owner(rank: int, world_size: int) -> None:
             raise torch.linalg.LinAlgError("injected: the eigensolver did not converge")
         return eigh(matrix, *args, **kwargs)
 
-    counts = torch.zeros(2)
+    counts = torch.zeros(2, device=DEVICE)
     for step in range(3):
-        weight.grad = distribute_tensor(torch.randn(weight.shape), mesh, [Shard(0)], src_data_rank=None)
+        weight.grad = distribute_tensor(
+            torch.randn(weight.shape, device=DEVICE), mesh, [Shard(0)], src_data_rank=None
+        )
         torch.linalg.eigh = eigh if step == 0 else failing_eigh
         try:
             with warnings.catch_warnings(record=True) as caught:
@@ -172,7 +182,9 @@ def _decomposition_fails_on_the_owner(rank: int, world_size: int) -> None:
         finally:
             torch.linalg.eigh = eigh
         (engine,) = optimizer.engines.values()
-        counts += torch.tensor([engine.stats.decomposition_failures, engine.stats.decomposition_retries])
+        counts += torch.tensor(
+            [engine.stats.decomposition_failures, engine.stats.decomposition_retries], device=DEVICE
+        )
         failed = any("failed; the previous one is kept" in str(w.message) for w in caught)
         assert failed == bool(engine.stats.decomposition_failures)
     dist.all_reduce(counts)

@@ -8,7 +8,7 @@ import weakref
 
 import torch
 import torch.distributed as dist
-from multiprocess import run_on_ranks
+from multiprocess import gloo_only, run_on_ranks
 
 from lightning_canzona.distributed import inflight
 from lightning_canzona.distributed.inflight import InFlight
@@ -33,6 +33,7 @@ def _free_after_wait(rank: int, world_size: int) -> None:
     assert on_main_thread == [True] * 200
 
 
+@gloo_only("its worker thread frees CPU tensors")
 def test_collective_tensors_are_freed_by_python_after_the_backend_lets_go() -> None:
     run_on_ranks(2, _free_after_wait)
 
@@ -60,5 +61,6 @@ def _warn_when_the_backend_keeps_a_tensor(rank: int, world_size: int) -> None:
     assert not caught and tensor.equal(torch.full((4,), float(world_size**2)))
 
 
+@gloo_only("InFlight waits for the CPU tensors that gloo's thread holds")
 def test_a_tensor_the_backend_keeps_is_waited_for_only_so_long_and_said() -> None:
     run_on_ranks(2, _warn_when_the_backend_keeps_a_tensor)

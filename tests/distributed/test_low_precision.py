@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from multiprocess import run_on_ranks
+from multiprocess import DEVICE, run_on_ranks
 from test_engine_exactness import MESHES, Net, _gradients, _groups, _parallelize
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import distribute_tensor
@@ -18,7 +18,7 @@ LOW = [torch.bfloat16, torch.float16]
 
 def _mesh(name: str):
     shape, names = MESHES[name]
-    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+    return init_device_mesh(DEVICE, shape, mesh_dim_names=names)
 
 
 def _steps(make, params, grads) -> None:
@@ -113,9 +113,9 @@ def _bf16_on_every_path(rank: int, world_size: int) -> None:
         (lc.SOAP, {"lr": 1e-2, "precondition_frequency": 2}),
     ):
         torch.manual_seed(0)
-        reference_model = Net().bfloat16()
+        reference_model = Net().to(DEVICE).bfloat16()
         torch.manual_seed(0)
-        model = _parallelize(Net().bfloat16(), mesh)
+        model = _parallelize(Net().to(DEVICE).bfloat16(), mesh)
         reference = optimizer_class(_groups(reference_model), **kwargs)
         optimizer = optimizer_class(_groups(model), **kwargs)
         params = dict(model.named_parameters())
@@ -219,9 +219,9 @@ def _stochastic_on_dp_and_tp(rank: int, world_size: int) -> None:
     mesh = _mesh("dp2xtp2")
     kwargs = {"lr": 2e-3, "compute_dtype": "float32", "adamw_lr": 1e-4}
     torch.manual_seed(0)
-    reference_model = Net().bfloat16()
+    reference_model = Net().to(DEVICE).bfloat16()
     torch.manual_seed(0)
-    model = _parallelize(Net().bfloat16(), mesh)
+    model = _parallelize(Net().to(DEVICE).bfloat16(), mesh)
     reference = lc.Muon(_groups(reference_model), **kwargs)  # to nearest, in one process
     optimizer = lc.Muon(_groups(model), **kwargs, stochastic_rounding=True)
     params = dict(model.named_parameters())
@@ -251,11 +251,11 @@ def _stochastic_on_dp_and_tp(rank: int, world_size: int) -> None:
         param = params[name]
         replicated = param.device_mesh.ndim == 1 or param.placements[-1].is_replicate()
         everyone = [None] * world_size
-        torch.distributed.all_gather_object(everyone, (mesh.get_coordinate()[0], actual))
+        torch.distributed.all_gather_object(everyone, (mesh.get_coordinate()[0], actual.cpu()))
         if replicated:
             checked.append(name)
             assert all(
-                torch.equal(theirs, actual) for dp, theirs in everyone if dp == mesh.get_coordinate()[0]
+                torch.equal(theirs, actual.cpu()) for dp, theirs in everyone if dp == mesh.get_coordinate()[0]
             )
     assert differ > 0  # it rounded otherwise than to nearest somewhere
     assert {"norm.weight", "down.bias", "experts.weight"} <= set(checked)

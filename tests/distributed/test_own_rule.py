@@ -9,7 +9,7 @@ from pathlib import Path
 import test_engine_exactness as exactness
 import torch
 import torch.distributed as dist
-from multiprocess import run_on_ranks
+from multiprocess import DEVICE, run_on_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -31,7 +31,7 @@ def _exact_on_dp2_tp2(rank: int, world_size: int) -> None:
     # uneven shapes, an empty shard, expert stacks, row blocks, None and lost gradients, every
     # policy, with and without overlap.
     exactness.OPTIMIZERS["adafactor"] = (Adafactor, SETTINGS)
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh(DEVICE, (2, 2), mesh_dim_names=("dp", "tp"))
     for plan in exactness.PLANS:
         for overlap in (True, False):
             exactness._run_combination(rank, mesh, "adafactor", plan, overlap)
@@ -53,7 +53,7 @@ class Small(nn.Module):
 
 def _model(mesh) -> Small:
     torch.manual_seed(0)
-    model = Small()
+    model = Small().to(DEVICE)
     if "tp" in mesh.mesh_dim_names:
         plan = {"up": ColwiseParallel(), "down": RowwiseParallel(), "side": ColwiseParallel()}
         parallelize_module(model, mesh["tp"], plan)
@@ -64,7 +64,7 @@ def _model(mesh) -> Small:
 def _step(model: Small, optimizer: Adafactor, step: int) -> None:
     generator = torch.Generator().manual_seed(step)
     for param in model.parameters():
-        grad = torch.randn(param.shape, generator=generator)
+        grad = torch.randn(param.shape, generator=generator).to(DEVICE)
         param.grad = distribute_tensor(grad, param.device_mesh, param.placements, src_data_rank=None)
     optimizer.step()
 
@@ -72,7 +72,7 @@ def _step(model: Small, optimizer: Adafactor, step: int) -> None:
 def _train(rank: int, world_size: int, shape: tuple[int, int], checkpoint: str, out: str) -> None:
     """Four steps at ``shape``: saving after two (``out`` ending in ``uninterrupted``) or loading
     the checkpoint and running the last two; rank 0 saves the weights whole."""
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh(DEVICE, shape, mesh_dim_names=("dp", "tp"))
     model = _model(mesh)
     optimizer = Adafactor(lc.matrix_param_groups(model), **SETTINGS)
     resumed = not out.endswith("uninterrupted.pt")
@@ -83,7 +83,9 @@ def _train(rank: int, world_size: int, shape: tuple[int, int], checkpoint: str, 
         if step == 1 and not resumed:
             write_state(Path(checkpoint), {"model": model, "optimizer": optimizer}, model, distributed=True)
     # Each matrix's row and column means live on one owner: 3 matrices, 3 holders over the ranks.
-    held = torch.tensor(sum("row" in optimizer.state[p] for p in model.parameters() if p.ndim == 2))
+    held = torch.tensor(
+        sum("row" in optimizer.state[p] for p in model.parameters() if p.ndim == 2), device=DEVICE
+    )
     dist.all_reduce(held)
     assert int(held) == 3
     weights = full_model_state(model)

@@ -13,7 +13,7 @@ import copy
 
 import torch
 import torch.nn.functional as F
-from multiprocess import run_on_ranks
+from multiprocess import DEVICE, run_on_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -32,7 +32,9 @@ SPLITTABLE = Qwen3Config(VOCAB, 40, 64, 2, 6, 2, head_dim=10, rope_theta=1e4, qk
 
 
 def _batches() -> torch.Tensor:
-    return torch.randint(VOCAB, (STEPS + 1, BATCH, SEQ), generator=torch.Generator().manual_seed(3))
+    return torch.randint(VOCAB, (STEPS + 1, BATCH, SEQ), generator=torch.Generator().manual_seed(3)).to(
+        DEVICE
+    )
 
 
 def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -48,7 +50,7 @@ def _model(config: Qwen3Config) -> Qwen3:
         for layer in model.layers:
             layer.self_attn.q_proj.weight.mul_(8)
             layer.self_attn.k_proj.weight.mul_(8)
-    return model
+    return model.to(DEVICE)
 
 
 @torch.no_grad()
@@ -56,7 +58,7 @@ def _max_logits(model: Qwen3, tokens: torch.Tensor) -> list[torch.Tensor]:
     """Each layer's largest logit per query head, from the logits written out in full."""
     config, x = model.config, model.embed_tokens(tokens)
     cos, sin = rotary_tables(tokens.shape[1], config.head_dim, config.rope_theta, tokens.device)
-    causal = torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool).triu(1)
+    causal = torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool, device=tokens.device).triu(1)
     maxima = []
     for layer in model.layers:
         attention, hidden = layer.self_attn, layer.input_layernorm(x)
@@ -111,7 +113,7 @@ def _check_updates(
 
 def _check_bundled(rank: int, mesh_shape: tuple[int, int], config: Qwen3Config) -> None:
     label = f"dp {mesh_shape[0]} × tp {mesh_shape[1]}"
-    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("data_parallel", "tensor_parallel"))
+    mesh = init_device_mesh(DEVICE, mesh_shape, mesh_dim_names=("data_parallel", "tensor_parallel"))
     reference = _model(config)
     initial = {name: p.detach().clone() for name, p in reference.named_parameters()}
     model = copy.deepcopy(reference)
@@ -187,11 +189,11 @@ def _llama(seed: int = 0) -> nn.Module:
         for layer in model.model.layers:
             layer.self_attn.q_proj.weight.mul_(8)
             layer.self_attn.k_proj.weight.mul_(8)
-    return model
+    return model.to(DEVICE)
 
 
 def _check_transformers(rank: int) -> None:
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    mesh = init_device_mesh(DEVICE, (2, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
     reference = _llama()
     initial = {name: p.detach().clone() for name, p in reference.named_parameters()}
     model = copy.deepcopy(reference)

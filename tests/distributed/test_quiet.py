@@ -10,7 +10,7 @@ import warnings
 from collections.abc import Iterator
 
 import torch
-from multiprocess import run_on_ranks
+from multiprocess import DEVICE, run_on_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -70,11 +70,11 @@ def _root_view_is_harmless(rank: int, world_size: int) -> None:
         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
     )  # fmt: skip
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(DEVICE)
     reference = copy.deepcopy(model)
-    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    mesh = init_device_mesh(DEVICE, (1, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
     compose(Holder(model), mesh)  # TP plan, then FSDP2: the transformers model is the one root unit
-    batch = torch.randint(64, (2, 16), generator=torch.Generator().manual_seed(1))
+    batch = torch.randint(64, (2, 16), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     with warnings.catch_warnings(record=True) as caught:
         warnings.filterwarnings("always", append=True)  # after the filter that compose added
         output = model(input_ids=batch, labels=batch)

@@ -6,11 +6,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import emulated_nccl
 import pytest
 import torch
 import torch.distributed as dist
 from free_teams import CREATED, TeamMuon, with_free_teams
-from multiprocess import run_on_ranks
+from multiprocess import DEVICE, run_on_ranks
 from test_engine_exactness import MESHES, OPTIMIZERS, _run_combination
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -20,6 +21,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_modul
 
 import lightning_canzona as lc
 from lightning_canzona.distributed import engine as engine_module
+from lightning_canzona.distributed import team_collectives
 from lightning_canzona.rules.newton_schulz import (
     splits_polynomial,
 )
@@ -36,13 +38,13 @@ RUNS_ON_MESH = {
 
 def _teams_on_mesh(rank: int, world_size: int, mesh_name: str) -> None:
     shape, names = MESHES[mesh_name]
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    mesh = init_device_mesh(DEVICE, shape, mesh_dim_names=names)
     for form, overlap in RUNS_ON_MESH[mesh_name]:
         OPTIMIZERS["team_muon"] = (TeamMuon, {**OPTIMIZERS["muon"][1], "ns_form": form})
         _run_combination(rank, mesh, "team_muon", {"policy": "canzona"}, overlap)
         (engine,) = CREATED[-1].engines.values()
         assert engine.plan.split_matrices(), f"no team on {mesh_name} ({form})"
-        stats = torch.tensor([engine.stats.team_matrices, engine.stats.team_collectives])
+        stats = torch.tensor([engine.stats.team_matrices, engine.stats.team_collectives], device=DEVICE)
         dist.all_reduce(stats)
         assert stats.min() > 0
 
@@ -109,11 +111,11 @@ def _kronecker_teams(rank: int, world_size: int, mesh_name: str, reverse: bool =
     if reverse:  # members out of rank order, as the packer and locality may list them: gathers reordered
         engine_module.MeshEngine._local_team_members = lambda self, plan, items: _members_in_reverse(plan)
     shape, names = MESHES[mesh_name]
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    mesh = init_device_mesh(DEVICE, shape, mesh_dim_names=names)
     placements = KRONECKER_PLACEMENTS[mesh.ndim]
     for name, (optimizer_class, kwargs) in KRONECKER_OPTIMIZERS.items():
         torch.manual_seed(0)
-        full = {key: torch.randn(size) for key, size in KRONECKER_SHAPES.items()}
+        full = {key: torch.randn(size).to(DEVICE) for key, size in KRONECKER_SHAPES.items()}
         reference_params, params = _reference_and_sharded(full, mesh, placements)
         settings = {"lr": 0.01, "max_precond_dim": 64, **kwargs}
         reference = optimizer_class(list(reference_params.items()), **settings)
@@ -129,7 +131,7 @@ def _kronecker_teams(rank: int, world_size: int, mesh_name: str, reverse: bool =
                 # eigenbasis would turn the ulps of another order into up to 6e-4 of an update
                 # (measured on one process, the factor summed over slices instead of whole: the
                 # team's result equals that bit for bit).
-                grad = torch.randint(-3, 4, size, generator=generator).float()
+                grad = torch.randint(-3, 4, size, generator=generator).float().to(DEVICE)
                 grad = None if (step, key) in ((1, "wide"), (2, "both")) else grad
                 sharded = None
                 if grad is not None:
@@ -176,11 +178,11 @@ def test_teams_whose_members_are_out_of_rank_order_equal_single_process() -> Non
 def _wide_matrices(rank: int, world_size: int) -> None:
     """Wide and tall matrices whose teams form the polynomial whole (`splits_polynomial` false),
     sharded across their long side and across their short side, with a missing gradient."""
-    mesh = init_device_mesh("cpu", (world_size,))
+    mesh = init_device_mesh(DEVICE, (world_size,))
     shapes = {"wide": (12, 200), "tall": (200, 12), "cut_short": (12, 200)}
     placements = {"wide": [Shard(1)], "tall": [Shard(0)], "cut_short": [Shard(0)]}
     torch.manual_seed(0)
-    full = {name: torch.randn(shape) for name, shape in shapes.items()}
+    full = {name: torch.randn(shape).to(DEVICE) for name, shape in shapes.items()}
     reference_params, params = _reference_and_sharded(full, mesh, placements)
     kwargs = {"lr": 0.02, "compute_dtype": "float32"}
     reference = lc.Muon(list(reference_params.items()), **kwargs)
@@ -188,7 +190,7 @@ def _wide_matrices(rank: int, world_size: int) -> None:
     for step in range(4):
         generator = torch.Generator().manual_seed(step)
         for name, shape in shapes.items():
-            grad = None if (step, name) == (1, "tall") else torch.randn(shape, generator=generator)
+            grad = None if (step, name) == (1, "tall") else torch.randn(shape, generator=generator).to(DEVICE)
             reference_params[name].grad = grad
             params[name].grad = (
                 None if grad is None else distribute_tensor(grad, mesh, placements[name], src_data_rank=None)
@@ -207,27 +209,52 @@ def test_teams_that_form_the_polynomial_whole_equal_single_process() -> None:
 
 
 def _one_sum_per_round(rank: int, world_size: int) -> None:
-    mesh = init_device_mesh("cpu", (world_size,))
-    weight = nn.Parameter(distribute_tensor(torch.randn(12, 200), mesh, [Shard(1)], src_data_rank=None))
+    mesh = init_device_mesh(DEVICE, (world_size,))
+    full = torch.randn(12, 200, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    weight = nn.Parameter(distribute_tensor(full, mesh, [Shard(1)], src_data_rank=None))
     optimizer = TeamMuon([("weight", weight)], lr=0.02, ns_steps=5)  # bf16 Gram matrices
     weight.grad = torch.ones_like(weight)
-    optimizer.step()
+    sums = []
+    original = team_collectives.Reduction
+
+    class Kept(original):
+        """Each team sum's buffer as sent and as summed."""
+
+        def __init__(self, tensor, op, group) -> None:
+            self.sent, self.group = tensor.clone(), group
+            super().__init__(tensor, op, group)
+            sums.append(self)
+
+    team_collectives.Reduction = Kept
+    try:
+        optimizer.step()
+    finally:
+        team_collectives.Reduction = original
     (engine,) = optimizer.engines.values()
     assert engine.plan.teams == ((0, 1, 2, 3),)
-    assert engine.stats.team_collectives == 5
+    assert engine.stats.team_collectives == 5 == len(sums)
+    # On the wire: float32 (the norm beside the Gram matrix in the first round), on every backend.
+    wire = [call for call in emulated_nccl.CALLS if call.group is sums[0].group]
+    assert [call.dtypes for call in wire] == [(torch.float32,)] * 5, wire
+    # Each sum is the float32 sum of the members' bf16 partial Gram matrices, rounded once.
+    for kept in sums:
+        everyone = [torch.empty_like(kept.sent) for _ in range(world_size)]
+        dist.all_gather(everyone, kept.sent)
+        assert all(part[1:].eq(part[1:].bfloat16().float()).all() for part in everyone)  # bf16 values
+        torch.testing.assert_close(kept.tensor, torch.stack(everyone).sum(dim=0), rtol=1e-6, atol=0.0)
 
 
-def test_a_team_round_is_one_collective_on_gloo() -> None:
-    # A round's float32 norm and bf16 Gram matrix are both added in float32 on gloo: one sum per
-    # Newton–Schulz iteration, not two in the first.
-    run_on_ranks(4, _one_sum_per_round)
+def test_a_team_round_is_one_float32_sum_on_every_backend() -> None:
+    # A round's float32 norm and bf16 Gram matrix are added in float32 on any backend (NCCL would
+    # add bf16 in bf16, rounding at every member): one sum per Newton–Schulz iteration.
+    run_on_ranks(4, _one_sum_per_round, nccl_like=True)
 
 
 def _slices_where_they_lie(rank: int, world_size: int) -> None:
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh(DEVICE, (2, 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
-    reference = nn.Linear(8, 64, bias=False)  # a tall weight: teams slice its rows
-    model = nn.Linear(8, 64, bias=False)
+    reference = nn.Linear(8, 64, bias=False, device=DEVICE)  # a tall weight: teams slice its rows
+    model = nn.Linear(8, 64, bias=False, device=DEVICE)
     model.weight.data.copy_(reference.weight.data)
     parallelize_module(model, mesh["tp"], ColwiseParallel())
     fully_shard(model, mesh=mesh["dp"])  # rank (d, t) holds rows 32t + 16d to 32t + 16d + 16
@@ -235,7 +262,7 @@ def _slices_where_they_lie(rank: int, world_size: int) -> None:
     optimizer = TeamMuon([("weight", model.weight)], **kwargs)
     reference_optimizer = lc.Muon([("weight", reference.weight)], **kwargs)
     for step in range(3):
-        grad = torch.randn(64, 8, generator=torch.Generator().manual_seed(step))
+        grad = torch.randn(64, 8, generator=torch.Generator().manual_seed(step)).to(DEVICE)
         reference.weight.grad = grad
         model.weight.grad = distribute_tensor(grad, mesh, model.weight.placements, src_data_rank=None)
         optimizer.step()

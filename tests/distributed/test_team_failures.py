@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from free_teams import TeamMuon, with_free_teams
-from multiprocess import run_on_ranks
+from multiprocess import DEVICE, run_on_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
@@ -35,14 +35,18 @@ FAILING_TEAMS = {
 
 def _a_member_fails(rank: int, world_size: int, optimizer_name: str) -> None:
     rule_class, build = FAILING_TEAMS[optimizer_name]
-    mesh = init_device_mesh("cpu", (world_size,))
+    mesh = init_device_mesh(DEVICE, (world_size,))
     torch.manual_seed(0)
-    weight = nn.Parameter(distribute_tensor(torch.randn(12, 200), mesh, [Shard(1)], src_data_rank=None))
+    full = torch.randn(12, 200, device=DEVICE)
+    weight = nn.Parameter(distribute_tensor(full, mesh, [Shard(1)], src_data_rank=None))
     optimizer = build([("weight", weight)])
-    weight.grad = distribute_tensor(torch.randn(12, 200), mesh, [Shard(1)], src_data_rank=None)
+    grad = torch.randn(12, 200, device=DEVICE)
+    weight.grad = distribute_tensor(grad, mesh, [Shard(1)], src_data_rank=None)
     optimizer.step()
     (engine,) = optimizer.engines.values()
     assert engine.plan.teams == ((0, 1, 2, 3),)
+    if optimizer_name != "muon":  # Muon's teams hold no matrix state
+        _state_goes_whole_to_the_first_member_and_back(optimizer, weight, rank)
     original = rule_class.team_direction
     failures = []
 
@@ -66,6 +70,22 @@ def _a_member_fails(rank: int, world_size: int, optimizer_name: str) -> None:
     assert engine.stats.team_collectives > 0
 
 
+def _state_goes_whole_to_the_first_member_and_back(optimizer, weight, rank: int) -> None:
+    """A checkpoint's hand-over of the team's state (SOAP's and Shampoo's slices): whole on its
+    first member, then the same slices on every member again."""
+    assert optimizer.splits_matrix_state()
+    slices = {key: value.clone() for key, value in optimizer.state[weight].items() if torch.is_tensor(value)}
+    with optimizer.whole_team_state():
+        held = optimizer.state[weight]
+        if rank == 0:
+            assert set(slices) <= set(held)
+            assert any(held[key].shape != value.shape for key, value in slices.items())  # whole
+        else:
+            assert not set(slices) <= set(held)  # handed over
+    for key, value in slices.items():  # dtype, device and every bit
+        torch.testing.assert_close(optimizer.state[weight][key], value, rtol=0.0, atol=0.0, msg=key)
+
+
 def _forward(steps, reply):
     """Hand ``reply`` on to ``steps`` and relay the rest of its rounds; its result."""
     try:
@@ -81,4 +101,6 @@ def _members_fail(rank: int, world_size: int) -> None:
 
 
 def test_a_failure_in_a_team_is_the_same_error_on_every_rank_in_seconds() -> None:
-    run_on_ranks(4, _members_fail, timeout=30.0)
+    # On an NCCL process group (emulated on CPU ranks): the teams' collectives and the hand-over
+    # of their state send device tensors, and tensors in no object collective.
+    run_on_ranks(4, _members_fail, timeout=30.0, nccl_like=True)

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from free_teams import FREE_TEAMS
-from multiprocess import run_on_ranks
+from multiprocess import DEVICE, run_on_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
@@ -49,7 +49,7 @@ def test_h100_prices_are_in_the_flops_of_the_rules_matrix_products() -> None:
 
 
 def _measured_prices(rank: int, world_size: int) -> None:
-    prices = measure_team_costs()
+    prices = measure_team_costs(device=DEVICE)
     assert set(prices) == {
         "flops_per_element",
         "flops_per_message",
@@ -82,10 +82,12 @@ def test_prices_are_measured_in_the_dtype_of_the_rules_matrix_products() -> None
 
 
 def _mixed_compute_dtypes(rank: int, world_size: int) -> None:
-    mesh = init_device_mesh("cpu", (world_size,))
+    mesh = init_device_mesh(DEVICE, (world_size,))
     shapes = [(8, 16), (12, 10), (8, 16)]
     weights = [
-        nn.Parameter(distribute_tensor(torch.randn(shape), mesh, [Shard(0)], src_data_rank=None))
+        nn.Parameter(
+            distribute_tensor(torch.randn(shape, device=DEVICE), mesh, [Shard(0)], src_data_rank=None)
+        )
         for shape in shapes
     ]
 
@@ -98,7 +100,9 @@ def _mixed_compute_dtypes(rank: int, world_size: int) -> None:
         return lc.Muon(groups, lr=0.02, plan=lc.PlanConfig(team_prices=team_prices))
 
     for weight in weights:
-        weight.grad = distribute_tensor(torch.randn(weight.shape), mesh, [Shard(0)], src_data_rank=None)
+        weight.grad = distribute_tensor(
+            torch.randn(weight.shape, device=DEVICE), mesh, [Shard(0)], src_data_rank=None
+        )
     # At H100 rates each matrix's FLOPs are weighed by the time of its dtype's: float32 and
     # float64 products are 14.8× slower than bf16's there. No warning.
     optimizer = muon("h100")
@@ -132,9 +136,12 @@ def test_param_groups_that_multiply_in_different_dtypes_are_weighed_by_time() ->
 
 
 def _float64_muon(rank: int, world_size: int) -> None:
-    mesh = init_device_mesh("cpu", (world_size,))
+    mesh = init_device_mesh(DEVICE, (world_size,))
     torch.manual_seed(0)
-    initial, grads = torch.randn(12, 20), [torch.randn(12, 20) for _ in range(3)]
+    initial, grads = (
+        torch.randn(12, 20, device=DEVICE),
+        [torch.randn(12, 20, device=DEVICE) for _ in range(3)],
+    )
     sharded = nn.Parameter(distribute_tensor(initial, mesh, [Shard(0)], src_data_rank=None))
     whole = nn.Parameter(initial.clone())
     optimizers = [lc.Muon([param], lr=0.02, compute_dtype="float64") for param in (sharded, whole)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from lightning_canzona.cli import main
 
@@ -57,7 +58,7 @@ def test_bench_ns_compares_the_forms_on_time_and_accuracy(capsys) -> None:
 def test_bench_step_times_every_variant_and_a_team_computes_the_large_matrix(capsys) -> None:
     # The Gram form on `wide` (one 16384 × 256 projection, 94 % of Muon's FLOPs), on 2 ranks.
     # One timed step (after the two warm-up steps): what is asserted is the table and the plan.
-    quick = ["--dp", "2", "--tp", "1", "--steps", "1"]
+    quick = ["--dp", "2", "--tp", "1", "--steps", "1", "--device", "cpu", "--backend", "gloo"]
     main(["bench", "step", "--presets", "wide", "--optimizer", "muon-gram", *quick])
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "preset wide, muon-gram: optimizer step, median over ranks' slowest"
@@ -74,6 +75,18 @@ def test_bench_step_times_every_variant_and_a_team_computes_the_large_matrix(cap
     # Whole, the large matrix's owner plans 1.58 × the mean of 2 ranks (whether a team pays at
     # the prices measured on this machine is the machine's to say).
     assert rows["canzona (whole matrices)"][5] == "1.58"
+
+
+def test_bench_train_on_gpus_says_before_any_rank_starts_what_the_machine_lacks(capsys) -> None:
+    # `bench step`'s are test_troubleshooting's (its entries for benchmarks).
+    ranks = torch.cuda.device_count() + 1  # one GPU more than there are
+    with pytest.raises(SystemExit):
+        main(["bench", "train", "--device", "cuda", "--dp", str(ranks), "--tp", "1"])
+    expected = f"--device cuda runs {ranks} ranks, one GPU each, and {ranks - 1} GPUs are visible"
+    assert expected in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "train", "--backend", "nccl"])
+    assert "--backend nccl needs --device cuda" in capsys.readouterr().err
 
 
 def test_bench_qk_clip_times_the_iteration_with_and_without_it(capsys) -> None:

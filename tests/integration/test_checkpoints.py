@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from multiprocess import run_on_ranks
+from multiprocess import DEVICE, run_on_ranks
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.device_mesh import init_device_mesh
@@ -319,14 +319,14 @@ class Experts(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.randn(4, 16, 8))
+        self.weight = nn.Parameter(torch.randn(4, 16, 8, device=DEVICE))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.einsum("bi,eoi->beo", x, self.weight)
 
 
 def _stack_failure_counts_add_up(rank: int, world_size: int, folder: str) -> None:
-    mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    mesh = init_device_mesh(DEVICE, (world_size, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
     torch.manual_seed(0)
     model = Experts()
     fully_shard(model, mesh=mesh["data_parallel"])
@@ -340,11 +340,11 @@ def _stack_failure_counts_add_up(rank: int, world_size: int, folder: str) -> Non
     with mock.patch("torch.linalg.eigh", failing_eigh), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         for _ in range(2):
-            model(torch.randn(3, 8)).square().mean().backward()
+            model(torch.randn(3, 8, device=DEVICE)).square().mean().backward()
             optimizer.step()
             optimizer.zero_grad()
-    mine = optimizer.state[model.weight].get("decomposition_failures", torch.zeros((), dtype=torch.int64))
-    counts = torch.zeros(world_size, dtype=torch.int64)
+    mine = optimizer.state[model.weight].get("decomposition_failures", 0)
+    counts = torch.zeros(world_size, dtype=torch.int64, device=DEVICE)
     counts[rank] = mine
     dist.all_reduce(counts)
     assert (counts > 0).all(), counts  # both ranks own matrices of the stack, and counted
@@ -364,4 +364,5 @@ def _stack_failure_counts_add_up(rank: int, world_size: int, folder: str) -> Non
 
 
 def test_a_checkpoint_holds_the_failures_of_every_owner_of_a_stack(tmp_path) -> None:
-    run_on_ranks(2, _stack_failure_counts_add_up, str(tmp_path / "distributed"))
+    # On an NCCL process group (emulated on CPU ranks): every collective's tensors on the device.
+    run_on_ranks(2, _stack_failure_counts_add_up, str(tmp_path / "distributed"), nccl_like=True)

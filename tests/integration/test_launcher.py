@@ -120,3 +120,24 @@ def test_ranks_do_not_outlive_an_interrupted_or_killed_launch(tmp_path, stop) ->
         assert not any(map(_alive, ranks)), "ranks outlived their launch"
     finally:
         _kill_session(process)
+
+
+@pytest.mark.parametrize("fabric", [False, True], ids=["trainer", "fabric"])
+def test_a_kernel_that_used_cuda_is_told_what_to_do_before_any_rank_is_forked(monkeypatch, fabric) -> None:
+    # Forked ranks cannot use CUDA once their parent has: every rank would fail in its first
+    # CUDA call ("Cannot re-initialize CUDA in forked subprocess"). The launching process says
+    # so once, before it forks. (No GPU needed: the strategy's devices are declared CUDA.)
+    import multiprocessing
+
+    import torch
+
+    import lightning_canzona as lc
+    from lightning_canzona.launcher import FabricInProcessLauncher, InProcessLauncher
+
+    strategy = (lc.CanzonaFabricStrategy if fabric else lc.CanzonaStrategy)(start_method="fork")
+    strategy.parallel_devices = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    launcher = (FabricInProcessLauncher if fabric else InProcessLauncher)(strategy, "fork")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(RuntimeError, match=r"has already used CUDA .* Restart the kernel"):
+        launcher.launch(print, "a rank ran")
+    assert not multiprocessing.active_children()

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torchmetrics
 from lightning import Callback
-from multiprocess import run_on_ranks
+from multiprocess import DEVICE, run_on_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 from trainers import quiet_trainer
@@ -20,9 +20,12 @@ from lightning_canzona.models import CausalLanguageModel
 
 
 def _norm_across_meshes(rank: int, world_size: int) -> None:
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh(DEVICE, (2, 2), mesh_dim_names=("dp", "tp"))
     generator = torch.Generator().manual_seed(0)
-    fulls = [torch.randn(8, 6, generator=generator), torch.randn(10, 4, generator=generator)]
+    fulls = [
+        torch.randn(8, 6, generator=generator).to(DEVICE),
+        torch.randn(10, 4, generator=generator).to(DEVICE),
+    ]
     meshes = [(mesh, [Shard(0), Shard(1)]), (mesh["dp"], [Shard(0)])]
     params = []
     for full, (on, placements) in zip(fulls, meshes):
@@ -31,10 +34,10 @@ def _norm_across_meshes(rank: int, world_size: int) -> None:
         )
         param.grad = distribute_tensor(full, on, placements, src_data_rank=None)
         params.append(param)
-    expected = torch.cat([f.flatten() for f in fulls]).norm()
-    torch.testing.assert_close(total_grad_norm(params), expected)
+    expected = torch.cat([f.flatten() for f in fulls]).norm().cpu()
+    torch.testing.assert_close(total_grad_norm(params).cpu(), expected)
     clip_grad_norm_(params, max_norm=1.0)
-    torch.testing.assert_close(total_grad_norm(params), torch.tensor(1.0), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(total_grad_norm(params).cpu(), torch.tensor(1.0), rtol=1e-4, atol=1e-5)
 
 
 def test_gradient_norm_spans_parameters_on_different_meshes() -> None:

@@ -15,12 +15,13 @@ import re
 from collections.abc import Callable
 from contextlib import redirect_stderr
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from lightning import Trainer
-from multiprocess import run_on_ranks
+from multiprocess import DEVICE, run_on_ranks
 from torch import nn
 
 import lightning_canzona as lc
@@ -36,6 +37,7 @@ from lightning_canzona.checkpoint import (
 from lightning_canzona.checkpoint.reading import safe_load
 from lightning_canzona.cli import CanzonaCLI, main
 from lightning_canzona.distributed.failures import raise_on_every_rank
+from lightning_canzona.launcher import refuse_fork_after_cuda
 from lightning_canzona.mesh import choose_mesh
 from lightning_canzona.models import CausalLanguageModel
 from lightning_canzona.optim.binding import bind_optimizer
@@ -89,6 +91,11 @@ def _unsupported_plan() -> None:
     holder = nn.Module()
     holder.model = model
     choose_mesh(holder, "auto", 2, 1, 2)
+
+
+def _forked_after_cuda() -> None:
+    with mock.patch("torch.cuda.is_initialized", return_value=True):  # a kernel that used its GPU
+        refuse_fork_after_cuda("fork", torch.device("cuda", 0))
 
 
 def _trainer(**kwargs) -> None:
@@ -155,7 +162,7 @@ def _non_finite() -> None:
 def _failed_on_a_rank(rank: int, world_size: int, messages: dict) -> None:
     try:
         failure = ValueError("shapes do not match") if rank == 1 else None
-        raise_on_every_rank(failure, torch.device("cpu"), "The optimizer step")
+        raise_on_every_rank(failure, torch.device(DEVICE), "The optimizer step")
     except RuntimeError as error:
         if rank == 0:
             Path(messages["path"]).write_text(_message(error))
@@ -219,6 +226,13 @@ def _export_holds_twice(tmp_path: Path) -> None:
     )
 
 
+def _bench(*args: str) -> None:
+    stderr = io.StringIO()
+    with redirect_stderr(stderr), pytest.raises(SystemExit):
+        main(["bench", *args])
+    raise SystemExit(stderr.getvalue().splitlines()[-1])
+
+
 #: The mistake behind each entry, by its heading.
 TRIGGERS: dict[str, Callable[[Path], None]] = {
     "A tensor-parallel size the model's heads cannot take": lambda _: _mesh_for_heads(),
@@ -232,6 +246,11 @@ TRIGGERS: dict[str, Callable[[Path], None]] = {
     "A checkpoint path with nothing at it": lambda _: check_path_exists(
         "/checkpoints/last-run.ckpt", "ckpt_path"
     ),
+    "A notebook that used the GPU before training": lambda _: _forked_after_cuda(),
+    "A benchmark on more GPUs than the machine has": lambda _: _bench(
+        "step", "--device", "cuda", "--dp", str(torch.cuda.device_count() + 1), "--tp", "1"
+    ),
+    "A benchmark over NCCL on CPU ranks": lambda _: _bench("step", "--backend", "nccl"),
     "An unsupported precision": lambda _: _trainer(strategy=lc.CanzonaStrategy(), precision="16-true"),
     "A plan setting out of its range": lambda _: lc.CanzonaStrategy(plan=lc.PlanConfig(policy="greedy")),
     "A plan setting given to the optimizer as a keyword": lambda _: lc.Muon(

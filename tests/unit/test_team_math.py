@@ -167,16 +167,21 @@ def test_kronecker_team_costs_count_the_members_work_and_what_they_send() -> Non
 def test_team_work_counts_what_the_team_computation_does() -> None:
     # Split polynomial (2·33·3 > 33): one gather per step besides the sums; FLOPs per member.
     work = team_work(33, 33, 5, "standard", 4)
-    assert splits_polynomial(33, 33, 4) and work.collectives == 1 + 5 + 5
+    assert splits_polynomial(33, 33, 4) and work.collectives == 5 + 5
     assert work.flops == 5 * (4 * 33 * 33 * 9 + 2 * 33 * 33 * 9)
-    assert not splits_polynomial(64, 1024, 4) and team_work(64, 1024, 5, "standard", 4).collectives == 6
-    assert team_work(64, 1024, 5, "gram", 4).collectives == 3  # the first sums, one restart
-    # A float32 Gram matrix travels with the norm: one collective fewer.
-    assert team_work(64, 1024, 5, "standard", 4, norm_apart=False).collectives == 5
-    assert team_work(64, 1024, 5, "gram", 4, norm_apart=False).collectives == 2
+    # bf16 Gram matrices are summed in float32 on every backend, with the float32 norm: one
+    # collective per round, two bf16 elements' worth of bytes per element.
+    assert not splits_polynomial(64, 1024, 4)
+    for form, collectives in (("standard", 5), ("gram", 2)):  # the Gram form: the first, one restart
+        bf16, float32 = (team_work(64, 1024, 5, form, 4, dtype) for dtype in (torch.bfloat16, torch.float32))
+        assert bf16.collectives == float32.collectives == collectives
+        assert abs(bf16.numel - 2 * float32.numel) <= 1  # each rounded to a whole element
+    # Beside a float64 Gram matrix the float32 norm travels apart: one collective more.
+    assert team_work(64, 1024, 5, "standard", 4, torch.float64).collectives == 6
     rule = MuonRule(PRESETS["quintic"])
-    assert rule.team_cost((64, 1024), 4).team_messages == 6
-    assert dataclasses.replace(rule, compute_dtype=torch.float32).team_cost((64, 1024), 4).team_messages == 5
+    assert rule.team_cost((64, 1024), 4).team_messages == 5
+    assert rule.team_cost((64, 1024), 4).team_numel == team_work(64, 1024, 5, "standard", 4).numel
+    assert dataclasses.replace(rule, compute_dtype=torch.float64).team_cost((64, 1024), 4).team_messages == 6
     rounds = 0
     run = team_newton_schulz(
         torch.randn(64, 256), (64, 1024), PRESETS["quintic"], 5, 1e-7, torch.float32, 0, 4, "gram"

@@ -145,29 +145,29 @@ def test_planner_splits_what_packs_badly_beside_matrices_it_cannot_split() -> No
 
 
 def test_planner_keeps_teams_only_where_the_step_with_its_gathers_and_scatters_is_shorter() -> None:
-    # Qwen3 4B, Muon, 256 ranks: teams of 4 for every MLP matrix cut the busiest rank's compute,
-    # but the exchange of their slices costs more than that at an H100's InfiniBand prices; with
-    # the exchange free, they pay. Teams of 2 for most (searched_sizes) shorten the step at those
-    # prices too, and the simulator agrees; so, found by the descent over class-wide sizes, do
-    # the MLP matrices in teams of 2 and the query and output projections in teams of 4.
+    # Qwen3 4B, Muon, 256 ranks: teams of 4 for every MLP matrix cut the busiest rank's compute
+    # (0.975 × whole), but their float32 Gram sums and the exchange of their slices cost more than
+    # that at an H100's prices (estimated step 1.09 × whole): the plan keeps every matrix whole.
+    # With the collectives free, teams pay (4 × 108, 8 × 144: 0.57 × the step of whole matrices).
     matrices, _ = preset_matrices("4B", make_rule("muon"), 32, 8)
     plans = {
         policy: build_plan(matrices, 32, 8, PlanSettings(policy=policy))
         for policy in ("canzona", "round_robin")
     }
     plans["whole"] = build_plan(matrices, 32, 8, PlanSettings(max_team=1))
-    assert plans["canzona"].split_matrices() == {2: 108, 4: 72}
+    assert plans["canzona"].split_matrices() == {}
     steps = {policy: project_step(plan, H100, 2, "bfloat16").pipelined for policy, plan in plans.items()}
-    assert steps["canzona"] < 0.93 * min(steps["round_robin"], steps["whole"])
-    mlp_in_fours = [4 if max(m.shape) == 9728 else 1 for m in matrices]
-    assert estimated_step(team_plan(PlanSettings(), matrices, 32, 8, mlp_in_fours)) > estimated_step(
-        plans["whole"]
+    assert steps["canzona"] <= min(steps["round_robin"], steps["whole"])
+    mlp_in_fours = team_plan(
+        PlanSettings(), matrices, 32, 8, [4 if max(m.shape) == 9728 else 1 for m in matrices]
     )
-    free_exchange = PlanSettings(exchange_flops_per_element=0.0, exchange_flops_per_message=0.0)
-    teamed = build_plan(matrices, 32, 8, free_exchange)
-    assert teamed.split_matrices() == {4: 108}
-    assert estimated_step(teamed) < estimated_step(
-        build_plan(matrices, 32, 8, dataclasses.replace(free_exchange, max_team=1))
+    assert max(mlp_in_fours.rank_loads()) < max(plans["whole"].rank_loads())
+    assert estimated_step(mlp_in_fours) > 1.05 * estimated_step(plans["whole"])
+    free = PlanSettings(**FREE_TEAMS)
+    teamed = build_plan(matrices, 32, 8, free)
+    assert teamed.split_matrices() == {4: 108, 8: 144}
+    assert estimated_step(teamed) < 0.6 * estimated_step(
+        build_plan(matrices, 32, 8, dataclasses.replace(free, max_team=1))
     )
 
 
@@ -210,15 +210,15 @@ def test_planner_splits_only_the_matrices_that_do_not_fit_one_to_a_rank() -> Non
 
 def test_planner_keeps_the_shortest_estimated_step_not_the_shortest_makespan() -> None:
     # Qwen3 14B, Muon, 256 ranks, H100 prices in bf16: the searched sizes (120 matrices in teams
-    # of 2, 49 of 4) pack at 1.30 × the ideal, but the busiest rank receives more: teams of 2 for
-    # 200 pack at 1.42 and step faster, estimated and simulated (20.2 ms against 26.2).
+    # of 2, 49 of 4) pack at 1.44 × the ideal, but the busiest rank receives more: teams of 2 for
+    # 200 pack at 1.53 and step faster, estimated and simulated (21.4 ms against 27.6).
     rule = make_rule("muon")
     matrices, _ = preset_matrices("14B", rule, 32, 8)
     prices = H100.repriced(PlanSettings(), rule.matmul_dtype())
     plan = build_plan(matrices, 32, 8, prices)
     packed = team_plan(prices, matrices, 32, 8, searched_sizes(matrices, 256, prices)[-1])
     assert (plan.split_matrices(), packed.split_matrices()) == ({2: 200}, {2: 120, 4: 49})
-    assert max(packed.rank_loads()) < 0.92 * max(plan.rank_loads())
+    assert max(packed.rank_loads()) < 0.95 * max(plan.rank_loads())
     assert estimated_step(plan) < 0.8 * estimated_step(packed)
     steps = [project_step(p, H100, 2, "bfloat16").pipelined for p in (plan, packed)]
     assert steps[0] < 0.8 * steps[1]
@@ -242,16 +242,16 @@ def test_of_plans_alike_in_speed_the_planner_keeps_one_that_balances_the_state(m
 
 
 def test_the_descent_over_class_sizes_finds_a_shorter_step_than_the_packed_candidates(monkeypatch) -> None:
-    # Qwen3 8B, Muon, 256 ranks, H100 prices in bf16: the candidates, chosen by the compute they
+    # Qwen3 8B, Muon, 512 ranks, H100 prices in bf16: the candidates, chosen by the compute they
     # pack, put the MLP matrices in teams of 4 and leave the narrow key and value projections
     # whole; in teams of 8 these send their owners an eighth each, and the gathers are most of
-    # this step. The simulator agrees (11.60 → 10.60 ms).
+    # this step. The simulator agrees (12.62 → 11.08 ms).
     rule = make_rule("muon")
-    matrices, _ = preset_matrices("8B", rule, 32, 8)
+    matrices, _ = preset_matrices("8B", rule, 64, 8)
     prices = H100.repriced(PlanSettings(), rule.matmul_dtype())
-    descended = build_plan(matrices, 32, 8, prices)
+    descended = build_plan(matrices, 64, 8, prices)
     monkeypatch.setattr(policies, "DESCENT_ROUNDS", 0)
-    packed = build_plan(matrices, 32, 8, prices)
+    packed = build_plan(matrices, 64, 8, prices)
     assert (packed.split_matrices(), descended.split_matrices()) == ({4: 108}, {4: 108, 8: 72})
     assert estimated_step(descended) < 0.95 * estimated_step(packed)
     simulated = [project_step(plan, H100, 2, "bfloat16").pipelined for plan in (packed, descended)]
@@ -310,13 +310,13 @@ def test_greedy_packing_and_even_spreading_of_searched_sizes() -> None:
 
 
 def test_searched_sizes_pack_what_the_packing_bound_misjudges() -> None:
-    # Qwen3 14B, Muon, 512 ranks: by the packing bound, MLP matrices in teams of 4 beside
-    # attention projections in teams of 2 (1.92 × the ideal); packed, some move to teams of 8.
+    # Qwen3 14B, Muon, 512 ranks: by the packing bound, MLP matrices in teams of 8 (2.75 × the
+    # ideal); packed, in teams of 4 (2.02), or 48 of them in teams of 8 (1.92).
     rule = make_rule("muon")
     matrices, _ = preset_matrices("14B", rule, 64, 8)
     prices = H100.repriced(PlanSettings(), rule.matmul_dtype())
     greedy = team_plan(prices, matrices, 64, 8, team_sizes(matrices, 512, prices))
     searched = [team_plan(prices, matrices, 64, 8, s) for s in searched_sizes(matrices, 512, prices)]
-    assert max(greedy.rank_loads()) > 1.9 * greedy.ideal
-    assert min(max(plan.rank_loads()) for plan in searched) < 1.57 * greedy.ideal
-    assert max(build_plan(matrices, 64, 8, prices).rank_loads()) < 1.57 * greedy.ideal
+    assert max(greedy.rank_loads()) > 2.7 * greedy.ideal
+    assert min(max(plan.rank_loads()) for plan in searched) < 1.95 * greedy.ideal
+    assert max(build_plan(matrices, 64, 8, prices).rank_loads()) < 2.05 * greedy.ideal
