@@ -73,6 +73,15 @@ def main(argv: list[str] | None = None) -> None:
     steps.add_argument("--dp", type=int, default=2)
     steps.add_argument("--tp", type=int, default=2)
     steps.add_argument("--steps", type=int, default=10, help="timed steps per variant")
+    steps.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
+    steps.add_argument(
+        "--compute-dtype",
+        choices=["bfloat16", "float32"],
+        default=None,
+        help="Muon's Newton–Schulz dtype (default: the optimizer's, bfloat16; float32 where bf16 "
+        "matmuls are slow, as on CPUs without bf16 instructions, and without torch.optim.Muon, "
+        "which has bfloat16 only)",
+    )
     steps.add_argument(
         "--optimizer",
         choices=sorted(step.OPTIMIZERS),
@@ -97,6 +106,8 @@ def main(argv: list[str] | None = None) -> None:
         problem = check_devices(args.device, args.backend, args.dp * args.tp)
         if problem:
             parser.error(problem)  # before any rank starts
+    if args.command == "step" and args.compute_dtype and args.optimizer in ("shampoo", "soap"):
+        parser.error(f"--compute-dtype is Muon's and NorMuon's: {args.optimizer} computes in float32")
 
     if args.command == "train":
         train.run(
@@ -120,6 +131,8 @@ def main(argv: list[str] | None = None) -> None:
             args.optimizer,
             device=args.device,
             backend=args.backend,
+            warmup=args.warmup,
+            compute_dtype=args.compute_dtype,
         )
         return
     if args.command == "qk-clip":

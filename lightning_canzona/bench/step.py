@@ -157,10 +157,14 @@ class _TorchMuonWithAdamW:
             optimizer.step()
 
 
-def _build(variant: str, groups: list[dict], optimizer_name: str = "muon") -> object:
+def _build(
+    variant: str, groups: list[dict], optimizer_name: str = "muon", compute_dtype: str | None = None
+) -> object:
     if variant == "torch.optim.Muon":
         return _TorchMuonWithAdamW(groups)
     optimizer_class, settings = OPTIMIZERS[optimizer_name]
+    if compute_dtype is not None:
+        settings = {**settings, "compute_dtype": compute_dtype}
     if variant in MOE_VARIANTS:
         optimizer = optimizer_class(groups, **settings)
         if variant == "canzona (locality-blind)":
@@ -215,6 +219,8 @@ def _worker(
     queue,
     device_type: str = "cpu",
     backend: str = "gloo",
+    warmup: int = 2,
+    compute_dtype: str | None = None,
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -244,18 +250,20 @@ def _worker(
         param.grad = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
 
     variants = VARIANTS
-    if optimizer_name != "muon":  # torch.optim.Muon is Muon's standard form only
+    if optimizer_name != "muon" or compute_dtype not in (None, "bfloat16"):
+        # torch.optim.Muon is Muon's standard form only, in bfloat16
         variants = tuple(v for v in VARIANTS if v != "torch.optim.Muon")
     elif isinstance(model, Qwen3) and model.config.num_experts:  # torch.optim.Muon refuses 3-D stacks
         variants = tuple(v for v in VARIANTS if v != "torch.optim.Muon") + MOE_VARIANTS
     optimizers = {
-        variant: _build(variant, lc.matrix_param_groups(model), optimizer_name) for variant in variants
+        variant: _build(variant, lc.matrix_param_groups(model), optimizer_name, compute_dtype)
+        for variant in variants
     }
     times: dict[str, list[float]] = {v: [] for v in variants}
     cpu: dict[str, list[float]] = {v: [] for v in variants}
     busy: dict[str, list[float]] = {v: [] for v in variants}
     peaks: dict[str, int] = dict.fromkeys(variants, 0)
-    for repeat in range(steps + 2):  # two warm-up steps: plans, state, allocator
+    for repeat in range(warmup + steps):  # warm-up steps: plans, state, allocator
         for variant, optimizer in optimizers.items():
             synchronize(device)
             dist.barrier()
@@ -265,7 +273,7 @@ def _worker(
             elapsed = torch.tensor(time.perf_counter() - start, device=device)
             used = time.process_time() - start_cpu
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            if repeat >= 2:
+            if repeat >= warmup:
                 times[variant].append(float(elapsed))
                 cpu[variant].append(used)
                 engines = list(optimizer.engines.values())
@@ -313,9 +321,13 @@ def measure(
     optimizer: str = "muon",
     device: str = "cpu",
     backend: str | None = None,
+    warmup: int = 2,
+    compute_dtype: str | None = None,
 ) -> list[VariantResult]:
     """Run the benchmark for one model preset on a ``dp × tp`` mesh of ``device`` ranks (CPU
-    processes, or one GPU each) over ``backend`` (``None``: `default_backend`)."""
+    processes, or one GPU each) over ``backend`` (``None``: `default_backend`): ``warmup``
+    untimed steps, then ``steps`` timed ones, of every variant; Muon's Newton–Schulz in
+    ``compute_dtype`` (``None``: the optimizer's default, bfloat16)."""
     backend = backend or default_backend(device)
     world = dp * tp
     problem = check_devices(device, backend, world)
@@ -323,7 +335,8 @@ def measure(
         raise ValueError(problem)
     context = mp.get_context("spawn")
     queue = context.SimpleQueue()
-    args = (world, _free_port(), dp, tp, preset, steps, optimizer, queue, device, backend)
+    args = (world, _free_port(), dp, tp, preset, steps, optimizer, queue)
+    args += (device, backend, warmup, compute_dtype)
     mp.start_processes(_worker, args=args, nprocs=world, start_method="spawn")
     return queue.get()
 
@@ -370,8 +383,10 @@ def run(
     echo: Callable[[str], None] = print,
     device: str = "cpu",
     backend: str | None = None,
+    warmup: int = 2,
+    compute_dtype: str | None = None,
 ) -> None:
-    """Measure and print every preset."""
+    """Measure and print every preset (`measure`)."""
     for preset in presets:
-        results = measure(preset, dp, tp, steps, optimizer, device, backend)
+        results = measure(preset, dp, tp, steps, optimizer, device, backend, warmup, compute_dtype)
         echo(format_table(preset, results, optimizer, device))
