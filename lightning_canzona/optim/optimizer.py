@@ -36,6 +36,7 @@ from lightning_canzona.distributed.prices import flops_weights, priced
 from lightning_canzona.distributed.updates import apply_matrices, full_direction, prepare_matrices, step_adamw
 from lightning_canzona.planning import Plan, PlanSettings
 from lightning_canzona.qk_clip.settings import QKClip
+from lightning_canzona.rules import counters
 from lightning_canzona.rules.adamw import ALGORITHM as ADAMW
 from lightning_canzona.rules.base import MatrixRule
 from lightning_canzona.rules.blocks import RowBlockRule, RowBlocks, as_row_blocks, row_block_sizes
@@ -351,11 +352,12 @@ class MatrixOptimizer(Optimizer):
         }
 
     def owner_held_state(self) -> list[tuple[Tensor, dict[str, Tensor]]]:
-        """``(param, matrix state)`` of every matrix this rank owns (empty under ``sync``)."""
+        """``(param, matrix state)`` of every matrix this rank owns (empty under ``sync``), as a
+        state dict holds it (counters as tensors: `lightning_canzona.rules.counters`)."""
         held = []
         for engine, custody in self._custodies():
             for index, matrix_state in custody.owned().items():
-                held.append((engine.entries[index].param, matrix_state))
+                held.append((engine.entries[index].param, counters.saved(matrix_state)))
         return held
 
     @contextlib.contextmanager
@@ -435,13 +437,32 @@ class MatrixOptimizer(Optimizer):
             self.engines[mesh] = MeshEngine(mesh, settings, overlap, batch, weights or {})
         return self.engines[mesh]
 
+    def state_dict(self) -> dict[str, Any]:
+        """``torch.optim.Optimizer.state_dict``, with each counter a 0-dim tensor, as checkpoints
+        have always held them (the running state holds Python numbers:
+        `lightning_canzona.rules.counters`)."""
+        state_dict = super().state_dict()
+        state_dict["state"] = {key: counters.saved(state) for key, state in state_dict["state"].items()}
+        return state_dict
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load state, keeping each state tensor in the dtype it was saved with.
+        """Load state, keeping each state tensor in the dtype it was saved with, and each counter
+        a Python number on the host.
 
         ``torch.optim.Optimizer`` casts floating-point state to the parameter's dtype, which would
-        truncate float32 Kronecker factors and eigenbases of bf16 parameters.
+        truncate float32 Kronecker factors and eigenbases of bf16 parameters, and moves every
+        tensor but ``"step"`` to the parameter's device, where every read of a counter would wait
+        for it.
         """
         super().load_state_dict(state_dict)
+        # Each counter from the state dict's (host) tensor, its parameter found as torch finds
+        # it: by the order of the groups' parameters (ids, or names from torch.distributed.checkpoint).
+        saved_ids = (key for group in state_dict["param_groups"] for key in group["params"])
+        params = (param for group in self.param_groups for param in group["params"])
+        for key, param in zip(saved_ids, params):
+            for name, saved in state_dict["state"].get(key, {}).items():
+                if counters.is_counter(name):
+                    self.state[param][name] = counters.number(saved)
         for group in self.param_groups:  # a setting added since the save takes its default
             defaults = self.adamw_defaults if group.get("algorithm") == ADAMW else self.defaults
             for key, value in defaults.items():
