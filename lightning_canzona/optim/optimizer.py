@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_canzona.config import PlanConfig
+from lightning_canzona.distributed import deferred
 from lightning_canzona.distributed.custody import MatrixStateCustody
 from lightning_canzona.distributed.engine import MeshEngine, mesh_process_group
 from lightning_canzona.distributed.failures import raise_on_every_rank
@@ -84,7 +85,8 @@ class MatrixOptimizer(Optimizer):
         adamw_eps: AdamW's ε.
         adamw_weight_decay: AdamW's decoupled weight decay; ``None`` takes ``weight_decay``.
         check_finite: Raise `FloatingPointError` naming the parameter when a gradient holds
-            NaN or Inf, instead of writing it into the weights. Costs one host sync per step.
+            NaN or Inf, instead of writing it into the weights. Costs a fused norm of the
+            gradients per step, read with the step's one host sync.
         stochastic_rounding: Write each step into bf16 parameters rounded up or down at random
             (unbiased), from a float32 computation of the decay and the step, instead of
             rounding each operation to nearest as ``torch.optim`` does: bf16 weights then follow
@@ -279,8 +281,11 @@ class MatrixOptimizer(Optimizer):
         """One optimization step; ``closure`` re-evaluates the loss with gradients enabled.
 
         Every gradient is checked on every rank before any parameter changes (see
-        `lightning_canzona.distributed.gradients`); an error in the step's own work is raised on
-        every rank once the step's collectives are done.
+        `lightning_canzona.distributed.gradients`): the step's one read of the device. An error
+        in the step's own work on some rank lets the step's collectives finish and is raised on
+        every rank by the next agreement on gradients, before the next step (or clipping)
+        changes anything, or before a checkpoint is written (`lightning_canzona.distributed.failures`);
+        in a single process, at once.
         """
         if self.qk_clip is not None and self.qk_clip_runtime is None:  # the same on every rank
             raise RuntimeError(
@@ -366,8 +371,10 @@ class MatrixOptimizer(Optimizer):
         by the team's first member, as checkpoints hold it; after it, in slices again.
 
         Collective: every rank must enter and leave it together (saving and loading a
-        checkpoint do).
+        checkpoint do). A failure of the latest step, which the next step would raise, is raised
+        first: a checkpoint never holds a failed step's state (`deferred.settle`).
         """
+        deferred.settle()
         self.gather_team_state()
         try:
             yield
