@@ -48,6 +48,7 @@ __all__ = [
     "align_compiled_param_names",
     "detached_from_trainer",
     "check_option_values_with",
+    "data_version",
     "foreach_add_",
     "foreach_addcdiv_",
     "foreach_addcmul_",
@@ -101,6 +102,14 @@ def use_count(tensor: Tensor) -> int:
     Public alternative: none (Python's ``sys.getrefcount`` sees the Python object only).
     """
     return tensor._use_count()
+
+
+def data_version(tensor: Tensor) -> int:
+    """The count of in-place changes of ``tensor``'s data (autograd's version counter).
+
+    Public alternative: none.
+    """
+    return tensor._version
 
 
 #: One kernel launch per operation over lists of tensors, as torch.optim's ``foreach``

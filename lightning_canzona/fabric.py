@@ -50,6 +50,7 @@ from lightning_canzona.config import PlanConfig
 from lightning_canzona.distributed.clipping import clip_grad_norm_
 from lightning_canzona.launcher import FabricInProcessLauncher, report_failures_briefly
 from lightning_canzona.mesh import MeshShape, choose_mesh
+from lightning_canzona.optim import MatrixOptimizer
 from lightning_canzona.precision import check_precision, mixed_precision_policy
 
 #: Builds the parallel model from the module and the ``(data_parallel, tensor_parallel)`` mesh.
@@ -109,6 +110,7 @@ class CanzonaFabricStrategy(ModelParallelStrategy):
         self._module: nn.Module | None = None
         #: Trainable parameters that are not DTensors, whose gradients the strategy synchronises.
         self._plain_parameters: list[tuple[str, nn.Parameter]] = []
+        self._read_checks_now = False
         self._gradient_sync_blocked = False
         self._backward_sync_control = _NoBackwardSync(self)
 
@@ -185,9 +187,12 @@ class CanzonaFabricStrategy(ModelParallelStrategy):
                 "Set up the model before its optimizers: model = fabric.setup_module(model), then "
                 "fabric.setup_optimizers(optimizer) — or fabric.setup(model, optimizer)."
             )
-        return preparation.bind_and_describe(
+        bound = preparation.bind_and_describe(
             optimizer, self._module, self.plan_config, schedulers, type(self).__name__
         )
+        # Another optimizer's step would not read the checks that wait for a step (`deferred`).
+        self._read_checks_now |= not isinstance(bound, MatrixOptimizer)
+        return bound
 
     def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         """Fabric's backward, then the gradients of parameters that are not DTensors averaged over
@@ -195,7 +200,7 @@ class CanzonaFabricStrategy(ModelParallelStrategy):
         super().backward(tensor, module, *args, **kwargs)
         if self._plain_parameters and self.world_size > 1 and not self._gradient_sync_blocked:
             preparation.synchronise_unsharded(
-                self._plain_parameters, self.device_mesh["data_parallel"].get_group()
+                self._plain_parameters, self.device_mesh["data_parallel"].get_group(), self._read_checks_now
             )
 
     def clip_gradients_norm(

@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from lightning_canzona.config import PlanConfig
+from lightning_canzona.distributed import deferred
 from lightning_canzona.distributed.replicas import average_gradients, check_gradients_agree
 from lightning_canzona.optim import MatrixOptimizer
 from lightning_canzona.optim.binding import bind_optimizer
@@ -61,11 +62,17 @@ def unsharded_parameters(module: nn.Module, world_size: int) -> NamedParameters:
     return named
 
 
-def synchronise_unsharded(named: NamedParameters, group: dist.ProcessGroup) -> None:
+def synchronise_unsharded(named: NamedParameters, group: dist.ProcessGroup, read_now: bool = False) -> None:
     """Average the gradients of ``named`` over the data-parallel ``group`` and check that they
-    agree on every rank (`lightning_canzona.distributed.replicas`)."""
+    agree on every rank (`lightning_canzona.distributed.replicas`).
+
+    What the device knows of them waits for the optimizer step's agreement on gradients, unless
+    ``read_now``: where the step is not a lightning_canzona optimizer's, which would not read it.
+    """
     average_gradients([param for _, param in named], group)
     check_gradients_agree(named)
+    if read_now:
+        deferred.settle()
 
 
 @contextmanager

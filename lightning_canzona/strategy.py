@@ -69,6 +69,7 @@ from lightning_canzona.compat import (
 )
 from lightning_canzona.composition import compose
 from lightning_canzona.config import PlanConfig
+from lightning_canzona.distributed import deferred
 from lightning_canzona.launcher import InProcessLauncher, ScriptLauncher, report_failures_briefly
 from lightning_canzona.mesh import MeshShape, choose_mesh
 from lightning_canzona.metrics import prepare_metrics
@@ -264,7 +265,14 @@ class CanzonaStrategy(ModelParallelStrategy):
         super().post_backward(closure_loss)
         if not self._plain_parameters or self.world_size == 1 or self._gradient_sync_blocked:
             return
-        synchronise_unsharded(self._plain_parameters, self.device_mesh["data_parallel"].get_group())
+        read_now = not all(isinstance(optimizer, MatrixOptimizer) for optimizer in self.optimizers)
+        synchronise_unsharded(self._plain_parameters, self.device_mesh["data_parallel"].get_group(), read_now)
+
+    def on_train_end(self) -> None:
+        """A failure of the last optimizer step, which no next step will raise, is raised here on
+        every rank (`lightning_canzona.distributed.deferred`)."""
+        super().on_train_end()
+        deferred.settle()
 
     def setup_precision_plugin(self) -> None:
         super().setup_precision_plugin()

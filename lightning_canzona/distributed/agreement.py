@@ -1,7 +1,7 @@
 """Elementwise sums and maxima over ranks, in the fewest rounds of messages the backend allows.
 
-Every step agrees twice on small tensors of flags (`gradients`, `failures`), a maximum, and
-teams sum Gram matrices of a few hundred KiB every Newton–Schulz iteration (`teams`). NCCL's
+Every step agrees once on a small tensor of flags (`gradients`, with the `deferred` checks), a
+maximum, and teams sum Gram matrices of a few hundred KiB every Newton–Schulz iteration (`teams`). NCCL's
 all-reduce of such a tensor is one latency-bound round. gloo's is a ring: ``2·(w − 1)`` rounds,
 each a hand-off between processes, which on CPU ranks that share cores waits for the scheduler
 every time. There one all-to-all, in which every rank sends its tensor to every other and

@@ -4,10 +4,17 @@
 DTensors live on different meshes (a 2-D DP×TP mesh for the blocks, a 1-D DP mesh for the
 embedding): DTensor refuses to mix them. Here each mesh's norm is reduced on its own mesh, and the
 per-mesh norms, now plain tensors, are combined.
+
+Clipping adds no read of the device: the norm stays a tensor, the factor is clamped on the
+device and multiplies every gradient in one ``torch._foreach_mul_``. The ranks' agreement on the
+gradients, which clipping needs first, is the optimizer step's one read, made here and taken over
+by the step (`lightning_canzona.distributed.gradients`); it also tells, on the host, whether the
+norm can be non-finite.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 
@@ -15,18 +22,63 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lightning_canzona.distributed.gradients import agree_on_gradients
+from lightning_canzona.compat import foreach_mul_
+from lightning_canzona.distributed import deferred
+from lightning_canzona.distributed.gradients import Agreement, agree, keep_agreement
 
 
 def total_grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0) -> Tensor:
-    """The ``norm_type``-norm of all gradients together, as a plain tensor on every rank.
+    """The ``norm_type``-norm of all gradients together, as a plain tensor on every rank's device.
 
-    The ranks first agree on the gradients (`agree_on_gradients`), so that every rank takes
-    part in the same per-mesh reductions even where its own gradient is ``None`` or laid out
-    differently.
+    The ranks first agree on the gradients (`agree`), so that every rank takes part in the same
+    per-mesh reductions even where its own gradient is ``None`` or laid out differently.
     """
     parameters = list(parameters)
-    agree_on_gradients([(f"parameters[{i}]", p) for i, p in enumerate(parameters)], check_finite=False)
+    _agree(parameters)
+    return _norm(parameters, norm_type)
+
+
+def clip_grad_norm_(
+    parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+) -> Tensor:
+    """Scale all gradients so that their total norm is at most ``max_norm``; return the norm.
+
+    As ``torch.nn.utils.clip_grad_norm_``: the factor ``max_norm / (norm + 1e-6)``, at most 1,
+    multiplies every gradient; a NaN norm leaves them as they are.
+
+    Raises:
+        RuntimeError: ``error_if_nonfinite`` and the norm is NaN or infinite (on every rank: the
+            norm is agreed), before any gradient changes, as ``torch.nn.utils.clip_grad_norm_``.
+            Where the agreement on the gradients cannot foresee it (a norm of another order than
+            2 that overflows, or squares that overflow only once summed over the ranks), the
+            gradients are left as they are and the error comes with the next agreement.
+    """
+    parameters = list(parameters)
+    agreement = _agree(parameters)
+    total = _norm(parameters, norm_type)
+    coefficient = max_norm / (total + 1e-6)
+    clips = coefficient < 1.0  # False for a NaN norm: nothing is clipped
+    if error_if_nonfinite:
+        if any(agreement.non_finite) or (norm_type == 2.0 and any(agreement.overflows)):
+            raise RuntimeError(_non_finite(norm_type, float(total)))  # failing anyway: the read is free
+        # What the agreement cannot foresee (another order's overflow, squares that overflow
+        # only summed over ranks): nothing is clipped, and the next agreement raises.
+        finite = torch.isfinite(total)
+        clips &= finite
+        deferred.defer(~finite, functools.partial(_raise_if_non_finite, norm_type))
+    grads = [_local(p.grad) for p in parameters if p.grad is not None]
+    if grads:
+        foreach_mul_(grads, torch.where(clips, coefficient, 1.0))
+        keep_agreement()  # scaled by a factor in [0, 1]: what the ranks agreed on still holds
+    return total
+
+
+def _agree(parameters: list[Tensor]) -> Agreement:
+    return agree([(f"parameters[{i}]", p) for i, p in enumerate(parameters)])
+
+
+def _norm(parameters: list[Tensor], norm_type: float) -> Tensor:
+    """The norm of the agreed gradients of ``parameters``, each mesh's reduced on its mesh."""
     by_mesh: dict[object, list[Tensor]] = {}
     for param in parameters:
         if param.grad is not None:
@@ -36,30 +88,23 @@ def total_grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0) -> Ten
         norm = torch.nn.utils.get_total_norm(grads, norm_type)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     if not norms:
-        return torch.tensor(0.0)
-    stacked = torch.stack([norm.float().cpu() for norm in norms])
+        device = _local(parameters[0]).device if parameters else None
+        return torch.zeros((), device=device)
+    stacked = torch.stack([norm.float().to(norms[0].device) for norm in norms])
     return stacked.max() if math.isinf(norm_type) else stacked.pow(norm_type).sum().pow(1.0 / norm_type)
 
 
-def clip_grad_norm_(
-    parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
-) -> Tensor:
-    """Scale all gradients so that their total norm is at most ``max_norm``; return the norm.
+def _non_finite(norm_type: float, total: float | str) -> str:
+    return (
+        f"The total norm of order {norm_type} of the gradients is non-finite ({total}): "
+        "nothing was clipped. Pass error_if_nonfinite=False to clip anyway."
+    )
 
-    Raises:
-        RuntimeError: ``error_if_nonfinite`` and the norm is NaN or infinite (on every rank: the
-            norm is agreed), before any gradient changes, as ``torch.nn.utils.clip_grad_norm_``.
-    """
-    parameters = list(parameters)
-    total = total_grad_norm(parameters, norm_type)
-    if error_if_nonfinite and not torch.isfinite(total):
-        raise RuntimeError(
-            f"The total norm of order {norm_type} of the gradients is non-finite ({float(total)}): "
-            "nothing was clipped. Pass error_if_nonfinite=False to clip anyway."
-        )
-    coefficient = float(max_norm) / (float(total) + 1e-6)
-    if coefficient < 1.0:
-        for param in parameters:
-            if param.grad is not None:
-                param.grad.mul_(coefficient)
-    return total
+
+def _raise_if_non_finite(norm_type: float, flags: list[float]) -> None:
+    if flags[0]:
+        raise RuntimeError(_non_finite(norm_type, "nan or inf"))
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

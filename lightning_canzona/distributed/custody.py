@@ -23,6 +23,7 @@ from lightning_canzona.distributed.items import PlannedMatrices
 from lightning_canzona.distributed.team_collectives import joined_state, member_state
 from lightning_canzona.distributed.updates import member_prefix
 from lightning_canzona.geometry import long_dim
+from lightning_canzona.rules import counters
 from lightning_canzona.rules.base import MatrixRule, State
 from lightning_canzona.rules.kronecker import FAILURES
 
@@ -68,7 +69,8 @@ class MatrixStateCustody:
         planned = self.planned
         item, param = planned.items[index], planned.entry_of(index).param
         held = self.state.get(param, {})
-        mine = {key: held.pop(key) for key in self.state_keys(index)}
+        # Counters travel as the tensors a state dict holds, and are numbers again on arrival.
+        mine = counters.saved({key: held.pop(key) for key in self.state_keys(index)})
         parts = []
         for source in (0,) if old is None else old:
             source_rank = dist.get_global_rank(planned.group, source)
@@ -80,7 +82,11 @@ class MatrixStateCustody:
         whole = parts[0] if len(parts) == 1 else joined_state(parts, sliced, item.layout.shape)
         if new is not None and len(new) > 1:
             whole = member_state(whole, sliced, item.layout.shape, new.index(planned.rank), len(new))
-        self.state.setdefault(param, {}).update({key: value.to(param.device) for key, value in whole.items()})
+        moved = {
+            key: value.to(param.device) if isinstance(value, Tensor) else value
+            for key, value in counters.running(whole).items()
+        }
+        self.state.setdefault(param, {}).update(moved)
 
     def state_keys(self, index: int) -> list[str]:
         """The keys of item ``index``'s matrix state in its parameter's state: all of it, or

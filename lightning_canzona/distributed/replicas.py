@@ -7,17 +7,22 @@ module's ``forward`` that would run FSDP2's hooks) would otherwise step with eac
 gradient, and its replicas would drift apart without a word. So, after each synchronising
 backward: its gradient is averaged over the data-parallel group, as FSDP2 does, and one agreement
 on a maximum over all ranks checks that every rank now holds the same gradient, which catches a
-plain parameter whose gradient tensor parallelism splits across ranks.
+plain parameter whose gradient tensor parallelism splits across ranks. Neither reads the device:
+what the device knows (which parameters had a gradient, which differ) waits for the next
+agreement on gradients, at the latest the optimizer step's, which reads it with its own flags
+before anything uses the gradients (`deferred`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_canzona.distributed import deferred
 from lightning_canzona.distributed.agreement import agree_on_maximum
 from lightning_canzona.distributed.inflight import wait_for
 
@@ -29,25 +34,35 @@ RELATIVE_TOLERANCE = 1e-4
 def average_gradients(params: Sequence[Tensor], group: dist.ProcessGroup) -> None:
     """Average the gradients of ``params`` over ``group`` with one ``all_reduce``.
 
-    A rank without a gradient adds zeros, as under FSDP2; a parameter without a gradient on every
-    rank keeps ``None``.
+    A rank without a gradient adds zeros, as under FSDP2. Every rank gets the average, and a
+    parameter without a gradient on every rank of ``group`` drops it again (``None``) once the
+    device says so: at the next agreement on gradients (`deferred`), which reads it with its own
+    flags, before anything reads the gradient.
     """
     if not params:
         return
     device = params[0].device
     pieces = [(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().float() for p in params]
-    presence = torch.tensor([float(p.grad is not None) for p in params], device=device)
-    flat = torch.cat([*pieces, presence])
+    held = [p.grad is not None for p in params]
+    presence = torch.ones(len(params), device=device) if all(held) else torch.tensor(held, device=device)
+    flat = torch.cat([*pieces, presence.float()])
     wait_for(dist.all_reduce, flat, group=group)
     flat /= dist.get_world_size(group)
     averaged = flat[: -len(params)].split([p.numel() for p in params])
-    for param, value, present in zip(params, averaged, flat[-len(params) :].tolist()):
-        if present:
-            param.grad = value.view_as(param).to(param.dtype)
+    for param, value in zip(params, averaged):
+        param.grad = value.view_as(param).to(param.dtype)
+    deferred.defer(flat[-len(params) :], functools.partial(_drop_absent, list(params)))
+
+
+def _drop_absent(params: list[Tensor], presence: list[float]) -> None:
+    for param, present in zip(params, presence):
+        if not present:
+            param.grad = None
 
 
 def check_gradients_agree(named: Sequence[tuple[str, Tensor]]) -> None:
-    """Raise on every rank, naming them, when ranks hold different gradients of ``named``.
+    """Raise on every rank, naming them, when ranks hold different gradients of ``named``, at the
+    next agreement on gradients (`deferred`: the check reads nothing itself).
 
     One agreement on the maximum (`agreement.agree_on_maximum`) over all ranks of each
     gradient's presence, sum and sum of absolute values, and of their negatives. Sums may
@@ -68,11 +83,15 @@ def check_gradients_agree(named: Sequence[tuple[str, Tensor]]) -> None:
     largest, smallest = extremes[: len(named)], -extremes[len(named) :]
     spread = largest - smallest
     scale = largest[:, 2:3]
-    differ = ((spread[:, 0] > 0) | (spread[:, 1:] > RELATIVE_TOLERANCE * scale).any(dim=1)).tolist()
-    names = [name for (name, _), bad in zip(named, differ) if bad]
-    if names:
+    differ = (spread[:, 0] > 0) | (spread[:, 1:] > RELATIVE_TOLERANCE * scale).any(dim=1)
+    deferred.defer(differ, functools.partial(_raise_if_differ, [name for name, _ in named]))
+
+
+def _raise_if_differ(names: list[str], differ: list[float]) -> None:
+    differing = [name for name, flag in zip(names, differ) if flag]
+    if differing:
         raise RuntimeError(
-            f"The gradients of the plain (non-DTensor) parameters {names} differ across ranks after "
+            f"The gradients of the plain (non-DTensor) parameters {differing} differ across ranks after "
             "averaging over data parallelism, so tensor-parallel ranks would update their replicas "
             "differently. Shard them with the tensor-parallel plan, or make them DTensors whose "
             "gradients are reduced over the tensor-parallel mesh."

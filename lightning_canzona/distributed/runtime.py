@@ -295,13 +295,13 @@ class MicroGroupStep:
             runs.append(TeamRun(team, start, stacked, state))
             batched.append(members)
             states.append(state)
-        failures = [int(state.get(FAILURES, 0)) for state in states]
+        failures = [state.get(FAILURES, 0) for state in states]
         results, collectives = run_teams(runs, run.team_groups, run.attempt, lambda: run.failure is not None)
         for members, result, state, before in zip(batched, results, states, failures):
             parts = [result] if len(members) == 1 else list(result.unbind(0))
             self.directions.update(zip(members, (run.meter.track(part) for part in parts)))
             run.stats.team_matrices += len(members)
-            run.stats.decomposition_failures += int(state.get(FAILURES, 0)) - before
+            run.stats.decomposition_failures += state.get(FAILURES, 0) - before
             if state:
                 self._store_member_state(members[0], state)
         run.stats.team_collectives += collectives
@@ -347,13 +347,13 @@ class MicroGroupStep:
         (m,), (matrix,) = members, matrices
         item = self.run.planned.items[m]
         param_state = self.run.state[self.run.planned.entries[item.entry].param]
-        failures = int(param_state.get(FAILURES, 0))
+        failures = param_state.get(FAILURES, 0)
         if item.member is None:
             direction = self._rule(m).direction(matrix, param_state)
         else:
             direction = member_direction(self._rule(m), matrix, param_state, item.member)
         stats.matrices_computed += 1
-        stats.decomposition_failures += int(param_state.get(FAILURES, 0)) - failures
+        stats.decomposition_failures += param_state.get(FAILURES, 0) - failures
         return [self.run.meter.track(direction)]
 
     def launch_scatter(self) -> None:

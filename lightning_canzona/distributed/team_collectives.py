@@ -66,8 +66,8 @@ class TeamRun:
         start: Starts the computation on an input (the member's slices) and the member's state.
         input: The member's slices.
         state: The member's matrix state of the matrix (empty for a rule without).
-        counters: The state's one-element tensors (step counts) as the computation started:
-            they decide its rounds, so a restart on zeros must begin from them.
+        counters: The state's counters (Python numbers: step counts) as the computation
+            started: they decide its rounds, so a restart on zeros must begin from them.
         computation: The running computation (``None`` before the first round).
         answered: Rounds answered so far.
         on_zeros: The computation failed on this rank and runs on zeros since.
@@ -139,7 +139,8 @@ def _advance(
     if not run.on_zeros:
         # Fast-forward the same computation on zeros to where the run failed: replies of the
         # right shapes are all it needs (their values no longer matter).
-        scratch = {key: value.clone() for key, value in {**run.state, **run.counters}.items()}
+        tensors = {key: value.clone() for key, value in run.state.items() if isinstance(value, Tensor)}
+        scratch = {**tensors, **run.counters}
         run.on_zeros, run.computation = True, run.start(torch.zeros_like(run.input), scratch)
         round_ = next(run.computation)
         for _ in range(run.answered):
@@ -152,7 +153,7 @@ def _advance(
 def _send(run: TeamRun, reply: tuple[Tensor, ...] | None) -> Round | Tensor:
     try:
         if run.computation is None:
-            run.counters = {key: value.clone() for key, value in run.state.items() if value.numel() == 1}
+            run.counters = {key: value for key, value in run.state.items() if not isinstance(value, Tensor)}
             run.computation = run.start(run.input, run.state)
             return next(run.computation)
         return run.computation.send(reply)  # type: ignore[arg-type]
@@ -251,7 +252,7 @@ def member_state(
         for key, value in whole.items()
     }
     if member > 0 and FAILURES in part:
-        part[FAILURES] = torch.zeros_like(part[FAILURES])
+        part[FAILURES] = 0
     return part
 
 
@@ -265,6 +266,5 @@ def joined_state(parts: Sequence[State], sliced: Collection[str], shape: Sequenc
         for key, value in parts[0].items()
     }
     if FAILURES in whole:
-        counts = (part[FAILURES].to(whole[FAILURES].device) for part in parts[1:])
-        whole[FAILURES] = sum(counts, whole[FAILURES])
+        whole[FAILURES] = sum(part.get(FAILURES, 0) for part in parts)
     return whole

@@ -59,11 +59,12 @@ def step_adamw(
     params: Sequence[Tensor], names: Sequence[str], state: dict[Tensor, State], group: dict[str, Any]
 ) -> None:
     """One AdamW step of this rank's parts of ``params`` (named ``names``), all of ``group``."""
-    states = []
+    param_states, states = [], []
     for param in params:
         param_state = state.setdefault(param, {})
         if not param_state:
             param_state.update(init_adamw_state(param))
+        param_states.append(param_state)
         states.append(_local_state(param_state))
     targets = [local_tensor(param) for param in params]
     with _written(group, targets, [shard_key(p, n) for p, n in zip(params, names)]) as written:
@@ -76,6 +77,8 @@ def step_adamw(
             eps=group["eps"],
             weight_decay=group["weight_decay"],
         )
+    for param_state, counted in zip(param_states, states):
+        param_state["step"] = counted["step"]  # a number: the local view holds its own
 
 
 def prepare_matrices(

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_canzona.config import PlanConfig
+from lightning_canzona.distributed import deferred
 from lightning_canzona.distributed.custody import MatrixStateCustody
 from lightning_canzona.distributed.engine import MeshEngine, mesh_process_group
 from lightning_canzona.distributed.failures import raise_on_every_rank
@@ -36,6 +37,7 @@ from lightning_canzona.distributed.prices import flops_weights, priced
 from lightning_canzona.distributed.updates import apply_matrices, full_direction, prepare_matrices, step_adamw
 from lightning_canzona.planning import Plan, PlanSettings
 from lightning_canzona.qk_clip.settings import QKClip
+from lightning_canzona.rules import counters
 from lightning_canzona.rules.adamw import ALGORITHM as ADAMW
 from lightning_canzona.rules.base import MatrixRule
 from lightning_canzona.rules.blocks import RowBlockRule, RowBlocks, as_row_blocks, row_block_sizes
@@ -83,7 +85,8 @@ class MatrixOptimizer(Optimizer):
         adamw_eps: AdamW's ε.
         adamw_weight_decay: AdamW's decoupled weight decay; ``None`` takes ``weight_decay``.
         check_finite: Raise `FloatingPointError` naming the parameter when a gradient holds
-            NaN or Inf, instead of writing it into the weights. Costs one host sync per step.
+            NaN or Inf, instead of writing it into the weights. Costs a fused norm of the
+            gradients per step, read with the step's one host sync.
         stochastic_rounding: Write each step into bf16 parameters rounded up or down at random
             (unbiased), from a float32 computation of the decay and the step, instead of
             rounding each operation to nearest as ``torch.optim`` does: bf16 weights then follow
@@ -278,8 +281,11 @@ class MatrixOptimizer(Optimizer):
         """One optimization step; ``closure`` re-evaluates the loss with gradients enabled.
 
         Every gradient is checked on every rank before any parameter changes (see
-        `lightning_canzona.distributed.gradients`); an error in the step's own work is raised on
-        every rank once the step's collectives are done.
+        `lightning_canzona.distributed.gradients`): the step's one read of the device. An error
+        in the step's own work on some rank lets the step's collectives finish and is raised on
+        every rank by the next agreement on gradients, before the next step (or clipping)
+        changes anything, or before a checkpoint is written (`lightning_canzona.distributed.failures`);
+        in a single process, at once.
         """
         if self.qk_clip is not None and self.qk_clip_runtime is None:  # the same on every rank
             raise RuntimeError(
@@ -351,11 +357,12 @@ class MatrixOptimizer(Optimizer):
         }
 
     def owner_held_state(self) -> list[tuple[Tensor, dict[str, Tensor]]]:
-        """``(param, matrix state)`` of every matrix this rank owns (empty under ``sync``)."""
+        """``(param, matrix state)`` of every matrix this rank owns (empty under ``sync``), as a
+        state dict holds it (counters as tensors: `lightning_canzona.rules.counters`)."""
         held = []
         for engine, custody in self._custodies():
             for index, matrix_state in custody.owned().items():
-                held.append((engine.entries[index].param, matrix_state))
+                held.append((engine.entries[index].param, counters.saved(matrix_state)))
         return held
 
     @contextlib.contextmanager
@@ -364,8 +371,10 @@ class MatrixOptimizer(Optimizer):
         by the team's first member, as checkpoints hold it; after it, in slices again.
 
         Collective: every rank must enter and leave it together (saving and loading a
-        checkpoint do).
+        checkpoint do). A failure of the latest step, which the next step would raise, is raised
+        first: a checkpoint never holds a failed step's state (`deferred.settle`).
         """
+        deferred.settle()
         self.gather_team_state()
         try:
             yield
@@ -435,13 +444,32 @@ class MatrixOptimizer(Optimizer):
             self.engines[mesh] = MeshEngine(mesh, settings, overlap, batch, weights or {})
         return self.engines[mesh]
 
+    def state_dict(self) -> dict[str, Any]:
+        """``torch.optim.Optimizer.state_dict``, with each counter a 0-dim tensor, as checkpoints
+        have always held them (the running state holds Python numbers:
+        `lightning_canzona.rules.counters`)."""
+        state_dict = super().state_dict()
+        state_dict["state"] = {key: counters.saved(state) for key, state in state_dict["state"].items()}
+        return state_dict
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load state, keeping each state tensor in the dtype it was saved with.
+        """Load state, keeping each state tensor in the dtype it was saved with, and each counter
+        a Python number on the host.
 
         ``torch.optim.Optimizer`` casts floating-point state to the parameter's dtype, which would
-        truncate float32 Kronecker factors and eigenbases of bf16 parameters.
+        truncate float32 Kronecker factors and eigenbases of bf16 parameters, and moves every
+        tensor but ``"step"`` to the parameter's device, where every read of a counter would wait
+        for it.
         """
         super().load_state_dict(state_dict)
+        # Each counter from the state dict's (host) tensor, its parameter found as torch finds
+        # it: by the order of the groups' parameters (ids, or names from torch.distributed.checkpoint).
+        saved_ids = (key for group in state_dict["param_groups"] for key in group["params"])
+        params = (param for group in self.param_groups for param in group["params"])
+        for key, param in zip(saved_ids, params):
+            for name, saved in state_dict["state"].get(key, {}).items():
+                if counters.is_counter(name):
+                    self.state[param][name] = counters.number(saved)
         for group in self.param_groups:  # a setting added since the save takes its default
             defaults = self.adamw_defaults if group.get("algorithm") == ADAMW else self.defaults
             for key, value in defaults.items():

@@ -29,9 +29,9 @@ ALGORITHM = "adamw"
 
 
 def init_adamw_state(param: Tensor) -> State:
-    """Step counter (on the host, so reading it never syncs a device) and both moments."""
+    """Step counter (a Python number: see `lightning_canzona.rules.counters`) and both moments."""
     return {
-        "step": torch.zeros((), dtype=torch.float32),
+        "step": 0.0,
         "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
         "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
     }
@@ -47,7 +47,8 @@ def adamw_step(
     eps: float,
     weight_decay: float,
 ) -> None:
-    """One AdamW step of each of ``params`` in place (one param group's hyperparameters).
+    """One AdamW step of each of ``params`` in place (one param group's hyperparameters); counts
+    the step in each of ``states``.
 
     The operations are ``torch.optim.AdamW``'s single-tensor ones, in the same order, each applied
     to all the tensors by one ``torch._foreach_*`` call: one kernel launch per operation instead
@@ -57,15 +58,16 @@ def adamw_step(
     if not params:
         return
     beta1, beta2 = betas
-    steps = [state["step"] for state in states]
-    foreach_add_(steps, 1)
+    counts = []
+    for state in states:
+        state["step"] += 1
+        counts.append(state["step"])
     exp_avgs = [state["exp_avg"] for state in states]
     exp_avg_sqs = [state["exp_avg_sq"] for state in states]
     scale_(params, 1.0 - lr * weight_decay)
     foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
     scale_(exp_avg_sqs, beta2)
     foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
-    counts = [float(step) for step in steps]  # host tensors: reading them never syncs a device
     denominators = foreach_sqrt(exp_avg_sqs)
     foreach_div_(denominators, [(1.0 - beta2**count) ** 0.5 for count in counts])
     foreach_add_(denominators, eps)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -52,7 +53,8 @@ def init_state(
 ) -> State:
     """Owner-held state of a Kronecker-factored rule, all float32 and batched like ``shape``.
 
-    A step counter and a count of failed decompositions (on the host), the two moments (of
+    A step counter and a count of failed decompositions (Python numbers: see
+    `lightning_canzona.rules.counters`), the two moments (of
     ``moments_shape``, a team member's slice, if given), and for each preconditioned side its
     factor (``"left"``, ``"right"``) and the factor's companion (``"left_<companion>"``: an
     inverse root for Shampoo, an eigenbasis for SOAP), starting as the identity, which is also
@@ -61,8 +63,8 @@ def init_state(
     full = dict(device=device, dtype=torch.float32)
     moments_shape = tuple(shape if moments_shape is None else moments_shape)
     state = {
-        "step": torch.zeros((), dtype=torch.int64),
-        FAILURES: torch.zeros((), dtype=torch.int64),
+        "step": 0,
+        FAILURES: 0,
         "exp_avg": torch.zeros(moments_shape, **full),
         "exp_avg_sq": torch.zeros(moments_shape, **full),
     }
@@ -126,7 +128,7 @@ def decompose(
             return
     if fallback is not None:
         state[key].copy_(fallback)
-    state.setdefault(FAILURES, torch.zeros((), dtype=torch.int64)).add_(1)
+    state[FAILURES] = state.get(FAILURES, 0) + 1
     warnings.warn(
         f"The decomposition for {key!r} (shape {tuple(state[key].shape)}) failed; the previous one "
         "is kept (tried in float32, then float64). Counted in telemetry as decomposition failures.",
@@ -268,18 +270,34 @@ def oriented(
 
     Where a team slices the columns (`geometry.long_dim`), the transposed slice is worked
     on: the left factor of ``Gᵀ`` is the right factor of ``G``, so the sides' keys swap, and the
-    ``sliced`` tensors are transposed views (updates write through to the state). In the
-    oriented view a left factor, where present, is the member's rows of it.
+    ``sliced`` tensors are transposed views (updates write through to the state, and so does
+    what is set in the view: a counter). In the oriented view a left factor, where present, is
+    the member's rows of it.
     """
     if long_dim(shape) == len(shape) - 2:
         return matrix, state
     swapped = {"left": "right", "right": "left"}
-    view = {}
-    for key, value in state.items():
+    names = {}
+    for key in state:
         side = key.split("_")[0]
-        turned = value.mT if key in sliced else value
-        view[swapped[side] + key[len(side) :] if side in swapped else key] = turned
-    return matrix.mT, view
+        names[swapped[side] + key[len(side) :] if side in swapped else key] = key
+    return matrix.mT, _Turned(state, names, frozenset(sliced))
+
+
+class _Turned(dict):
+    """``state`` seen under the view's ``names`` (view key → state key), its ``sliced`` tensors
+    transposed; setting a key sets the state's, turned back (see `oriented`)."""
+
+    def __init__(self, state: State, names: dict[str, str], sliced: frozenset[str]) -> None:
+        super().__init__(
+            (view, state[key].mT if key in sliced else state[key]) for view, key in names.items()
+        )
+        self._state, self._names, self._sliced = state, names, sliced
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        super().__setitem__(key, value)
+        name = self._names.setdefault(key, key)
+        self._state[name] = value.mT if name in self._sliced else value
 
 
 def unoriented(direction: Tensor, shape: Sequence[int]) -> Tensor:
@@ -364,8 +382,9 @@ def shared_decompositions(
         rows = {"left": TeamRows(state["left"], sizes), left: TeamRows(state[left], sizes)}
         whole = yield from combined(rows)
         if member == 0:
-            whole[FAILURES] = state.setdefault(FAILURES, torch.zeros((), dtype=torch.int64))
+            whole[FAILURES] = state.get(FAILURES, 0)
             decompose(whole, "left")
+            state[FAILURES] = whole[FAILURES]
         results[left] = from_member(whole[left], 0, member)
     shared = yield from combined(results)
     offset = sum(sizes[:member])

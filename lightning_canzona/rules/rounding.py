@@ -43,7 +43,7 @@ def scale_(tensors: Sequence[Tensor], factor: float) -> None:
     if not tensors:
         return
     if tensors[0].device.type == "cpu":
-        foreach_mul_(list(tensors), torch.tensor(factor, dtype=torch.float64))
+        foreach_mul_(list(tensors), torch.full((), factor, dtype=torch.float64))
     else:
         foreach_mul_(list(tensors), factor)
 

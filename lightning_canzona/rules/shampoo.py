@@ -142,7 +142,7 @@ class ShampooRule(MatrixRule):
         """Count the step and update both moments: the step, ``M̂`` and the Adam direction."""
         beta1, beta2 = self.betas
         state["step"] += 1
-        step = int(state["step"])
+        step = state["step"]
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
         exp_avg.lerp_(grad, 1.0 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)

@@ -186,7 +186,7 @@ class SOAPRule(MatrixRule):
     @ieee_float32_products
     def direction(self, matrix: Tensor, state: State) -> Tensor:
         state["step"] += 1
-        step = int(state["step"])
+        step = state["step"]
         grad = matrix.float()
         direction = torch.zeros_like(grad)
         if step > 1:
@@ -212,7 +212,7 @@ class SOAPRule(MatrixRule):
         sizes = split_sizes(shape[long_dim(shape)], size)
         rows = slice(sum(sizes[:member]), sum(sizes[: member + 1]))
         state["step"] += 1
-        step = int(state["step"])
+        step = state["step"]
         if step > 1:
             state["exp_avg"].lerp_(grad, 1.0 - self.betas[0])
         requests = kronecker.factor_requests(grad, state, sizes)
@@ -262,8 +262,7 @@ class SOAPRule(MatrixRule):
             basis = state["left_basis"].clone()
             order = torch.zeros(basis.shape[-1], dtype=torch.float32, device=basis.device)
             if member == 0:  # as one rank: on a whole factor, basis and second moment (a copy)
-                failures = state.setdefault(FAILURES, torch.zeros((), dtype=torch.int64))
-                work = {"left": whole["left"], "left_basis": basis, FAILURES: failures}
+                work = {"left": whole["left"], "left_basis": basis, FAILURES: state.get(FAILURES, 0)}
                 if first:
                     _first_basis(work, "left")
                 else:
@@ -271,6 +270,7 @@ class SOAPRule(MatrixRule):
                     reordered, indices = _reordered_basis(work, "left")
                     _refreshed_basis(work, "left", reordered)
                     order = indices.to(order.dtype)
+                state[FAILURES] = work[FAILURES]
             shared["left_basis"] = kronecker.from_member(basis, 0, member)
             if not first:
                 shared["order"] = kronecker.from_member(order, 0, member)  # integers: exact

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 import lightning_canzona as lc
 from lightning_canzona.distributed.clipping import total_grad_norm
+from lightning_canzona.distributed.gradients import agree_on_gradients
 from lightning_canzona.distributed.replicas import average_gradients, check_gradients_agree
 from lightning_canzona.rules.muon import MuonRule
 
@@ -68,8 +69,10 @@ def _one_rank_fails(rank: int, world_size: int) -> None:
     _expect_everywhere(FloatingPointError, r"parameter 'plain' \(shape \(6, 5\)\) holds NaN", optimizer.step)
     assert all(torch.equal(a, b) for a, b in zip(_snapshot(params), before))
 
-    # An exception inside the pipeline on one owner: the others finish the step's collectives
-    # and every rank raises the same error, the failed rank with its own as the cause.
+    # An exception inside the pipeline on one owner: the others finish the step's collectives,
+    # and the next step's agreement on gradients (the step's one read of the device) raises the
+    # same error on every rank, the failed rank with its own as the cause, before it changes
+    # anything.
     plain.grad = torch.ones_like(plain)
     direction = MuonRule.direction
 
@@ -78,16 +81,32 @@ def _one_rank_fails(rank: int, world_size: int) -> None:
 
     MuonRule.direction = failing_direction if rank == last else direction
     try:
-        raised = _expect_everywhere(
-            RuntimeError,
-            rf"Muon.step failed on rank {last}: OutOfMemoryError\('injected on the last rank'\)\. "
-            "Every rank stopped here",
-            optimizer.step,
-        )
+        optimizer.step()
     finally:
         MuonRule.direction = direction
+    before = _snapshot(params)
+    raised = _expect_everywhere(
+        RuntimeError,
+        rf"Muon.step failed on rank {last}: OutOfMemoryError\('injected on the last rank'\)\. "
+        "Every rank stopped before changing anything else",
+        optimizer.step,
+    )
     assert isinstance(raised.value.__cause__, torch.OutOfMemoryError) == (rank == last)
+    assert all(torch.equal(a, b) for a, b in zip(_snapshot(params), before))
     optimizer.step()  # the next step runs normally
+
+    # A failed step that no step follows is raised before a checkpoint takes its state.
+    MuonRule.direction = failing_direction if rank == last else direction
+    try:
+        optimizer.step()
+    finally:
+        MuonRule.direction = direction
+
+    def save() -> None:
+        with optimizer.whole_team_state():  # what saving a checkpoint enters first
+            raise AssertionError("a failed step's state reached a checkpoint")
+
+    _expect_everywhere(RuntimeError, rf"Muon.step failed on rank {last}", save)
 
 
 def _mixed_gradients(rank: int, world_size: int) -> None:
@@ -140,13 +159,17 @@ def _plain_gradients_across_ranks(rank: int, world_size: int) -> None:
         param.grad = grad
     average_gradients([param for _, param in named], dist.group.WORLD)
     check_gradients_agree(named)  # averaged: every rank agrees
+    # Both read nothing: the next agreement on gradients reads their verdicts.
+    assert named[2][1].grad is not None
+    agree_on_gradients(named)
     assert named[2][1].grad is None
     # A gradient that tensor parallelism leaves different per rank is named on every rank.
     named[1][1].grad += rank
+    check_gradients_agree(named)
     _expect_everywhere(
         RuntimeError,
         r"plain \(non-DTensor\) parameters \['norm'\] differ",
-        lambda: check_gradients_agree(named),
+        lambda: agree_on_gradients(named),
     )
 
 

@@ -28,6 +28,7 @@ from lightning_canzona.checkpoint import (
 )
 from lightning_canzona.data import ByteTextDataModule
 from lightning_canzona.models import CausalLanguageModel, Qwen3
+from lightning_canzona.rules import counters
 
 
 class RecordLosses(Callback):
@@ -105,11 +106,16 @@ def test_checkpoint_resumes_exactly_at_the_same_mesh(tmp_path, distributed) -> N
 
 
 class CountTeams(Callback):
-    """Asserts, on every rank, that the plan has matrices computed by teams."""
+    """Asserts, on every rank, that the plan has matrices computed by teams, and that the
+    optimizer's counters are Python numbers, also after a save or a load handed state over."""
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        plans = trainer.optimizers[0].plans().values()
+        optimizer = trainer.optimizers[0]
+        plans = optimizer.plans().values()
         assert any(plan.split_matrices() for plan in plans), [plan.split_matrices() for plan in plans]
+        kinds = {(key, type(value)) for state in optimizer.state.values() for key, value in state.items()}
+        counted = {kind for key, kind in kinds if counters.is_counter(key)}
+        assert counted and counted <= {int, float}, kinds
 
 
 #: Optimizers whose plans split matrices over teams (collectives priced at zero) on both meshes:

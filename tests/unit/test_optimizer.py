@@ -124,16 +124,26 @@ def test_state_dict_round_trip_continues_identically(optimizer_class, kwargs) ->
         assert torch.equal(mine, expected)
 
 
-def test_float32_matrix_state_survives_loading_for_bf16_parameters() -> None:
+def test_float32_matrix_state_and_counters_survive_loading_for_bf16_parameters() -> None:
     param = nn.Parameter(torch.randn(16, 24, dtype=torch.bfloat16))
-    optimizer = lc.SOAP([param])
-    param.grad = torch.randn_like(param)
+    bias = nn.Parameter(torch.zeros(24, dtype=torch.bfloat16))
+    optimizer = lc.SOAP([param, bias])
+    param.grad, bias.grad = torch.randn_like(param), torch.randn_like(bias)
     optimizer.step()
+    optimizer.state[param]["step"] = 257  # not a bf16 number: a cast to the parameter's dtype shows
     state = optimizer.state_dict()
-    fresh = lc.SOAP([param])
+    # Counters are Python numbers while running, 0-dim tensors in a state dict, as always saved.
+    assert type(optimizer.state[param]["step"]) is int and type(optimizer.state[bias]["step"]) is float
+    saved = state["state"]
+    assert saved[0]["step"].dtype == saved[0]["decomposition_failures"].dtype == torch.int64
+    assert saved[0]["step"].shape == () and saved[1]["step"].dtype == torch.float32
+    fresh = lc.SOAP([param, bias])
     fresh.load_state_dict(state)
     assert fresh.state[param]["left"].dtype == torch.float32
     assert torch.equal(fresh.state[param]["left"], optimizer.state[param]["left"])
+    loaded = fresh.state[param]
+    assert (loaded["step"], loaded["decomposition_failures"], fresh.state[bias]["step"]) == (257, 0, 1.0)
+    assert type(loaded["step"]) is int and type(fresh.state[bias]["step"]) is float
 
 
 def test_step_evaluates_the_closure_with_gradients_enabled() -> None:

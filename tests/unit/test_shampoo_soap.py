@@ -15,7 +15,8 @@ def _steps(optimizer_class, initial, grads, **kwargs):
     for grad in grads:
         param.grad = grad.clone()
         optimizer.step()
-        snapshots.append({key: value.clone() for key, value in optimizer.state[param].items()})
+        state = optimizer.state[param].items()
+        snapshots.append({key: value.clone() if torch.is_tensor(value) else value for key, value in state})
     return param.detach(), snapshots
 
 

@@ -1,0 +1,148 @@
+"""Host syncs of an optimizer step at dp2×tp2, counted as a GPU would feel them (`host_syncs`).
+
+After warm-up steps (the plan built, state created), one step of each optimizer is counted: the
+strategy's work after backward (the plain parameters' averaging and replica check), gradient
+clipping where asked, and ``optimizer.step()``. A default step reads the device at most once (the
+gradients' agreement, which carries the previous step's failure and the replica check); clipping
+adds none.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from host_syncs import HostSyncs
+from multiprocess import run_on_ranks
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import lightning_canzona as lc
+from lightning_canzona.distributed import deferred
+from lightning_canzona.distributed.clipping import clip_grad_norm_
+from lightning_canzona.preparation import synchronise_unsharded
+
+#: Each optimizer, its settings (SOAP's decomposition every other step: steps 3 and 5 run one),
+#: and the steps counted after the warm-up (1-based).
+OPTIMIZERS = {
+    "muon": (lc.Muon, {}, {"step": 3}),
+    "normuon": (lc.NorMuon, {}, {"step": 3}),
+    "soap": (lc.SOAP, {"precondition_frequency": 2}, {"step": 4, "decomposition step": 5}),
+}
+WARM_UP = 2
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(16, 40)
+        self.down = nn.Linear(40, 16)
+        self.gate = nn.Linear(16, 12, bias=False)
+        self.norm = nn.LayerNorm(16)
+        self.experts = nn.Parameter(torch.randn(3, 8, 6) / 3)
+
+
+def _model(mesh) -> tuple[nn.Module, nn.Parameter]:
+    """A block at dp×tp (TP on its linears, FSDP2 over all), and a plain parameter beside it."""
+    torch.manual_seed(0)
+    model = Block()
+    parallelize_module(
+        model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel(), "gate": ColwiseParallel()}
+    )
+    fully_shard(model, mesh=mesh["dp"])
+    return model, nn.Parameter(torch.ones(16))
+
+
+def _gradients(step: int, named: list[tuple[str, nn.Parameter]]) -> None:
+    generator = torch.Generator().manual_seed(step)
+    for _, param in named:
+        full = torch.randn(param.shape, generator=generator)
+        if isinstance(param, DTensor):
+            param.grad = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+        else:
+            param.grad = full
+
+
+def _count_steps(rank: int, world_size: int, results: str) -> None:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh["dp"].get_group()
+    counts: dict[str, dict[str, list]] = {}
+    for name, (optimizer_class, settings, counted) in OPTIMIZERS.items():
+        for clip in (False, True):
+            model, plain = _model(mesh)
+            named = [*model.named_parameters(), ("plain", plain)]
+            params = [param for _, param in named]
+            optimizer = optimizer_class(
+                lc.matrix_param_groups(model) + [{"params": [("plain", plain)]}], **settings
+            )
+            for step in range(1, max(counted.values()) + 1):
+                _gradients(step, named)
+                clipping = HostSyncs()
+                with HostSyncs() as syncs:
+                    synchronise_unsharded([("plain", plain)], dp)  # as the strategies after backward
+                    if clip:
+                        with clipping:
+                            clip_grad_norm_(params, 1.0)
+                    optimizer.step()
+                for label, at in counted.items():
+                    if step == at:
+                        key = f"{name} {label}" + (", clipped" if clip else "")
+                        counts[key] = {
+                            "step": syncs.where,
+                            "clipping": clipping.where,
+                            "list indexing": syncs.list_indexing,
+                        }
+    deferred.settle()  # a failure of the last step, which no step follows, raises here
+    gathered: list = [None] * world_size
+    dist.all_gather_object(gathered, counts)
+    if rank == 0:
+        Path(results).write_text(json.dumps(gathered))
+
+
+def _in_decompositions(where: str) -> bool:
+    return where.startswith("lightning_canzona/rules/kronecker.py")
+
+
+def test_a_step_reads_the_device_at_most_once(tmp_path: Path) -> None:
+    with HostSyncs() as seen:  # what the counter sees: reads and copies of Python data
+        value = torch.ones(())
+        torch.tensor([1.0]), torch.as_tensor([1.0]), torch.as_tensor(value)
+        value.item(), bool(value), int(value), float(value), value.tolist(), value.cpu(), value.numpy()
+    assert [where.rsplit(" ", 1)[1] for where in seen.where] == [
+        "(tensor)",
+        "(as_tensor)",
+        "(item)",
+        "(__bool__)",
+        "(__int__)",
+        "(__float__)",
+        "(tolist)",
+        "(cpu)",
+        "(numpy)",
+    ]
+    results = tmp_path / "counts.json"
+    run_on_ranks(4, _count_steps, str(results))
+    by_rank = json.loads(results.read_text())
+    report = [
+        f"{key}, rank {rank}: {len(counts[key]['step'])} ({'; '.join(counts[key]['step']) or 'none'})"
+        for key in by_rank[0]
+        for rank, counts in enumerate(by_rank)
+    ]
+    print("\n".join(report))
+    lines = iter(report)
+    for key in by_rank[0]:
+        decomposing = False
+        for counts in (counts[key] for counts in by_rank):
+            line = next(lines)
+            decompositions = [where for where in counts["step"] if _in_decompositions(where)]
+            decomposing |= bool(decompositions)
+            # One read: the agreement on gradients, which clipping makes when it comes first.
+            assert len(counts["step"]) - len(decompositions) <= 1, line
+            assert all("distributed/gradients.py" in where for where in counts["clipping"]), line
+            assert not counts["list indexing"], (line, counts["list indexing"])
+        # A decomposition step adds one read per decomposition (its finiteness check), none else.
+        assert decomposing == ("decomposition" in key), key
