@@ -197,8 +197,13 @@ def test_the_fabric_example_fine_tunes_a_transformers_model_and_exports_it(tmp_p
         float, re.search(r"held-out loss: ([\d.]+) before, ([\d.]+) after 4 steps", printed).groups()
     )
     assert after < before - 0.5  # measured: 5.390 → 4.511
-    tuned = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tuned").state_dict()
+    tuned_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tuned")
+    tuned = tuned_model.state_dict()
     saved = consolidated_weights(tmp_path / "checkpoint", model_key="model")
+    # The head stays tied to the embedding: one weight, equal on the data-parallel replicas that
+    # wrote its two names to the checkpoint, and tied again by from_pretrained.
+    assert torch.equal(saved["lm_head.weight"], saved["model.embed_tokens.weight"])
+    assert tuned_model.lm_head.weight is tuned_model.model.embed_tokens.weight
     with pytest.raises(ValueError, match="holds no model under 'state_dict': its model is under 'model'"):
         consolidated_weights(
             tmp_path / "checkpoint", "state_dict"
