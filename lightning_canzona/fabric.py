@@ -108,7 +108,7 @@ class CanzonaFabricStrategy(ModelParallelStrategy):
         self.verify_checkpoints = verify_checkpoints
         #: The module that `setup_module` composed: what the optimizers' parameters belong to.
         self._module: nn.Module | None = None
-        #: Trainable parameters that are not DTensors, whose gradients the strategy synchronises.
+        #: Trainable parameters whose gradients the strategy synchronises (`unsharded_parameters`).
         self._plain_parameters: list[tuple[str, nn.Parameter]] = []
         self._read_checks_now = False
         self._gradient_sync_blocked = False
@@ -161,7 +161,9 @@ class CanzonaFabricStrategy(ModelParallelStrategy):
             raise TypeError(f"parallelize_fn must return an nn.Module, got {type(module).__name__}")
         materialize_distributed_module(module, self.root_device)
         self._module = module
-        self._plain_parameters = preparation.unsharded_parameters(module, self.world_size)
+        self._plain_parameters = preparation.unsharded_parameters(
+            module, self.device_mesh["data_parallel"], self.world_size
+        )
         return module
 
     def setup_module_and_optimizers(
@@ -195,7 +197,7 @@ class CanzonaFabricStrategy(ModelParallelStrategy):
         return bound
 
     def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
-        """Fabric's backward, then the gradients of parameters that are not DTensors averaged over
+        """Fabric's backward, then the gradients of parameters that FSDP2 does not shard averaged over
         data parallelism (skipped, like FSDP2's reduce-scatter, under ``fabric.no_backward_sync``)."""
         super().backward(tensor, module, *args, **kwargs)
         if self._plain_parameters and self.world_size > 1 and not self._gradient_sync_blocked:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
@@ -48,16 +49,29 @@ def check_not_fsdp1(module: nn.Module, strategy: str) -> None:
         )
 
 
-def unsharded_parameters(module: nn.Module, world_size: int) -> NamedParameters:
-    """The trainable parameters of ``module`` that are not DTensors, whose gradients the strategy
-    synchronises (`synchronise_unsharded`); says which, once, where there are any."""
-    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
+def unsharded_parameters(module: nn.Module, data_parallel: DeviceMesh, world_size: int) -> NamedParameters:
+    """The trainable parameters of ``module`` whose gradients nothing reduces over the
+    ``data_parallel`` mesh, which the strategy synchronises (`synchronise_unsharded`); says which,
+    once, where there are any.
+
+    Those are the plain tensors, and the DTensors whose mesh leaves out this rank's data-parallel
+    group (DTensor reduces a gradient over its own mesh only): a tensor-parallel weight that FSDP2
+    does not shard, one tied across two FSDP2 units (`lightning_canzona.composition`). The ranks
+    tell, not the mesh's dimension names, which a ``configure_model`` may choose.
+    """
+    replicas = set(data_parallel.mesh.flatten().tolist())
+    named = [
+        (name, param)
+        for name, param in module.named_parameters()
+        if param.requires_grad
+        and not (isinstance(param, DTensor) and replicas <= set(param.device_mesh.mesh.flatten().tolist()))
+    ]
     if named and world_size > 1:
         names = [name for name, _ in named]
         rank_zero_info(
-            f"lightning_canzona: {len(names)} trainable parameters are not sharded ({names[:5]}"
-            f"{' …' if len(names) > 5 else ''}): their gradients are averaged over the "
-            "data-parallel group after each backward and checked to agree on every rank."
+            f"lightning_canzona: {len(names)} trainable parameters are not sharded over data "
+            f"parallelism ({names[:5]}{' …' if len(names) > 5 else ''}): their gradients are "
+            "averaged over the data-parallel group after each backward."
         )
     return named
 

@@ -21,8 +21,8 @@ FSDP2 and DTensor TP, distributed checkpoints) plus:
 - checkpoints that hold every owner's matrix state, are swapped in crash-atomically, verified
   against what was saved, tied to their optimizer, read without running code from them, and
   refuse another model's clearly (`lightning_canzona.checkpoint`);
-- trust across ranks: trainable parameters that are not DTensors get their gradients averaged
-  over data parallelism and checked equal on every rank (`lightning_canzona.distributed.replicas`),
+- trust across ranks: trainable parameters that FSDP2 does not shard get their gradients averaged
+  over data parallelism, plain ones checked equal on every rank (`lightning_canzona.distributed.replicas`),
   and decisions of callbacks (`reduce_boolean_decision`) are agreed over all ranks.
 
 Launching (`lightning_canzona.launcher`), metrics (`lightning_canzona.metrics`), clipping
@@ -172,7 +172,7 @@ class CanzonaStrategy(ModelParallelStrategy):
         self._requested_sizes = (data_parallel_size, tensor_parallel_size)
         #: The mesh `preflight` chose, until `setup_environment` builds it.
         self._mesh_shape: MeshShape | None = None
-        #: Trainable parameters that are not DTensors, whose gradients the strategy synchronises.
+        #: Trainable parameters whose gradients the strategy synchronises (`unsharded_parameters`).
         self._plain_parameters: list[tuple[str, torch.nn.Parameter]] = []
         self._gradient_sync_blocked = False
 
@@ -246,7 +246,9 @@ class CanzonaStrategy(ModelParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         # Materialized: the parameters are the final objects.
-        self._plain_parameters = unsharded_parameters(self.lightning_module, self.world_size)
+        self._plain_parameters = unsharded_parameters(
+            self.lightning_module, self.device_mesh["data_parallel"], self.world_size
+        )
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -257,7 +259,7 @@ class CanzonaStrategy(ModelParallelStrategy):
             optimizers_to_device(self.optimizers, self.root_device)
 
     def post_backward(self, closure_loss: torch.Tensor) -> None:
-        """Synchronise the gradients of the trainable parameters that are not DTensors.
+        """Synchronise the gradients of the trainable parameters that FSDP2 does not shard.
 
         See `lightning_canzona.distributed.replicas`; skipped, like FSDP2's reduce-scatter, on
         micro-batches that accumulate gradients.

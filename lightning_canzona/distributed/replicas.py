@@ -1,9 +1,11 @@
-"""Gradients of trainable parameters that are not DTensors, kept equal on every rank.
+"""Gradients of trainable parameters that FSDP2 does not manage, kept equal on every replica.
 
 FSDP2 synchronises the gradients of the parameters it manages. A trainable parameter left a plain
 tensor (a layer that ``configure_model`` keeps unsharded, or a parameter set directly on the
 LightningModule, which FSDP2 cannot manage: Lightning calls ``training_step``, never the root
-module's ``forward`` that would run FSDP2's hooks) would otherwise step with each rank's own
+module's ``forward`` that would run FSDP2's hooks), or a DTensor of the tensor-parallel mesh
+alone (a weight tied across two FSDP2 units, `lightning_canzona.composition`), whose gradient
+DTensor reduces over that mesh only, would otherwise step with each rank's own
 gradient, and its replicas would drift apart without a word. So, after each synchronising
 backward: its gradient is averaged over the data-parallel group, as FSDP2 does, and one agreement
 on a maximum over all ranks checks that every rank now holds the same gradient, which catches a
@@ -21,6 +23,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from lightning_canzona.distributed import deferred
 from lightning_canzona.distributed.agreement import agree_on_maximum
@@ -32,7 +35,7 @@ RELATIVE_TOLERANCE = 1e-4
 
 
 def average_gradients(params: Sequence[Tensor], group: dist.ProcessGroup) -> None:
-    """Average the gradients of ``params`` over ``group`` with one ``all_reduce``.
+    """Average the gradients of ``params`` over ``group`` with one ``all_reduce``, a DTensor's by parts.
 
     A rank without a gradient adds zeros, as under FSDP2. Every rank gets the average, and a
     parameter without a gradient on every rank of ``group`` drops it again (``None``) once the
@@ -42,15 +45,15 @@ def average_gradients(params: Sequence[Tensor], group: dist.ProcessGroup) -> Non
     if not params:
         return
     device = params[0].device
-    pieces = [(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().float() for p in params]
+    pieces = [_local(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().float() for p in params]
     held = [p.grad is not None for p in params]
     presence = torch.ones(len(params), device=device) if all(held) else torch.tensor(held, device=device)
     flat = torch.cat([*pieces, presence.float()])
     wait_for(dist.all_reduce, flat, group=group)
     flat /= dist.get_world_size(group)
-    averaged = flat[: -len(params)].split([p.numel() for p in params])
+    averaged = flat[: -len(params)].split([piece.numel() for piece in pieces])
     for param, value in zip(params, averaged):
-        param.grad = value.view_as(param).to(param.dtype)
+        param.grad = _as_gradient_of(param, value)
     deferred.defer(flat[-len(params) :], functools.partial(_drop_absent, list(params)))
 
 
@@ -60,6 +63,24 @@ def _drop_absent(params: list[Tensor], presence: list[float]) -> None:
             param.grad = None
 
 
+def _local(tensor: Tensor) -> Tensor:
+    """This rank's part of a DTensor (which the ranks that hold its replicas hold too); a plain
+    tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _as_gradient_of(param: Tensor, values: Tensor) -> Tensor:
+    """``values``, this rank's part flattened, as ``param``'s gradient: shaped, typed and laid out
+    as its gradient is (as ``param`` is, where it has none)."""
+    like = param.grad if param.grad is not None else param
+    local = values.view_as(_local(like)).to(param.dtype)
+    if not isinstance(like, DTensor):
+        return local
+    return DTensor.from_local(
+        local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+    )
+
+
 def check_gradients_agree(named: Sequence[tuple[str, Tensor]]) -> None:
     """Raise on every rank, naming them, when ranks hold different gradients of ``named``, at the
     next agreement on gradients (`deferred`: the check reads nothing itself).
@@ -67,7 +88,10 @@ def check_gradients_agree(named: Sequence[tuple[str, Tensor]]) -> None:
     One agreement on the maximum (`agreement.agree_on_maximum`) over all ranks of each
     gradient's presence, sum and sum of absolute values, and of their negatives. Sums may
     differ by `RELATIVE_TOLERANCE` of the largest sum of absolute values.
+
+    DTensors are left out: their parts differ across the ranks of their mesh by design.
     """
+    named = [(name, param) for name, param in named if not isinstance(param, DTensor)]
     if not named:
         return
     rows = []

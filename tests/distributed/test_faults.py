@@ -22,6 +22,7 @@ import lightning_canzona as lc
 from lightning_canzona.distributed.clipping import total_grad_norm
 from lightning_canzona.distributed.gradients import agree_on_gradients
 from lightning_canzona.distributed.replicas import average_gradients, check_gradients_agree
+from lightning_canzona.preparation import unsharded_parameters
 from lightning_canzona.rules.muon import MuonRule
 
 TIMEOUT = 30.0
@@ -149,7 +150,29 @@ def _mixed_gradients(rank: int, world_size: int) -> None:
     torch.testing.assert_close(replicas[0], reference_bias.detach(), rtol=1e-5, atol=1e-6)
 
 
+def _a_tensor_parallel_weight_left_out_of_fsdp2(rank: int, world_size: int) -> None:
+    # A DTensor on the tensor-parallel mesh alone (a weight tied across two FSDP2 units): DTensor
+    # reduces its gradient over that mesh only, so each data-parallel rank holds its own.
+    mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    tied = _sharded(torch.zeros(4, 3), mesh["tensor_parallel"], [Shard(0)])
+    module = nn.ParameterDict(
+        {
+            "tied": tied,
+            "sharded": _sharded(torch.zeros(4, 3), mesh["data_parallel"], [Shard(0)]),  # as FSDP2's
+            "both": _sharded(torch.zeros(4, 3), mesh, [Shard(0), Shard(1)]),
+        }
+    )
+    assert [name for name, _ in unsharded_parameters(module, mesh["data_parallel"], world_size)] == ["tied"]
+    # Averaged part by part, laid out as before; rank 0, without a gradient, adds zeros.
+    local = torch.full((4, 3), float(rank))
+    tied.grad = None if rank == 0 else DTensor.from_local(local, mesh["tensor_parallel"], [Shard(0)])
+    average_gradients([tied], mesh["data_parallel"].get_group())
+    assert isinstance(tied.grad, DTensor) and tied.grad.placements == (Shard(0),)
+    assert torch.equal(tied.grad.to_local(), torch.full((4, 3), (world_size - 1) / 2))
+
+
 def _plain_gradients_across_ranks(rank: int, world_size: int) -> None:
+    _a_tensor_parallel_weight_left_out_of_fsdp2(rank, world_size)
     torch.manual_seed(rank)  # each rank its own data
     named = [
         (name, nn.Parameter(torch.zeros(3, 2, device=DEVICE))) for name in ("embedding", "norm", "unused")

@@ -202,8 +202,13 @@ def test_the_fabric_example_fine_tunes_a_transformers_model_and_exports_it(tmp_p
     run = tmp_path / "runs" / "finetune"
     assert [path.name for path in tmp_path.iterdir()] == ["runs"]  # nothing else in the folder
     assert sorted(path.name for path in run.iterdir()) == ["base", "checkpoint", "tuned"]
-    tuned = transformers.AutoModelForCausalLM.from_pretrained(run / "tuned").state_dict()
+    tuned_model = transformers.AutoModelForCausalLM.from_pretrained(run / "tuned")
+    tuned = tuned_model.state_dict()
     saved = consolidated_weights(run / "checkpoint", model_key="model")
+    # The head stays tied to the embedding: one weight, equal on the data-parallel replicas that
+    # wrote its two names to the checkpoint, and tied again by from_pretrained.
+    assert torch.equal(saved["lm_head.weight"], saved["model.embed_tokens.weight"])
+    assert tuned_model.lm_head.weight is tuned_model.model.embed_tokens.weight
     with pytest.raises(ValueError, match="holds no model under 'state_dict': its model is under 'model'"):
         consolidated_weights(run / "checkpoint", "state_dict")  # the Trainer's key: said, not an empty export
     main(["export", str(run / "checkpoint"), str(tmp_path / "tuned.safetensors")])  # the one model
