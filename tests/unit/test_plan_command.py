@@ -55,8 +55,9 @@ def test_large_meshes_print_a_labelled_selection_of_ranks(capsys, tmp_path) -> N
     out, png = _plan_output(capsys, tmp_path, "--preset", "0.6B", "--dp", "32", "--tp", "8", "--no-simulate")
     assert png.startswith(PNG_MAGIC)
     assert "of 256 ranks shown" in out and "max load" in out and "simulated" not in out
-    # Teams compute 0.6B's MLP matrices at 256 ranks: the target is then the ideal, not met.
-    assert "target: canzona makespan/ideal 1.5527 <= 1.02: MISSED" in out
+    # Teams sum in float32 (twice bf16's bytes): at H100 prices none pays for 0.6B at 256 ranks,
+    # so the target is the whole-matrix bound, met.
+    assert "target: canzona makespan/bound 1.0000 <= 1.02: met" in out
     matrices, _ = preset_matrices("0.6B", make_rule("muon"))
     rep = report(build_plan(matrices, 32, 8, PlanSettings("round_robin")))
     table = out.split("== round_robin ==")[1].split("==")[0]
