@@ -29,13 +29,14 @@ from lightning_canzona.optim import MatrixOptimizer
 
 #: Logged names; the first two also go to the progress bar.
 STEP_MS, IMBALANCE = "canzona/step_ms", "canzona/imbalance"
-COMPUTE_MS, COMPUTE_MAX_MS, WAIT_MS, SENT_MIB, MATRICES, DECOMPOSITION_FAILURES = (
+COMPUTE_MS, COMPUTE_MAX_MS, WAIT_MS, SENT_MIB, MATRICES, DECOMPOSITION_FAILURES, DECOMPOSITION_RETRIES = (
     "canzona/compute_ms",
     "canzona/compute_max_ms",
     "canzona/comm_wait_ms",
     "canzona/sent_MiB",
     "canzona/matrices_per_rank",
     "canzona/decomposition_failures",
+    "canzona/decomposition_retries",
 )
 #: Logged where an optimizer clips query/key heads (`lightning_canzona.QKClip`).
 MAX_LOGIT, CLIPPED_HEADS = "canzona/max_logit", "canzona/qk_clipped_heads"
@@ -49,6 +50,7 @@ _FIGURES: tuple[Callable[[StepStats], float], ...] = (
     lambda stats: stats.bytes_sent,
     lambda stats: stats.matrices_computed,
     lambda stats: stats.decomposition_failures,
+    lambda stats: stats.decomposition_retries,
 )
 
 
@@ -71,6 +73,9 @@ class StepTelemetry:
     - ``canzona/matrices_per_rank``: full-matrix updates computed by the busiest rank;
     - ``canzona/decomposition_failures``: Shampoo/SOAP factor decompositions per step that failed
       (all ranks together); each kept its previous root or basis;
+    - ``canzona/decomposition_retries``: Shampoo/SOAP factor decompositions per step that failed
+      in float32 and were computed again in float64 (all ranks together), as cuSOLVER needs now
+      and then on a rank-deficient factor;
     - with QK-clip (`lightning_canzona.QKClip`), ``canzona/max_logit``: the largest attention logit
       of the steps' training forwards, before clipping, and ``canzona/qk_clipped_heads``: query
       heads clipped per step.
@@ -120,7 +125,7 @@ class StepTelemetry:
         self._gathered.update((self._totals / self._steps).to(device)[None])
         self._totals.zero_()
         steps, self._steps = self._steps, 0
-        step, compute, wait, sent, matrices, failures = (
+        step, compute, wait, sent, matrices, failures, retries = (
             self._gathered.compute().reshape(-1, len(_FIGURES)).unbind(dim=1)
         )
         self._gathered.reset()
@@ -134,6 +139,7 @@ class StepTelemetry:
             SENT_MIB: float(sent.sum()) / 2**20,
             MATRICES: float(matrices.max()),
             DECOMPOSITION_FAILURES: float(failures.sum()),
+            DECOMPOSITION_RETRIES: float(retries.sum()),
         }
         if self._max_logit is not None and self._clipped_heads is not None:
             figures[MAX_LOGIT] = float(self._max_logit)

@@ -37,7 +37,7 @@ from lightning_canzona.distributed.updates import (
     prepare_matrices,
 )
 from lightning_canzona.rules.base import MatrixRule, State, state_part, store_state_part
-from lightning_canzona.rules.kronecker import FAILURES
+from lightning_canzona.rules.kronecker import FAILURES, RETRIES
 
 
 @dataclass
@@ -51,6 +51,8 @@ class StepStats:
         matrices_computed: Full-matrix updates this rank computed.
         decomposition_failures: Factor decompositions that failed in this step's updates (the
             previous root or basis was kept; see `lightning_canzona.rules.kronecker`).
+        decomposition_retries: Factor decompositions of this step that failed in float32 and
+            were computed again in float64 (`lightning_canzona.rules.kronecker.decompose`).
         bytes_sent: Bytes this rank sent to other ranks in all-to-alls.
         all_to_alls: All-to-all collectives issued.
         peak_buffer_bytes: Most bytes of the step's own buffers alive at once (prepared shards,
@@ -64,6 +66,7 @@ class StepStats:
     wait: Intervals = field(default_factory=Intervals)
     matrices_computed: int = 0
     decomposition_failures: int = 0
+    decomposition_retries: int = 0
     bytes_sent: int = 0
     all_to_alls: int = 0
     peak_buffer_bytes: int = 0
@@ -76,6 +79,7 @@ class StepStats:
             mine.extend(theirs)
         self.matrices_computed += other.matrices_computed
         self.decomposition_failures += other.decomposition_failures
+        self.decomposition_retries += other.decomposition_retries
         self.bytes_sent += other.bytes_sent
         self.all_to_alls += other.all_to_alls
         self.team_matrices += other.team_matrices
@@ -138,7 +142,9 @@ class StepRun:
             MicroGroupStep(self, exchange, dtype, prepare, stepped_items)
             for exchange, dtype in zip(exchanges, dtypes)
         ]
+        retries = RETRIES.count
         pipeline.run(steps, overlap)
+        self.stats.decomposition_retries += RETRIES.count - retries
 
 
 class PreparedEntries:

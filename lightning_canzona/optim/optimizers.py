@@ -56,7 +56,8 @@ class Muon(MatrixOptimizer):
         adjust_lr_fn: ``"original"`` (``√max(1, rows/cols)``) or ``"match_rms_adamw"``
             (``0.2·√max(rows, cols)``); ``None`` means ``"original"``.
         compute_dtype: Dtype of the Newton–Schulz iteration: ``"bfloat16"`` (as ``torch.optim.Muon``)
-            or ``"float32"``.
+            or ``"float32"``, in IEEE float32 even where TF32 is enabled
+            (`lightning_canzona.rules.ieee`).
         ns_form: ``"standard"`` (as ``torch.optim.Muon``) or ``"gram"``: the same polynomial
             iterated on ``XXᵀ``, fewer FLOPs for matrices more than about 1.5 times as long as
             wide; ``"standard-symmetric"`` or ``"gram-symmetric"``: either with its symmetric
@@ -127,8 +128,8 @@ class NorMuon(MatrixOptimizer):
         eps: Lower clamp of the Frobenius norm that normalises the input of Newton–Schulz.
         ns_steps: Newton–Schulz iterations.
         adjust_lr_fn: As `Muon`'s: ``"original"`` (``None``) or ``"match_rms_adamw"``.
-        compute_dtype: Dtype of the Newton–Schulz iteration, ``"bfloat16"`` or ``"float32"`` (the
-            normalisation computes in float32).
+        compute_dtype: Dtype of the Newton–Schulz iteration, ``"bfloat16"`` or ``"float32"`` (IEEE
+            float32 even where TF32 is enabled; the normalisation computes in float32).
         ns_form: As `Muon`'s.
         beta2: Decay of each output neuron's second moment (dion's ``muon_beta2``).
         qk_clip: As `Muon`'s.

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -72,28 +73,63 @@ def init_state(
     return state
 
 
-def decompose(state: State, key: str, compute: Callable[[], Tensor], fallback: Tensor | None = None) -> None:
-    """``state[key] ← compute()``, a decomposition of a factor, unless it fails.
+@dataclass
+class DecompositionRetries:
+    """Factor decompositions of this process that failed in float32 and were computed again in
+    float64 (`decompose`): a count on the host, which the engine reports per step
+    (`lightning_canzona.distributed.runtime.StepStats`) without reading the device."""
 
-    An eigensolver or QR can fail to converge, or return NaN, on an ill-conditioned factor. One
-    such factor must not end a long run: ``state[key]`` then keeps its value (or takes
-    ``fallback``), the failure is counted in ``state["decomposition_failures"]`` (which the
-    engine reports in telemetry), and a warning names the factor's shape.
+    count: int = 0
+
+
+#: The count of this process's retried decompositions.
+RETRIES = DecompositionRetries()
+
+#: The dtypes a decomposition is computed in, in turn, until one succeeds.
+PRECISIONS = (torch.float32, torch.float64)
+
+
+def eigh(factor: Tensor, dtype: torch.dtype, ridge: float = 0.0) -> tuple[Tensor, Tensor]:
+    """Eigenvalues (ascending) and eigenvectors of a symmetric ``factor`` (or stack) plus
+    ``ridge·I``, computed in ``dtype``: every eigendecomposition of Shampoo and SOAP."""
+    matrix = factor.to(dtype, copy=bool(ridge))
+    if ridge:
+        matrix.diagonal(dim1=-2, dim2=-1).add_(ridge)
+    return torch.linalg.eigh(matrix)
+
+
+def decompose(
+    state: State, key: str, compute: Callable[[torch.dtype], Tensor], fallback: Tensor | None = None
+) -> None:
+    """``state[key] ← compute(float32)``, a decomposition of a factor; retried as
+    ``compute(float64)`` where that fails; kept where both fail.
+
+    An eigensolver or QR can fail to converge, or return NaN, on an ill-conditioned factor:
+    cuSOLVER more often than LAPACK, on rank-deficient factors such as SOAP's first of a tall
+    matrix. As Meta's Distributed Shampoo (``retry_double_precision``) and the SOAP authors'
+    code do, it is then computed again in float64 (its result rounded to the state's float32)
+    and counted in `RETRIES`, which telemetry reports. One factor that fails in both must not end
+    a long run: ``state[key]`` then keeps its value (or takes ``fallback``), the failure is
+    counted in ``state["decomposition_failures"]`` (which the engine reports in telemetry), and
+    a warning names the factor's shape.
     """
-    try:
-        value = compute()
-        failed = not bool(torch.isfinite(value).all())
-    except torch.linalg.LinAlgError:
-        failed = True
-    if not failed:
-        state[key].copy_(value)
-        return
+    for dtype in PRECISIONS:
+        if dtype != PRECISIONS[0]:
+            RETRIES.count += 1
+        try:
+            value = compute(dtype)
+            failed = not bool(torch.isfinite(value).all())
+        except torch.linalg.LinAlgError:
+            failed = True
+        if not failed:
+            state[key].copy_(value)
+            return
     if fallback is not None:
         state[key].copy_(fallback)
     state.setdefault(FAILURES, torch.zeros((), dtype=torch.int64)).add_(1)
     warnings.warn(
         f"The decomposition for {key!r} (shape {tuple(state[key].shape)}) failed; the previous one "
-        "is kept. Counted in telemetry as decomposition failures.",
+        "is kept (tried in float32, then float64). Counted in telemetry as decomposition failures.",
         RuntimeWarning,
         stacklevel=2,
     )

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from lightning_canzona.compat import foreach_lerp, foreach_lerp_
 from lightning_canzona.rules.base import MatrixRule, State, TeamComputation, UpdateCost, matrix_dims
+from lightning_canzona.rules.ieee import ieee_float32_products
 from lightning_canzona.rules.newton_schulz import (
     NewtonSchulzSchedule,
     newton_schulz,
@@ -70,6 +71,7 @@ class MuonRule(MatrixRule):
     def init_matrix_state(self, shape: torch.Size, device: torch.device) -> State:
         return {}
 
+    @ieee_float32_products
     def direction(self, matrix: Tensor, state: State) -> Tensor:
         return newton_schulz(matrix, self.schedule, self.ns_steps, self.eps, self.compute_dtype, self.ns_form)
 
@@ -111,6 +113,7 @@ class MuonRule(MatrixRule):
             team_numel=batch * work.numel,
         )
 
+    @ieee_float32_products
     def team_direction(
         self, matrix: Tensor, shape: Sequence[int], member: int, size: int, state: State
     ) -> TeamComputation:

@@ -39,6 +39,7 @@ from torch import Tensor
 from lightning_canzona.geometry import long_dim, split_sizes
 from lightning_canzona.rules import kronecker
 from lightning_canzona.rules.base import MatrixRule, State, TeamComputation, TeamRows, TeamSum, UpdateCost
+from lightning_canzona.rules.ieee import ieee_float32_products
 
 _TINY = torch.finfo(torch.float32).tiny
 #: How ``epsilon`` floors a factor's eigenvalues: relative to the largest, or added as it is.
@@ -50,13 +51,15 @@ def _frobenius(matrix: Tensor) -> Tensor:
     return torch.linalg.vector_norm(matrix, dim=(-2, -1), keepdim=True)
 
 
-def inverse_fourth_root(factor: Tensor, epsilon: float, mode: EpsilonMode = "relative") -> Tensor:
+def inverse_fourth_root(
+    factor: Tensor, epsilon: float, mode: EpsilonMode = "relative", dtype: torch.dtype = torch.float32
+) -> Tensor:
     """``(F + δ·λ_max·I)^(-1/4)`` (``mode="relative"``) or ``(F + δ·I)^(-1/4)`` (``"absolute"``)
-    of a symmetric PSD ``factor`` (or stack) by ``eigh``."""
-    eigenvalues, eigenvectors = torch.linalg.eigh(factor)
+    of a symmetric PSD ``factor`` (or stack) by ``eigh``, computed in ``dtype``."""
+    eigenvalues, eigenvectors = kronecker.eigh(factor, dtype)
     eigenvalues = eigenvalues.clamp_min(0.0)
     if mode == "relative":
-        floor = epsilon * eigenvalues.amax(dim=-1, keepdim=True).clamp_min(_TINY)
+        floor = epsilon * eigenvalues.amax(dim=-1, keepdim=True).clamp_min(torch.finfo(dtype).tiny)
     else:  # a zero factor with δ = 0 gives infinite roots, which `kronecker.decompose` refuses
         floor = torch.full_like(eigenvalues[..., :1], epsilon)
     scale = (eigenvalues + floor).pow(-0.25)
@@ -86,6 +89,7 @@ class ShampooRule(MatrixRule):
     def team_sliced_keys(self, shape: Sequence[int]) -> tuple[str, ...]:
         return kronecker.sliced_keys(shape, self.max_precond_dim, "root")
 
+    @ieee_float32_products
     def direction(self, matrix: Tensor, state: State) -> Tensor:
         grad = matrix.float()
         kronecker.update_factors(state, grad, self.betas[1])
@@ -103,6 +107,7 @@ class ShampooRule(MatrixRule):
             preconditioned = preconditioned @ state["right_root"]
         return preconditioned * (_frobenius(adam) / _frobenius(preconditioned).clamp_min(_TINY))
 
+    @ieee_float32_products
     def team_direction(
         self, matrix: Tensor, shape: Sequence[int], member: int, size: int, state: State
     ) -> TeamComputation:
@@ -151,7 +156,7 @@ class ShampooRule(MatrixRule):
 
     def _decompose(self, state: State, side: str) -> None:
         root = functools.partial(inverse_fourth_root, state[side], self.epsilon, self.epsilon_mode)
-        kronecker.decompose(state, f"{side}_root", root)
+        kronecker.decompose(state, f"{side}_root", root)  # root(dtype)
 
     def cost(self, shape: Sequence[int]) -> UpdateCost:
         return kronecker.cost(shape, self.max_precond_dim, self.precondition_frequency, products=2)

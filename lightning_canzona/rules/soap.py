@@ -62,6 +62,7 @@ from lightning_canzona.rules.base import (
     TeamRows,
     UpdateCost,
 )
+from lightning_canzona.rules.ieee import ieee_float32_products
 from lightning_canzona.rules.rounding import scale_
 
 #: Where SOAP's weight decay goes: before the update (default) or after it, as the authors' code.
@@ -93,14 +94,20 @@ def _project(matrix: Tensor, state: State, *, back: bool = False, rows: slice | 
     return turn_right(turn_left(matrix))
 
 
-def _eigenbasis(factor: Tensor) -> Tensor:
-    """Eigenvectors of a symmetric factor, columns ordered by decreasing eigenvalue."""
-    _, eigenvectors = torch.linalg.eigh(factor)
+#: Added to a factor's diagonal before its eigendecomposition, as the authors' code does: it only
+#: moves a factor with an all-zero row (a gradient's zero row) off exact singularity.
+RIDGE = 1e-30
+
+
+def _eigenbasis(factor: Tensor, dtype: torch.dtype) -> Tensor:
+    """Eigenvectors of a symmetric factor, columns ordered by decreasing eigenvalue, computed in
+    ``dtype``."""
+    _, eigenvectors = kronecker.eigh(factor, dtype, RIDGE)
     return eigenvectors.flip(-1)
 
 
-def _power_iteration(factor: Tensor, basis: Tensor) -> Tensor:
-    return torch.linalg.qr(factor @ basis).Q
+def _power_iteration(factor: Tensor, basis: Tensor, dtype: torch.dtype) -> Tensor:
+    return torch.linalg.qr(factor.to(dtype) @ basis.to(dtype)).Q
 
 
 def _reordered_basis(state: State, side: str) -> tuple[Tensor, Tensor]:
@@ -176,6 +183,7 @@ class SOAPRule(MatrixRule):
     def team_sliced_keys(self, shape: Sequence[int]) -> tuple[str, ...]:
         return kronecker.sliced_keys(shape, self.max_precond_dim, companion=None)
 
+    @ieee_float32_products
     def direction(self, matrix: Tensor, state: State) -> Tensor:
         state["step"] += 1
         step = int(state["step"])
@@ -192,6 +200,7 @@ class SOAPRule(MatrixRule):
                 _refreshed_basis(state, side, _reordered_basis(state, side)[0])
         return direction
 
+    @ieee_float32_products
     def team_direction(
         self, matrix: Tensor, shape: Sequence[int], member: int, size: int, state: State
     ) -> TeamComputation:

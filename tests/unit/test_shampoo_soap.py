@@ -1,7 +1,11 @@
+import warnings
+
 import pytest
 import torch
 
 import lightning_canzona as lc
+from lightning_canzona.rules.kronecker import RETRIES
+from lightning_canzona.rules.shampoo import inverse_fourth_root
 
 
 def _steps(optimizer_class, initial, grads, **kwargs):
@@ -79,6 +83,72 @@ def test_shampoos_absolute_epsilon_is_a_ridge_on_each_factor() -> None:
     assert (relative - ridge).abs().max() > 1e-3  # measured 1.0e-2 to 1.4e-2: the modes differ
     with pytest.raises(ValueError, match=r"epsilon_mode must be one of \('relative', 'absolute'\)"):
         _steps(lc.Shampoo, initial, grads[:1], epsilon_mode="ridge")
+
+
+def _eigh_failing_in(monkeypatch, *dtypes):
+    """``torch.linalg.eigh`` raising as cuSOLVER does when it fails to converge, for matrices
+    of ``dtypes`` (LAPACK on a CPU hardly ever fails)."""
+    eigh = torch.linalg.eigh
+
+    def failing(matrix, *args, **kwargs):
+        if matrix.dtype in dtypes:
+            raise torch.linalg.LinAlgError("injected: the algorithm failed to converge")
+        return eigh(matrix, *args, **kwargs)
+
+    monkeypatch.setattr(torch.linalg, "eigh", failing)
+    return eigh
+
+
+@pytest.mark.parametrize("optimizer", ["soap", "shampoo"])
+def test_a_decomposition_that_fails_in_float32_is_computed_in_float64(monkeypatch, optimizer) -> None:
+    # A tall matrix: its left factor (40 × 40) has rank 8, as SOAP's first of a tall matrix, where
+    # cuSOLVER's float32 eigh fails now and then.
+    initial, grads = torch.randn(40, 8), [torch.randn(40, 8)]
+    eigh = _eigh_failing_in(monkeypatch, torch.float32)
+    retries = RETRIES.count
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a retry that succeeds is a correct run: quiet
+        if optimizer == "soap":
+            _, (state,) = _steps(lc.SOAP, initial, grads)
+        else:
+            _, (state,) = _steps(lc.Shampoo, initial, grads, start_preconditioning_step=1)
+    assert RETRIES.count - retries == 2 and not state["decomposition_failures"]
+    for side in ("left", "right"):
+        factor = state[side].double()
+        if optimizer == "soap":  # the authors' ridge, then float64, rounded to the state's float32
+            expected = eigh(factor + 1e-30 * torch.eye(len(factor), dtype=torch.float64)).eigenvectors.flip(
+                -1
+            )
+            assert torch.equal(state[f"{side}_basis"], expected.float())
+        else:
+            expected = inverse_fourth_root(factor, 1e-6, dtype=torch.float64)
+            assert torch.equal(state[f"{side}_root"], expected.float())
+
+
+def test_a_decomposition_that_fails_in_float64_too_keeps_the_previous_root_and_is_counted(
+    monkeypatch,
+) -> None:
+    initial, grads = torch.randn(40, 8), [torch.randn(40, 8) for _ in range(2)]
+    param = torch.nn.Parameter(initial)
+    optimizer = lc.Shampoo([param], start_preconditioning_step=1, precondition_frequency=1)
+    param.grad = grads[0]
+    optimizer.step()
+    roots = {key: optimizer.state[param][key].clone() for key in ("left_root", "right_root")}
+    _eigh_failing_in(monkeypatch, torch.float32, torch.float64)
+    retries = RETRIES.count
+    param.grad = grads[1]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optimizer.step()
+    assert sorted(str(warning.message).split(" failed;")[0] for warning in caught) == [
+        "The decomposition for 'left_root' (shape (40, 40))",
+        "The decomposition for 'right_root' (shape (8, 8))",
+    ]
+    assert all("the previous one is kept (tried in float32, then float64)" in str(w.message) for w in caught)
+    state = optimizer.state[param]
+    assert RETRIES.count - retries == 2 and state["decomposition_failures"] == 2
+    assert all(torch.equal(state[key], root) for key, root in roots.items())
+    assert torch.isfinite(param).all()
 
 
 def test_shampoo_before_preconditioning_is_adamw() -> None:
