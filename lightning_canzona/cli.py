@@ -290,6 +290,10 @@ TRAINER_COMMANDS = {
 }
 #: The other commands: the module whose ``main(argv)`` runs each, and what it does.
 COMMANDS = {
+    "doctor": (
+        "lightning_canzona.commands.doctor",
+        "Check this machine: versions, numerics on its devices, a checkpointed run (--quick: 1 min).",
+    ),
     "plan": (
         "lightning_canzona.commands.plan",
         "A model preset's optimizer plan on a mesh, per policy, without weights.",

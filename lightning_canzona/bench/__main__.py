@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     ns.add_argument("--ns-steps", type=int, default=5)
     ns.add_argument("--repeats", type=int, default=7)
     ns.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
+    ns.add_argument("--device", default="cpu", help="where the forms run: cpu, cuda, cuda:1…")
     steps = commands.add_parser(
         "step", help="optimizer-step latency on dp×tp ranks (CPU or GPU): canzona vs the alternatives"
     )
@@ -149,12 +150,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = newton_schulz.measure(
-        tuple(args.shapes), tuple(getattr(torch, name) for name in args.dtypes), args.ns_steps, args.repeats
+        tuple(args.shapes),
+        tuple(getattr(torch, name) for name in args.dtypes),
+        args.ns_steps,
+        args.repeats,
+        args.device,
     )
     print(
         f"Newton–Schulz forms ({args.ns_steps} quintic steps) vs the (a×b)@(b×a) matmul, "
-        f"{torch.get_num_threads()} threads; distances relative to the float64 polar factor and to "
-        "the same form in float64"
+        f"on {args.device}, {torch.get_num_threads()} CPU threads; distances relative to the float64 "
+        "polar factor and to the same form in float64"
     )
     print(newton_schulz.format_table(rows))
 

@@ -6,7 +6,8 @@ of a form is its own FLOP count over its time; the ratio to the matmul's rate is
 the implementation (normalisation, scaling, transposes). Each form's result is compared with the
 float64 polar factor ``UVᵀ`` of the input (relative Frobenius distance: what the schedule's
 approximation and the dtype's rounding leave together) and with the float64 result of the same
-iteration (rounding alone).
+iteration (rounding alone). The references are computed on the CPU; the forms run on the
+device given (`References` alone is `canzona doctor`'s Newton–Schulz check).
 """
 
 from __future__ import annotations
@@ -45,37 +46,69 @@ def _distance(result: torch.Tensor, reference: torch.Tensor) -> float:
     return float(torch.linalg.norm(result.double() - reference) / torch.linalg.norm(reference))
 
 
+@dataclass(frozen=True)
+class Accuracy:
+    """One form's result on one matrix, as relative Frobenius distances."""
+
+    from_polar: float  # from the float64 polar factor: the schedule's approximation and rounding
+    from_float64: float  # from the float64 result of the same iteration: rounding alone
+
+
+class References:
+    """A random ``shape`` matrix in float64 on the CPU, its polar factor, and each form's float64
+    result (computed once, on first use), for ``ns_steps`` quintic steps."""
+
+    def __init__(self, shape: tuple[int, int], ns_steps: int = 5, seed: int = 0) -> None:
+        self.matrix = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+        self.ns_steps = ns_steps
+        u, _, vh = torch.linalg.svd(self.matrix, full_matrices=False)
+        self.polar = u @ vh
+        self._in_float64: dict[str, torch.Tensor] = {}
+
+    def in_float64(self, form: str) -> torch.Tensor:
+        if form not in self._in_float64:
+            self._in_float64[form] = newton_schulz(
+                self.matrix, PRESETS["quintic"], self.ns_steps, dtype=torch.float64, form=form
+            )
+        return self._in_float64[form]
+
+    def run(self, form: str, dtype: torch.dtype, device: torch.device) -> functools.partial[torch.Tensor]:
+        """The iteration of ``form`` in ``dtype`` on ``device``, on the matrix there: a call."""
+        matrix = self.matrix.to(device=device, dtype=dtype)
+        schedule = PRESETS["quintic"]
+        return functools.partial(newton_schulz, matrix, schedule, self.ns_steps, dtype=dtype, form=form)
+
+    def accuracy(self, result: torch.Tensor, form: str) -> Accuracy:
+        """How far ``result`` (of `run`) lies from the polar factor and from ``form`` in float64."""
+        result = result.cpu()
+        return Accuracy(_distance(result, self.polar), _distance(result, self.in_float64(form)))
+
+
 def measure(
     shapes: tuple[tuple[int, int], ...] = DEFAULT_SHAPES,
     dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32),
     ns_steps: int = 5,
     repeats: int = 7,
+    device: torch.device | str = "cpu",
 ) -> list[FormRow]:
-    """Time and check every form for every shape and dtype."""
+    """Time and check every form for every shape and dtype, on ``device``."""
     rows = []
-    schedule = PRESETS["quintic"]
-    generator = torch.Generator().manual_seed(0)
-    for shape in shapes:
-        exact = torch.randn(shape, dtype=torch.float64, generator=generator)
-        u, _, vh = torch.linalg.svd(exact, full_matrices=False)
-        polar = u @ vh
-        in_float64 = {
-            form: newton_schulz(exact, schedule, ns_steps, dtype=torch.float64, form=form) for form in FORMS
-        }
+    device = torch.device(device)
+    for seed, shape in enumerate(shapes):
+        references = References(shape, ns_steps, seed)
         for dtype in dtypes:
-            matrix = exact.to(dtype)
+            matrix = references.matrix.to(device=device, dtype=dtype)
             wide = matrix if shape[0] <= shape[1] else matrix.mT.contiguous()
             small, large = wide.shape
-            runs = {
-                form: functools.partial(newton_schulz, matrix, schedule, ns_steps, dtype=dtype, form=form)
-                for form in FORMS
-            }
+            runs = {form: references.run(form, dtype, device) for form in FORMS}
             seconds = median_seconds(
-                {**runs, "matmul": functools.partial(torch.matmul, wide, wide.mT)}, repeats=repeats
+                {**runs, "matmul": functools.partial(torch.matmul, wide, wide.mT)},
+                repeats=repeats,
+                device=device,
             )
             matmul_gflops = 2 * small * small * large / seconds["matmul"] / 1e9
             for form, run in runs.items():
-                result = run()
+                accuracy = references.accuracy(run(), form)
                 rows.append(
                     FormRow(
                         shape=shape,
@@ -85,8 +118,8 @@ def measure(
                         standard_milliseconds=1e3 * seconds["standard"],
                         gflops=flops(*shape, ns_steps, form) / seconds[form] / 1e9,
                         matmul_gflops=matmul_gflops,
-                        from_polar=_distance(result, polar),
-                        from_float64=_distance(result, in_float64[form]),
+                        from_polar=accuracy.from_polar,
+                        from_float64=accuracy.from_float64,
                     )
                 )
     return rows

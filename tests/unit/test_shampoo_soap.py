@@ -5,6 +5,7 @@ import torch
 
 import lightning_canzona as lc
 from lightning_canzona.rules.kronecker import RETRIES
+from lightning_canzona.rules.references import reference_shampoo, reference_soap
 from lightning_canzona.rules.shampoo import inverse_fourth_root
 
 
@@ -20,50 +21,13 @@ def _steps(optimizer_class, initial, grads, **kwargs):
     return param.detach(), snapshots
 
 
-def _reference_shampoo(initial, grads, *, lr, betas, eps, epsilon, start, frequency, max_dim, ridge=False):
-    """Shampoo with Adam grafting, from its equations, with explicit eigh on the factors: their
-    eigenvalues floored at ``epsilon`` times the largest, or (``ridge``) ``eigh(F + εI)``, Meta's
-    Distributed Shampoo's."""
-
-    def inverse_root(factor):
-        if ridge:
-            values, vectors = torch.linalg.eigh(factor + epsilon * torch.eye(len(factor)))
-        else:
-            values, vectors = torch.linalg.eigh(factor)
-            values = values.clamp_min(0) + epsilon * values.max()
-        return vectors @ torch.diag(values**-0.25) @ vectors.T
-
-    beta1, beta2 = betas
-    rows, cols = initial.shape
-    weight, m, v = initial.clone(), torch.zeros_like(initial), torch.zeros_like(initial)
-    left, right = torch.zeros(rows, rows), torch.zeros(cols, cols)
-    left_root, right_root = torch.eye(rows), torch.eye(cols)
-    for t, g in enumerate(grads, start=1):
-        left = beta2 * left + (1 - beta2) * g @ g.T
-        right = beta2 * right + (1 - beta2) * g.T @ g
-        m = beta1 * m + (1 - beta1) * g
-        v = beta2 * v + (1 - beta2) * g * g
-        m_hat = m / (1 - beta1**t)
-        adam = m_hat / ((v / (1 - beta2**t)).sqrt() + eps)
-        if t >= start:
-            if (t - start) % frequency == 0:
-                left_root = inverse_root(left) if rows <= max_dim else torch.eye(rows)
-                right_root = inverse_root(right) if cols <= max_dim else torch.eye(cols)
-            direction = left_root @ m_hat @ right_root
-            direction = direction * adam.norm() / direction.norm()
-        else:
-            direction = adam
-        weight = weight - lr * direction
-    return weight
-
-
 @pytest.mark.parametrize("shape, max_dim", [((24, 40), 8192), ((40, 24), 8192), ((16, 48), 32)])
 def test_shampoo_matches_explicit_eigh_on_accumulated_factors(shape, max_dim) -> None:
     settings = dict(lr=0.01, betas=(0.9, 0.99), eps=1e-8, epsilon=1e-4)
     schedule = dict(precondition_frequency=2, start_preconditioning_step=2, max_precond_dim=max_dim)
     initial, grads = torch.randn(shape), [torch.randn(shape) for _ in range(7)]
     ours, states = _steps(lc.Shampoo, initial, grads, **settings, **schedule)
-    expected = _reference_shampoo(initial, grads, start=2, frequency=2, max_dim=max_dim, **settings)
+    expected = reference_shampoo(initial, grads, start=2, frequency=2, max_dim=max_dim, **settings)
     torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-5)
     assert ("right" in states[-1]) == (shape[1] <= max_dim)
     # The roots are refreshed at steps 2, 4, 6 and held in between.
@@ -79,7 +43,7 @@ def test_shampoos_absolute_epsilon_is_a_ridge_on_each_factor() -> None:
     initial, grads = torch.randn(24, 40), [1e-2 * torch.randn(24, 40) for _ in range(5)]
     absolute, _ = _steps(lc.Shampoo, initial, grads, epsilon_mode="absolute", **settings, **schedule)
     relative, _ = _steps(lc.Shampoo, initial, grads, **settings, **schedule)
-    ridge = _reference_shampoo(initial, grads, start=2, frequency=2, max_dim=8192, ridge=True, **settings)
+    ridge = reference_shampoo(initial, grads, start=2, frequency=2, max_dim=8192, ridge=True, **settings)
     torch.testing.assert_close(absolute, ridge, rtol=1e-4, atol=1e-5)
     assert (relative - ridge).abs().max() > 1e-3  # measured 1.0e-2 to 1.4e-2: the modes differ
     with pytest.raises(ValueError, match=r"epsilon_mode must be one of \('relative', 'absolute'\)"):
@@ -160,63 +124,13 @@ def test_shampoo_before_preconditioning_is_adamw() -> None:
     torch.testing.assert_close(ours, adamw, rtol=1e-6, atol=1e-6)
 
 
-def _reference_soap(initial, grads, *, lr, betas, eps, weight_decay, frequency):
-    """Algorithm 3 of Vyas et al. (2024), written from its equations, in the order of the
-    authors' implementation: the first gradient only starts the factors and bases, and each later
-    one is rotated by the bases of the gradients before it."""
-
-    def eigenvectors_descending(factor):
-        return torch.linalg.eigh(factor).eigenvectors.flip(-1)
-
-    def rotate(x, q_left, q_right):
-        # Qᵀ_L·X·Q_R, the long side (the columns of a square matrix) turned first, as the
-        # optimizer does, so that both round alike.
-        return q_left.T @ (x @ q_right) if x.shape[1] >= x.shape[0] else (q_left.T @ x) @ q_right
-
-    beta1, beta2 = betas
-    weight = initial.clone()
-    m, v = torch.zeros_like(initial), torch.zeros_like(initial)
-    left, right = (
-        torch.zeros(initial.shape[0], initial.shape[0]),
-        torch.zeros(initial.shape[1], initial.shape[1]),
-    )
-    bases, q_left, q_right = [], None, None
-    for step, g in enumerate(grads, start=1):
-        weight = weight * (1 - lr * weight_decay)
-        t = step - 1  # Adam's step
-        if t > 0:
-            g_rotated = rotate(g, q_left, q_right)
-            m = beta1 * m + (1 - beta1) * g
-            m_rotated = rotate(m, q_left, q_right)
-            v = beta2 * v + (1 - beta2) * g_rotated**2
-            correction = (1 - beta2**t) ** 0.5 / (1 - beta1**t)
-            weight = weight - lr * q_left @ (correction * m_rotated / (v.sqrt() + eps)) @ q_right.T
-        # Written as lerp, the EMA rounds like the optimizer's: eigh's choice of eigenvectors
-        # inside the factor's null space is arbitrary, so it must see the same bits.
-        left = left.lerp(g @ g.T, 1 - beta2)
-        right = right.lerp(g.T @ g, 1 - beta2)
-        if t == 0:
-            q_left, q_right = eigenvectors_descending(left), eigenvectors_descending(right)
-        elif t % frequency == 0:
-            # Sort the columns by the estimated eigenvalues (and V's axes with them), then one
-            # step of power iteration followed by QR.
-            order_left = torch.diag(q_left.T @ left @ q_left).argsort(descending=True)
-            order_right = torch.diag(q_right.T @ right @ q_right).argsort(descending=True)
-            q_left, q_right = q_left[:, order_left], q_right[:, order_right]
-            v = v[order_left][:, order_right]
-            q_left = torch.linalg.qr(left @ q_left).Q
-            q_right = torch.linalg.qr(right @ q_right).Q
-        bases.append(q_left)
-    return weight, bases
-
-
 @pytest.mark.parametrize("scale", [1e-2, 1.0])
 @pytest.mark.parametrize("shape", [(24, 24), (20, 36), (36, 20)])
 def test_soap_matches_the_papers_algorithm_over_two_refresh_periods(shape, scale) -> None:
     settings = dict(lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
     initial, grads = torch.randn(shape), [scale * torch.randn(shape) for _ in range(8)]
     ours, states = _steps(lc.SOAP, initial, grads, precondition_frequency=3, **settings)
-    expected, reference_bases = _reference_soap(initial, grads, frequency=3, **settings)
+    expected, reference_bases = reference_soap(initial, grads, frequency=3, **settings)
     torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-5)
     bases = [state["left_basis"] for state in states]
     for step in (4, 7):  # refreshes follow Adam's steps 3 and 6 and change the basis

@@ -1,0 +1,517 @@
+"""``canzona doctor``: check this machine for lightning_canzona, one line per check.
+
+First what it runs on (INFO: versions, precision switches, devices), then checks on the device
+(PASS or FAIL): Newton–Schulz in every form and dtype against float64, ``lightning_canzona.Muon``
+against ``torch.optim.Muon``, Shampoo and SOAP against their float64 references, and a short
+Trainer run that saves a distributed checkpoint and resumes from it. Each line gives its figure
+and the seconds it took; the exit status is 1 when any check fails. ``--quick`` takes under a
+minute on a CPU; the full run a few minutes on a GPU.
+
+Example::
+
+    canzona doctor            # on the GPUs when torch sees any, else on the CPU
+    canzona doctor --quick --device cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import logging
+import multiprocessing
+import os
+import platform
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from lightning_canzona.rules.newton_schulz import FORMS
+
+#: A check's verdict: INFO describes the machine; PASS and FAIL are the checks'.
+Verdict = Literal["PASS", "FAIL", "INFO"]
+
+#: The largest relative distance of Newton–Schulz in each dtype from the same iteration in
+#: float64 (rounding alone). Measured on a CPU (5 quintic steps, every form): float32 1e-6 to
+#: 4e-6 at 48 × 48 to 160 × 64, 1.2e-5 to 1.3e-5 at 512 × 2048 and 1024 × 1024; bfloat16
+#: 0.9e-2 to 1.7e-2 in the standard forms, 2.8e-2 to 5.4e-2 in the Gram forms (largest on
+#: square matrices). The bounds are about twice to four times those: TF32 in a float32 iteration
+#: (≈1e-3), or a wrong kernel, lies far above them.
+NS_ROUNDING_BOUNDS = {torch.float32: 5e-5, torch.bfloat16: 0.1}
+#: The largest relative distance of Shampoo's and SOAP's weight updates (float32 on the device)
+#: from their float64 references (`lightning_canzona.rules.references`), over steps with
+#: decompositions. Measured on a CPU with normal gradients: Shampoo 2e-6 to 3e-6 at 24 × 40,
+#: 5e-6 to 6e-6 at 128 × 256 (its floor on the roots' eigenvalues bounds how far rounding
+#: carries); SOAP 8e-6 to 3.3e-5 at 24 × 24, 4.5e-5 at 32 × 32. SOAP's Adam ratio in the rotated
+#: coordinates turns small differences in entries near zero into large ones, and eigenvectors of
+#: close eigenvalues are what rounding moves most: 6e-5 to 4e-3 at 96 × 96 and 128 × 128, and on
+#: a rank-deficient factor (the first of a non-square matrix) the bases inside its null space are
+#: arbitrary (0.3 apart). So SOAP is checked on small square matrices, at every size of run. The
+#: bound is about 7 times SOAP's largest: TF32 in these products (≈5e-4 a product, not float32's
+#: 6e-8) lies far above it.
+KRONECKER_BOUND = 3e-4
+#: How far the resumed run's losses may lie from the uninterrupted run's (as
+#: ``tests/integration/test_checkpoints.py`` asserts).
+RESUME_TOLERANCE = 1e-6
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every check gets: the device it checks and whether to keep to the quick sizes."""
+
+    device: torch.device
+    quick: bool
+
+    def pick(self, quick: Any, cpu: Any, gpu: Any) -> Any:
+        """The sizes of a check: ``quick``'s with ``--quick``, else ``cpu``'s or ``gpu``'s (larger:
+        the kernels that real shapes run) as the device is."""
+        return quick if self.quick else gpu if self.device.type == "cuda" else cpu
+
+
+@dataclass(frozen=True)
+class Result:
+    """A check's verdict and its figure (one line of text)."""
+
+    verdict: Verdict
+    figure: str
+
+    @classmethod
+    def check(cls, passed: bool, figure: str) -> Result:
+        """PASS or FAIL, as ``passed`` says."""
+        return cls("PASS" if passed else "FAIL", figure)
+
+
+Check = Callable[[Settings], Result]
+
+
+# -- the environment -------------------------------------------------------------------------
+
+
+def versions(settings: Settings) -> Result:
+    """Python, torch with its CUDA and NCCL, Lightning and lightning_canzona."""
+    import lightning
+
+    import lightning_canzona
+
+    cuda = torch.version.cuda or "none"
+    nccl = "none"
+    if torch.cuda.is_available() and torch.distributed.is_nccl_available():
+        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+    return Result(
+        "INFO",
+        f"Python {platform.python_version()}, torch {torch.__version__} (CUDA {cuda}, NCCL {nccl}), "
+        f"Lightning {lightning.__version__}, lightning_canzona {lightning_canzona.__version__}",
+    )
+
+
+def precision_switches(settings: Settings) -> Result:
+    """The switches that let float32 matmuls run in TF32 and bf16 sums round: the model's
+    forward and backward follow them; Shampoo, SOAP and float32 Muon compute in IEEE float32
+    whatever they say (`lightning_canzona.rules.ieee`)."""
+    try:
+        precision = torch.get_float32_matmul_precision()
+    except RuntimeError:  # set through torch's per-backend API in a way the legacy one cannot say
+        precision = f"per backend (cuda {torch.backends.cuda.matmul.fp32_precision})"
+    matmul = torch.backends.cuda.matmul
+    return Result(
+        "INFO",
+        f"float32 matmul precision {precision}, TF32 matmul {_on(matmul.allow_tf32)}, cuDNN TF32 "
+        f"{_on(torch.backends.cudnn.allow_tf32)}, bf16 reduced-precision reduction "
+        f"{_on(matmul.allow_bf16_reduced_precision_reduction)}",
+    )
+
+
+def devices(settings: Settings) -> Result:
+    """The devices the checks run on: the GPUs (name, memory, count) or the CPU (cores, vector
+    instructions, bf16 matrix instructions); FAIL where the chosen device cannot be used."""
+    device = settings.device
+    if device.type == "cpu":
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        return Result(
+            "INFO",
+            f"cpu: {cores} cores, {torch.get_num_threads()} torch threads, "
+            f"{torch.backends.cpu.get_cpu_capability()}, bf16 matrix instructions: {_bf16_instructions()}",
+        )
+    if device.type != "cuda":
+        return Result("FAIL", f"--device {device}: canzona doctor checks cpu and cuda devices")
+    if not torch.cuda.is_available():
+        built = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "built without CUDA"
+        return Result(
+            "FAIL", f"--device {device}: torch sees no CUDA device (torch {torch.__version__} is {built})"
+        )
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        return Result("FAIL", f"--device {device}: torch sees {count} CUDA device(s)")
+    described = {}
+    for index in _gpu_indices(settings):
+        properties = torch.cuda.get_device_properties(index)
+        name = (
+            f"{properties.name} ({properties.total_memory / 2**30:.1f} GiB, "
+            f"compute capability {properties.major}.{properties.minor})"
+        )
+        described[name] = described.get(name, 0) + 1
+    return Result("INFO", "cuda: " + ", ".join(f"{count} × {name}" for name, count in described.items()))
+
+
+def _on(flag: bool) -> str:
+    return "on" if flag else "off"
+
+
+def _bf16_instructions() -> str:
+    """Whether the CPU has bf16 matrix instructions (x86's AVX512-BF16 or AMX-BF16, Arm's BF16),
+    from ``/proc/cpuinfo``: "unknown" where that cannot be read."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    flags = set()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            flags.update(line.partition(":")[2].split())
+    found = sorted(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+    return f"yes ({', '.join(found)})" if found else "no"
+
+
+def _gpu_indices(settings: Settings) -> list[int]:
+    """The GPUs of the Trainer run (one rank each): the one chosen, or every one visible."""
+    if settings.device.index is not None:
+        return [settings.device.index]
+    return list(range(torch.cuda.device_count()))
+
+
+# -- the checks on the device --------------------------------------------------------------------
+
+
+def newton_schulz(form: str, dtype: torch.dtype, settings: Settings) -> Result:
+    """Newton–Schulz in ``form`` and ``dtype`` on the device, against the same iteration in
+    float64 (rounding: `NS_ROUNDING_BOUNDS`) and against the float64 polar factor (the quintic
+    schedule's approximation, reported), on a wide and a tall matrix."""
+    distances = []
+    shapes = settings.pick(((64, 160), (160, 64)), ((256, 1024), (1024, 256)), ((1024, 4096), (4096, 1024)))
+    for shape in shapes:
+        references = _ns_references(shape)
+        distances.append(references.accuracy(references.run(form, dtype, settings.device)(), form))
+    rounding = max(distance.from_float64 for distance in distances)
+    polar = max(distance.from_polar for distance in distances)
+    bound = NS_ROUNDING_BOUNDS[dtype]
+    return Result.check(
+        rounding <= bound,
+        f"{_sizes(shapes)}: from float64 {rounding:.1e} (bound {bound:.0e}), "
+        f"from the polar factor {polar:.2f}",
+    )
+
+
+def _sizes(shapes: tuple[tuple[int, int], ...]) -> str:
+    return " and ".join(f"{rows}×{cols}" for rows, cols in shapes)
+
+
+@functools.cache
+def _ns_references(shape: tuple[int, int]) -> Any:
+    from lightning_canzona.bench.newton_schulz import References
+
+    return References(shape)
+
+
+def muon(settings: Settings) -> Result:
+    """``lightning_canzona.Muon`` against ``torch.optim.Muon`` on the device, a few steps on a
+    wide and a tall matrix with their defaults (bf16 Newton–Schulz): the same operations in the
+    same order, so the same bits (``tests/unit/test_muon.py``)."""
+    import lightning_canzona as lc
+
+    shapes = settings.pick(((64, 96), (96, 64)), ((256, 768), (768, 256)), ((1024, 3072), (3072, 1024)))
+    steps = 3
+    differences = []
+    for shape in shapes:
+        generator = torch.Generator().manual_seed(0)
+        initial = torch.randn(shape, generator=generator)
+        grads = [torch.randn(shape, generator=generator) for _ in range(steps)]
+        ours, _ = _steps(lc.Muon, initial, grads, settings.device, lr=0.02)
+        theirs, _ = _steps(torch.optim.Muon, initial, grads, settings.device, lr=0.02)
+        differences.append(float((ours - theirs).abs().max()))
+    sizes = _sizes(shapes)
+    if not any(differences):
+        return Result("PASS", f"{sizes}, {steps} steps: bit for bit equal")
+    return Result("FAIL", f"{sizes}, {steps} steps: weights differ by up to {max(differences):.1e}")
+
+
+def _steps(
+    optimizer_class: Callable[..., torch.optim.Optimizer],
+    initial: torch.Tensor,
+    grads: list[torch.Tensor],
+    device: torch.device,
+    **settings: Any,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The weight after ``optimizer_class`` took a step for each of ``grads``, on ``device``
+    (``initial`` and ``grads`` in their dtype there), and the optimizer's state of it."""
+    weight = torch.nn.Parameter(initial.to(device, copy=True))
+    optimizer = optimizer_class([weight], **settings)
+    for grad in grads:
+        weight.grad = grad.to(device, copy=True)
+        optimizer.step()
+    return weight.detach().cpu(), optimizer.state[weight]
+
+
+def shampoo(settings: Settings) -> Result:
+    """`kronecker` for Shampoo: roots at steps 2, 4, 6… (factors of full rank by then)."""
+    from lightning_canzona import Shampoo
+    from lightning_canzona.rules.references import reference_shampoo
+
+    hyper = dict(lr=0.01, betas=(0.9, 0.99), eps=1e-8, epsilon=1e-4)
+    schedule = dict(precondition_frequency=2, start_preconditioning_step=2)
+
+    def reference(initial: torch.Tensor, grads: list[torch.Tensor]) -> torch.Tensor:
+        return reference_shampoo(initial, grads, start=2, frequency=2, max_dim=8192, **hyper)
+
+    shapes = settings.pick(((24, 40), (40, 24)), ((128, 256), (256, 128)), ((512, 1024), (1024, 512)))
+    return kronecker(Shampoo, {**hyper, **schedule}, reference, shapes, settings)
+
+
+def soap(settings: Settings) -> Result:
+    """`kronecker` for SOAP: bases at the first step, refreshed every third after, on small square
+    matrices at every size of run (`KRONECKER_BOUND` says why)."""
+    from lightning_canzona import SOAP
+    from lightning_canzona.rules.references import reference_soap
+
+    hyper = dict(lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+
+    def reference(initial: torch.Tensor, grads: list[torch.Tensor]) -> torch.Tensor:
+        return reference_soap(initial, grads, frequency=3, **hyper)[0]
+
+    return kronecker(SOAP, {**hyper, "precondition_frequency": 3}, reference, ((24, 24), (32, 32)), settings)
+
+
+def kronecker(
+    optimizer_class: Callable[..., torch.optim.Optimizer],
+    hyper: dict[str, Any],
+    reference: Callable[[torch.Tensor, list[torch.Tensor]], torch.Tensor],
+    shapes: tuple[tuple[int, int], ...],
+    settings: Settings,
+) -> Result:
+    """Shampoo or SOAP on the device against its float64 reference on the CPU, over steps that
+    include decompositions, with float32 matmuls allowed in TF32 as Lightning recommends on
+    GPUs (the rules compute in IEEE float32 whatever the switch says): the relative distance of
+    the weights' change (bound `KRONECKER_BOUND`), no decomposition failure; float64 retries
+    of failed float32 decompositions are reported."""
+    from lightning_canzona.rules.kronecker import RETRIES
+
+    steps = settings.pick(7, 10, 10)
+    distances, failures, retries = [], 0, RETRIES.count
+    for seed, shape in enumerate(shapes):
+        generator = torch.Generator().manual_seed(seed)
+        initial = torch.randn(shape, dtype=torch.float64, generator=generator)
+        grads = [torch.randn(shape, dtype=torch.float64, generator=generator) for _ in range(steps)]
+        with _tf32_allowed():
+            weight, state = _steps(
+                optimizer_class, initial.float(), [g.float() for g in grads], settings.device, **hyper
+            )
+        failures += int(state["decomposition_failures"])
+        expected = reference(initial, grads) - initial
+        distances.append(
+            float(torch.linalg.norm(weight.double() - initial - expected) / torch.linalg.norm(expected))
+        )
+    sizes = _sizes(shapes)
+    distance = max(distances)
+    return Result.check(
+        distance <= KRONECKER_BOUND and not failures,
+        f"{sizes}, {steps} steps: from float64 {distance:.1e} (bound {KRONECKER_BOUND:.0e}), "
+        f"{failures} decomposition failures, {RETRIES.count - retries} retried in float64",
+    )
+
+
+@contextlib.contextmanager
+def _tf32_allowed() -> Iterator[None]:
+    """Float32 matmuls allowed in TF32 inside (``set_float32_matmul_precision("high")``), the
+    switch as it was after."""
+    saved = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(saved)
+
+
+def trainer(settings: Settings) -> Result:
+    """A short Trainer run of the bundled tiny model under ``CanzonaStrategy`` with SOAP (matrix
+    state on each matrix's owner: the hard case) on the device's ranks (one a GPU, NCCL; 2 CPU
+    ranks on gloo), saving a distributed checkpoint midway; then a run resumed from it: its
+    losses must equal the uninterrupted run's (`RESUME_TOLERANCE`). The runs start their ranks
+    by ``fork`` from a fresh process (a process that has used CUDA cannot fork)."""
+    steps = settings.pick(4, 6, 6)
+    with tempfile.TemporaryDirectory(prefix="canzona-doctor-") as folder:
+        process = multiprocessing.get_context("spawn").Process(
+            target=_two_runs, args=(Path(folder), settings, steps), name="canzona-doctor-trainer"
+        )
+        process.start()
+        process.join(timeout=600)
+        if process.exitcode is None:
+            process.kill()
+            process.join()
+            return Result("FAIL", "the runs did not end in 600 s")
+        if process.exitcode:
+            return Result("FAIL", f"the runs failed (exit code {process.exitcode}): their error is above")
+        uninterrupted = torch.load(Path(folder) / "uninterrupted.pt")
+        resumed = torch.load(Path(folder) / "resumed.pt")
+    ranks = len(_gpu_indices(settings)) if settings.device.type == "cuda" else 2
+    midway = steps // 2
+    if len(resumed) != steps - midway:
+        return Result("FAIL", f"the resumed run took {len(resumed)} steps, not {steps - midway}")
+    difference = max(abs(a - b) for a, b in zip(resumed, uninterrupted[midway:]))
+    return Result.check(
+        difference <= RESUME_TOLERANCE,
+        f"{ranks} ranks, {steps} steps, resumed at step {midway}: losses "
+        f"{uninterrupted[0]:.3f} → {uninterrupted[-1]:.3f}, resumed ones differ by {difference:.0e} "
+        f"(tolerance {RESUME_TOLERANCE:.0e})",
+    )
+
+
+def _two_runs(folder: Path, settings: Settings, steps: int) -> None:
+    """The uninterrupted run, with a checkpoint midway, then the run resumed from it; each saves
+    its losses to ``folder`` (``uninterrupted.pt``, ``resumed.pt``)."""
+    from lightning import Callback, Trainer
+
+    import lightning_canzona as lc
+    from lightning_canzona.data import ByteTextDataModule
+    from lightning_canzona.models import CausalLanguageModel
+
+    for name in ("lightning.pytorch", "lightning.fabric"):  # no banners: the ranks are forked
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+    class RecordLosses(Callback):
+        def __init__(self, path: Path) -> None:
+            self.path, self.losses = path, []
+
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, index: int) -> None:
+            self.losses.append(float(outputs["loss"]))
+
+        def on_train_end(self, trainer: Any, module: Any) -> None:
+            if trainer.global_rank == 0:
+                torch.save(self.losses, self.path)
+
+    midway = steps // 2
+    checkpoint = folder / f"step={midway}.ckpt"
+
+    class SaveMidway(Callback):
+        """Saves ``checkpoint`` after step ``midway``, as ``ModelCheckpoint`` would, but with no
+        state of its own in it, which the resumed run would need (Lightning warns then)."""
+
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, index: int) -> None:
+            if trainer.global_step == midway:  # never in the resumed run: it starts after it
+                trainer.save_checkpoint(checkpoint)
+
+    for name, resume in (("uninterrupted", None), ("resumed", checkpoint)):
+        torch.manual_seed(0)
+        cuda = settings.device.type == "cuda"
+        run = Trainer(
+            accelerator="cuda" if cuda else "cpu",
+            devices=_gpu_indices(settings) if cuda else 2,
+            strategy=lc.CanzonaStrategy(start_method="fork", timeout=timedelta(seconds=120)),
+            max_steps=steps,
+            # The checkpoint midway is in the first epoch, the second begins after it: the data
+            # module's loader resumes where it stopped.
+            limit_train_batches=midway + 1,
+            limit_val_batches=0,
+            logger=False,
+            default_root_dir=folder,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            callbacks=[RecordLosses(folder / f"{name}.pt"), SaveMidway()],
+        )
+        module = CausalLanguageModel(
+            preset="tiny",
+            optimizer=functools.partial(lc.SOAP, lr=3e-3, precondition_frequency=2),
+            warmup_steps=1,
+        )
+        run.fit(module, datamodule=ByteTextDataModule(seq_len=32, batch_size=4), ckpt_path=resume)
+
+
+# -- the registry and the command ------------------------------------------------------------
+
+#: What the machine is: always INFO, unless the chosen device cannot be used (FAIL).
+ENVIRONMENT: dict[str, Check] = {
+    "versions": versions,
+    "precision switches": precision_switches,
+    "devices": devices,
+}
+#: The checks on the device, in order: name → check.
+CHECKS: dict[str, Check] = {
+    **{
+        f"Newton–Schulz {form} {str(dtype).removeprefix('torch.')}": functools.partial(
+            newton_schulz, form, dtype
+        )
+        for form in FORMS
+        for dtype in (torch.float32, torch.bfloat16)
+    },
+    "Muon = torch.optim.Muon": muon,
+    "Shampoo vs float64": shampoo,
+    "SOAP vs float64": soap,
+    "Trainer checkpoint resume": trainer,
+}
+
+
+def run(checks: dict[str, Check], settings: Settings, width: int = 0) -> bool:
+    """Run ``checks`` in order, printing one line each: verdict, name (padded to ``width``),
+    seconds, figure. A check that raises fails with its error. Returns whether none failed."""
+    passed = True
+    for name, check in checks.items():
+        start = time.perf_counter()
+        try:
+            result = check(settings)
+        except Exception as error:  # noqa: BLE001 — a check that raises is a failed check
+            result = Result("FAIL", f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}")
+        seconds = time.perf_counter() - start
+        print(f"{result.verdict}  {name:<{width}}  {seconds:6.1f} s  {result.figure}", flush=True)
+        passed = passed and result.verdict != "FAIL"
+    return passed
+
+
+def device(text: str) -> torch.device:
+    """``--device``: a torch device (argparse reports a ``ValueError`` as an invalid value)."""
+    try:
+        return torch.device(text)
+    except RuntimeError as error:
+        raise ValueError(str(error)) from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="canzona doctor",
+        description=__doc__.split("\n\n")[0],
+        epilog="A FAIL line names what differs; docs/doctor.md says what each line checks and what to do.",
+    )
+    parser.add_argument(
+        "--device",
+        type=device,
+        default=None,
+        help="where the checks run: cpu, cuda (every visible GPU), cuda:1… (default: cuda when torch "
+        "sees a GPU, else cpu)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="small sizes and few steps: under a minute on a CPU"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run ``canzona doctor`` with the arguments after ``doctor``; exit with status 1 when a check
+    fails."""
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    settings = Settings(args.device or device("cuda" if torch.cuda.is_available() else "cpu"), args.quick)
+    start = time.perf_counter()
+    print(f"canzona doctor{' --quick' if args.quick else ''} on {settings.device}", flush=True)
+    width = max(map(len, [*ENVIRONMENT, *CHECKS]))
+    healthy = run(ENVIRONMENT, settings, width) and run(CHECKS, settings, width)
+    print(f"{'All checks passed' if healthy else 'A check failed'} in {time.perf_counter() - start:.0f} s")
+    if not healthy:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
