@@ -290,10 +290,6 @@ TRAINER_COMMANDS = {
 }
 #: The other commands: the module whose ``main(argv)`` runs each, and what it does.
 COMMANDS = {
-    "doctor": (
-        "lightning_canzona.commands.doctor",
-        "Check this machine: versions, numerics on its devices, a checkpointed run (--quick: 1 min).",
-    ),
     "plan": (
         "lightning_canzona.commands.plan",
         "A model preset's optimizer plan on a mesh, per policy, without weights.",
@@ -305,6 +301,10 @@ COMMANDS = {
     "export": (
         "lightning_canzona.export",
         "A checkpoint's model as one safetensors or torch file, or a transformers folder.",
+    ),
+    "doctor": (
+        "lightning_canzona.commands.doctor",
+        "Check this machine: versions, numerics on its devices, a checkpointed run (--quick: 1 min).",
     ),
 }
 
