@@ -104,6 +104,16 @@ def use_count(tensor: Tensor) -> int:
     return tensor._use_count()
 
 
+def cpu_multiplies_bfloat16() -> bool:
+    """Whether this CPU has bfloat16 matrix instructions (AVX512-BF16 or AMX), which oneDNN uses
+    for bfloat16 matmuls; without them torch runs bfloat16 matmuls 20-50 times slower than float32.
+
+    Public alternative: none (``torch.backends.cpu.get_cpu_capability`` names the vector width
+    only).
+    """
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
 def data_version(tensor: Tensor) -> int:
     """The count of in-place changes of ``tensor``'s data (autograd's version counter).
 

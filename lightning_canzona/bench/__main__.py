@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
         "--compute-dtype",
         choices=["bfloat16", "float32"],
         default=None,
-        help="Muon's Newton–Schulz dtype (default: the optimizer's, bfloat16; float32 where bf16 "
+        help="Muon's Newton–Schulz dtype (default: bfloat16, as torch.optim.Muon; float32 where bf16 "
         "matmuls are slow, as on CPUs without bf16 instructions, and without torch.optim.Muon, "
         "which has bfloat16 only)",
     )

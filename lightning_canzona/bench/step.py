@@ -163,8 +163,8 @@ def _build(
     if variant == "torch.optim.Muon":
         return _TorchMuonWithAdamW(groups)
     optimizer_class, settings = OPTIMIZERS[optimizer_name]
-    if compute_dtype is not None:
-        settings = {**settings, "compute_dtype": compute_dtype}
+    if optimizer_class in (lc.Muon, lc.NorMuon):  # bfloat16 by default, as torch.optim.Muon
+        settings = {**settings, "compute_dtype": compute_dtype or "bfloat16"}
     if variant in MOE_VARIANTS:
         optimizer = optimizer_class(groups, **settings)
         if variant == "canzona (locality-blind)":
@@ -327,7 +327,7 @@ def measure(
     """Run the benchmark for one model preset on a ``dp × tp`` mesh of ``device`` ranks (CPU
     processes, or one GPU each) over ``backend`` (``None``: `default_backend`): ``warmup``
     untimed steps, then ``steps`` timed ones, of every variant; Muon's Newton–Schulz in
-    ``compute_dtype`` (``None``: the optimizer's default, bfloat16)."""
+    ``compute_dtype`` (``None``: bfloat16, as ``torch.optim.Muon``)."""
     backend = backend or default_backend(device)
     world = dp * tp
     problem = check_devices(device, backend, world)

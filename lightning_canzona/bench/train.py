@@ -200,7 +200,10 @@ class _CanzonaModel(CausalLanguageModel):
 
     def configure_optimizers(self) -> Any:
         groups = lc.matrix_param_groups(self)
-        return lc.Muon(groups, lr=MATRIX_LR, adamw_lr=ADAMW_LR, weight_decay=WEIGHT_DECAY)
+        # torch.optim.Muon's dtype, not "auto" (float32 on CPUs without bf16 instructions): the
+        # variants compute the same update.
+        muon = dict(lr=MATRIX_LR, weight_decay=WEIGHT_DECAY, compute_dtype="bfloat16")
+        return lc.Muon(groups, adamw_lr=ADAMW_LR, **muon)
 
 
 class _SpawnedModelParallel(ModelParallelStrategy):

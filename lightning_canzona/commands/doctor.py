@@ -33,6 +33,7 @@ from typing import Any, Literal
 
 import torch
 
+from lightning_canzona.optim.optimizer import resolve_dtype
 from lightning_canzona.rules.newton_schulz import FORMS
 
 #: A check's verdict: INFO describes the machine; PASS and FAIL are the checks'.
@@ -114,7 +115,8 @@ def versions(settings: Settings) -> Result:
 def precision_switches(settings: Settings) -> Result:
     """The switches that let float32 matmuls run in TF32 and bf16 sums round: the model's
     forward and backward follow them; Shampoo, SOAP and float32 Muon compute in IEEE float32
-    whatever they say (`lightning_canzona.rules.ieee`)."""
+    whatever they say (`lightning_canzona.rules.ieee`). And the dtype of Muon's default
+    ``compute_dtype="auto"`` on the device."""
     try:
         precision = torch.get_float32_matmul_precision()
     except RuntimeError:  # set through torch's per-backend API in a way the legacy one cannot say
@@ -124,7 +126,8 @@ def precision_switches(settings: Settings) -> Result:
         "INFO",
         f"float32 matmul precision {precision}, TF32 matmul {_on(matmul.allow_tf32)}, cuDNN TF32 "
         f"{_on(torch.backends.cudnn.allow_tf32)}, bf16 reduced-precision reduction "
-        f"{_on(matmul.allow_bf16_reduced_precision_reduction)}",
+        f"{_on(matmul.allow_bf16_reduced_precision_reduction)}, Muon's compute_dtype 'auto' "
+        f"{str(resolve_dtype('auto', settings.device)).removeprefix('torch.')}",
     )
 
 
@@ -232,7 +235,7 @@ def muon(settings: Settings) -> Result:
         generator = torch.Generator().manual_seed(0)
         initial = torch.randn(shape, generator=generator)
         grads = [torch.randn(shape, generator=generator) for _ in range(steps)]
-        ours, _ = _steps(lc.Muon, initial, grads, settings.device, lr=0.02)
+        ours, _ = _steps(lc.Muon, initial, grads, settings.device, lr=0.02, compute_dtype="bfloat16")
         theirs, _ = _steps(torch.optim.Muon, initial, grads, settings.device, lr=0.02)
         differences.append(float((ours - theirs).abs().max()))
     sizes = _sizes(shapes)

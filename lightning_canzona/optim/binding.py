@@ -56,7 +56,8 @@ def is_torch_muon(optimizer: Optimizer) -> bool:
 def convert_torch_muon(optimizer: Optimizer, module: nn.Module, config: PlanConfig | None = None) -> Muon:
     """A `Muon` with ``optimizer``'s param groups, one to one, and their hyperparameters.
 
-    `Muon` takes ``torch.optim.Muon``'s keywords with the same meaning. Groups keep their order
+    `Muon` takes ``torch.optim.Muon``'s keywords with the same meaning, and computes in bfloat16 as
+    it does (not `Muon`'s ``"auto"``). Groups keep their order
     and every key (a scheduler's ``initial_lr`` among them), so a learning-rate scheduler built on
     ``optimizer`` drives the new one once re-pointed at it, and ``param_groups[i]`` edits keep
     working. Parameters are named after ``module``'s.
@@ -70,7 +71,7 @@ def convert_torch_muon(optimizer: Optimizer, module: nn.Module, config: PlanConf
         }
         for group in optimizer.param_groups
     ]
-    return Muon(groups, plan=config)
+    return Muon(groups, plan=config, compute_dtype="bfloat16")  # torch.optim.Muon's, on every device
 
 
 def repoint_scheduler(scheduler: LRScheduler, optimizer: Optimizer) -> None:

@@ -25,6 +25,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_canzona.compat import cpu_multiplies_bfloat16
 from lightning_canzona.config import PlanConfig
 from lightning_canzona.distributed import deferred
 from lightning_canzona.distributed.custody import MatrixStateCustody
@@ -47,13 +48,29 @@ PLAN_FIELDS = frozenset(f.name for f in fields(PlanConfig))
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """A compute dtype from its name (``"bfloat16"``, ``"float32"``, ``"float64"``) or itself."""
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device | None = None) -> torch.dtype:
+    """A compute dtype from its name (``"bfloat16"``, ``"float32"``, ``"float64"``) or itself;
+    ``"auto"`` is `auto_dtype` of ``device`` (``None``: the CPU)."""
+    if dtype == "auto":
+        return auto_dtype(torch.device("cpu") if device is None else device)
     if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
         return dtype
     if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
         return DTYPES[dtype.removeprefix("torch.")]
-    raise ValueError(f"compute_dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    raise ValueError(f"compute_dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
+
+
+def auto_dtype(device: torch.device) -> torch.dtype:
+    """bfloat16 (``torch.optim.Muon``'s dtype) where ``device`` multiplies it in hardware: CUDA GPUs
+    from Ampere on, CPUs with AVX512-BF16 or AMX, other accelerators; float32 elsewhere, where
+    bfloat16 matmuls are emulated (20-50 times slower than float32 on an AVX2 CPU)."""
+    if device.type == "cuda":
+        fast = torch.cuda.is_bf16_supported(including_emulation=False)
+    elif device.type == "cpu":
+        fast = cpu_multiplies_bfloat16()
+    else:
+        fast = True
+    return torch.bfloat16 if fast else torch.float32
 
 
 def check_non_negative(**settings: float) -> None:

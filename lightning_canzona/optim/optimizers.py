@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import torch
+
 from lightning_canzona.optim.optimizer import (
     MatrixOptimizer,
     check_betas,
@@ -55,9 +57,10 @@ class Muon(MatrixOptimizer):
         ns_steps: Newton–Schulz iterations.
         adjust_lr_fn: ``"original"`` (``√max(1, rows/cols)``) or ``"match_rms_adamw"``
             (``0.2·√max(rows, cols)``); ``None`` means ``"original"``.
-        compute_dtype: Dtype of the Newton–Schulz iteration: ``"bfloat16"`` (as ``torch.optim.Muon``)
-            or ``"float32"``, in IEEE float32 even where TF32 is enabled
-            (`lightning_canzona.rules.ieee`).
+        compute_dtype: Dtype of the Newton–Schulz iteration: ``"bfloat16"`` (as ``torch.optim.Muon``),
+            ``"float32"`` (IEEE float32 even where TF32 is enabled: `lightning_canzona.rules.ieee`),
+            or ``"auto"``: bfloat16 where the parameters' device multiplies it in hardware (CUDA
+            GPUs from Ampere on, CPUs with AVX512-BF16 or AMX), float32 elsewhere.
         ns_form: ``"standard"`` (as ``torch.optim.Muon``) or ``"gram"``: the same polynomial
             iterated on ``XXᵀ``, fewer FLOPs for matrices more than about 1.5 times as long as
             wide; ``"standard-symmetric"`` or ``"gram-symmetric"``: either with its symmetric
@@ -84,7 +87,7 @@ class Muon(MatrixOptimizer):
         eps: float = 1e-7,
         ns_steps: int = 5,
         adjust_lr_fn: str | None = None,
-        compute_dtype: str = "bfloat16",
+        compute_dtype: str = "auto",
         ns_form: str = "standard",
         qk_clip: QKClip | None = None,
         **kwargs: Any,
@@ -128,8 +131,8 @@ class NorMuon(MatrixOptimizer):
         eps: Lower clamp of the Frobenius norm that normalises the input of Newton–Schulz.
         ns_steps: Newton–Schulz iterations.
         adjust_lr_fn: As `Muon`'s: ``"original"`` (``None``) or ``"match_rms_adamw"``.
-        compute_dtype: Dtype of the Newton–Schulz iteration, ``"bfloat16"`` or ``"float32"`` (IEEE
-            float32 even where TF32 is enabled; the normalisation computes in float32).
+        compute_dtype: Dtype of the Newton–Schulz iteration, as `Muon`'s (the normalisation
+            computes in float32).
         ns_form: As `Muon`'s.
         beta2: Decay of each output neuron's second moment (dion's ``muon_beta2``).
         qk_clip: As `Muon`'s.
@@ -151,7 +154,7 @@ class NorMuon(MatrixOptimizer):
         eps: float = 1e-7,
         ns_steps: int = 5,
         adjust_lr_fn: str | None = None,
-        compute_dtype: str = "bfloat16",
+        compute_dtype: str = "auto",
         ns_form: str = "standard",
         beta2: float = 0.95,
         qk_clip: QKClip | None = None,
@@ -179,6 +182,11 @@ def _qk_clip_setting(qk_clip: QKClip | None) -> QKClip | None:
     return qk_clip
 
 
+def _device(group: dict[str, Any]) -> torch.device | None:
+    """The device of a param group's parameters (``None`` for an empty group)."""
+    return group["params"][0].device if group["params"] else None
+
+
 def _muon_settings(group: dict[str, Any]) -> dict[str, Any]:
     """`MuonRule`'s fields from a Muon or NorMuon param group, checked."""
     _check_positive_int(ns_steps=group["ns_steps"])
@@ -196,7 +204,7 @@ def _muon_settings(group: dict[str, Any]) -> dict[str, Any]:
         ns_steps=group["ns_steps"],
         eps=group["eps"],
         adjust_lr_fn=adjust_lr_fn,
-        compute_dtype=resolve_dtype(group["compute_dtype"]),
+        compute_dtype=resolve_dtype(group["compute_dtype"], _device(group)),
         ns_form=group["ns_form"],
     )
 

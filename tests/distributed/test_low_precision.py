@@ -39,7 +39,7 @@ def test_low_precision_weights_equal_torch_optim_muon_bit_for_bit(dtype) -> None
     grads = [[torch.randn_like(t).to(dtype) for t in initial] for _ in range(3)]
     settings = {"lr": 0.02, "weight_decay": 0.1}
     ours, theirs = _copies(initial, dtype), _copies(initial, dtype)
-    _steps(lambda p: lc.Muon(p, **settings), ours, grads)
+    _steps(lambda p: lc.Muon(p, **settings, compute_dtype="bfloat16"), ours, grads)
     _steps(lambda p: torch.optim.Muon(p, **settings), theirs, grads)
     for mine, reference in zip(ours, theirs):
         assert torch.equal(mine, reference)
@@ -56,7 +56,7 @@ def test_a_tall_matrix_rounds_once_as_torch_optim_muon_on_its_transpose(dtype) -
     grads = [[torch.randn(96, 64).to(dtype)] for _ in range(3)]
     settings = {"lr": 0.02, "weight_decay": 0.1, "adjust_lr_fn": "match_rms_adamw"}
     (ours,), (theirs,) = _copies([initial], dtype), _copies([initial.T.contiguous()], dtype)
-    _steps(lambda p: lc.Muon(p, **settings), [ours], grads)
+    _steps(lambda p: lc.Muon(p, **settings, compute_dtype="bfloat16"), [ours], grads)
     _steps(lambda p: torch.optim.Muon(p, **settings), [theirs], [[g.T.contiguous()] for (g,) in grads])
     assert torch.equal(ours, theirs.T)
 

@@ -212,7 +212,7 @@ def _one_sum_per_round(rank: int, world_size: int) -> None:
     mesh = init_device_mesh(DEVICE, (world_size,))
     full = torch.randn(12, 200, generator=torch.Generator().manual_seed(0)).to(DEVICE)
     weight = nn.Parameter(distribute_tensor(full, mesh, [Shard(1)], src_data_rank=None))
-    optimizer = TeamMuon([("weight", weight)], lr=0.02, ns_steps=5)  # bf16 Gram matrices
+    optimizer = TeamMuon([("weight", weight)], lr=0.02, ns_steps=5, compute_dtype="bfloat16")
     weight.grad = torch.ones_like(weight)
     sums = []
     original = team_collectives.Reduction

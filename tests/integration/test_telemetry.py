@@ -14,6 +14,7 @@ import lightning_canzona as lc
 from lightning_canzona.data import ByteTextDataModule
 from lightning_canzona.models import CausalLanguageModel, Qwen3
 from lightning_canzona.optim import PRESETS, matrix_param_groups
+from lightning_canzona.optim.optimizer import resolve_dtype
 from lightning_canzona.planning import PlanSettings, build_plan, describe
 from lightning_canzona.planning.traffic import traffic
 from lightning_canzona.rules import MuonRule
@@ -49,8 +50,10 @@ def test_step_costs_are_logged_and_bytes_match_the_planners_traffic_model(tmp_pa
     with torch.device("meta"):
         named = [(n, p.shape) for n, p in matrix_param_groups(Qwen3("tiny"))[0]["params"]]
     plan = build_plan(describe(named, MuonRule(PRESETS["quintic"])), 2, 2, PlanSettings())
-    # Every tiny matrix splits evenly over the 4 ranks, as the model assumes; Muon exchanges bf16.
-    expected_mib = sum(traffic(plan, element_bytes=2).rank_sent) / 2**20
+    # Every tiny matrix splits evenly over the 4 ranks, as the model assumes; Muon exchanges its
+    # compute dtype ("auto": bf16 where the CPU multiplies it, float32 elsewhere).
+    element_bytes = resolve_dtype("auto", torch.device("cpu")).itemsize
+    expected_mib = sum(traffic(plan, element_bytes=element_bytes).rank_sent) / 2**20
     for row in logged:
         values = {
             name: float(row[name])

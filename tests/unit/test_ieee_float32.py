@@ -49,7 +49,7 @@ OPTIMIZERS = {
     "shampoo": (lc.Shampoo, {"start_preconditioning_step": 1}),
     "soap": (lc.SOAP, {"precondition_frequency": 1}),
     "muon float32": (lc.Muon, {"compute_dtype": "float32"}),
-    "muon bfloat16": (lc.Muon, {}),
+    "muon bfloat16": (lc.Muon, {"compute_dtype": "bfloat16"}),
 }
 
 

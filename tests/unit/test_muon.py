@@ -34,7 +34,7 @@ def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def test_equals_torch_optim_muon_bit_for_bit_in_bf16(shape, kwargs) -> None:
     grads = [torch.randn(shape) for _ in range(3)]
     torch.manual_seed(1)
-    initial, ours = _run(lc.Muon, shape, grads=grads, **kwargs)
+    initial, ours = _run(lc.Muon, shape, grads=grads, compute_dtype="bfloat16", **kwargs)
     torch.manual_seed(1)
     _, theirs = _run(torch.optim.Muon, shape, grads=grads, **kwargs)
     # The same operations in the same order and dtypes, so the same bits.
@@ -91,14 +91,28 @@ def test_stack_of_matrices_updates_each_matrix_like_its_own_parameter() -> None:
         torch.testing.assert_close(stacked[index], single.detach(), rtol=1e-5, atol=1e-6)
 
 
-def test_bf16_is_the_default_compute_dtype() -> None:
+def test_bf16_and_float32_compute_the_same_update_to_rounding() -> None:
     grads = [torch.randn(64, 96)]
     torch.manual_seed(3)
-    initial, bf16 = _run(lc.Muon, (64, 96), steps=1, grads=grads, lr=0.02)
+    initial, bf16 = _run(lc.Muon, (64, 96), steps=1, grads=grads, lr=0.02, compute_dtype="bfloat16")
     torch.manual_seed(3)
     _, fp32 = _run(lc.Muon, (64, 96), steps=1, grads=grads, lr=0.02, compute_dtype="float32")
     error = _relative_error(bf16 - initial, fp32 - initial)
     assert 1e-5 < error < 0.1  # different rounding, same update
+
+
+@pytest.mark.parametrize("bf16_instructions", [True, False])
+def test_auto_computes_in_bf16_where_the_cpu_multiplies_it_and_float32_elsewhere(
+    bf16_instructions, monkeypatch
+) -> None:
+    from lightning_canzona.optim import optimizer as base
+
+    monkeypatch.setattr(base, "cpu_multiplies_bfloat16", lambda: bf16_instructions)
+    muon = lc.Muon([torch.nn.Parameter(torch.randn(8, 4))])
+    assert muon.param_groups[0]["compute_dtype"] == "auto"  # resolved where the parameters are
+    expected = torch.bfloat16 if bf16_instructions else torch.float32
+    assert muon.rule_of(muon.param_groups[0]).compute_dtype == expected
+    assert base.resolve_dtype("auto", torch.device("meta")) == torch.bfloat16  # as torch.optim.Muon
 
 
 def test_the_gram_form_updates_as_the_standard_form() -> None:

@@ -183,7 +183,7 @@ def test_parameters_without_gradients_are_left_alone() -> None:
         (lambda p: lc.Muon(p, ns_steps=0), r"ns_steps must be an integer >= 1, got 0"),
         (lambda p: lc.Muon(p, ns_coefficients="cubic"), r"Unknown ns_coefficients preset 'cubic'"),
         (lambda p: lc.Muon(p, adjust_lr_fn="sqrt"), r"adjust_lr_fn must be one of"),
-        (lambda p: lc.Muon(p, compute_dtype="float16"), r"compute_dtype must be one of"),
+        (lambda p: lc.Muon(p, compute_dtype="float16"), r"compute_dtype must be 'auto' or one of"),
         (lambda p: lc.Muon(p, momentum=1.0), r"momentum must lie in \[0, 1\)"),
         (
             lambda p: lc.Shampoo(p, precondition_frequency=0),
