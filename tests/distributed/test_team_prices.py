@@ -93,7 +93,7 @@ def _mixed_compute_dtypes(rank: int, world_size: int) -> None:
 
     def muon(team_prices):
         groups = [
-            {"params": weights[:1]},
+            {"params": weights[:1], "compute_dtype": "bfloat16"},
             {"params": weights[1:2], "compute_dtype": "float32"},
             {"params": weights[2:], "compute_dtype": "float64"},
         ]
