@@ -90,21 +90,6 @@ def _fit(
     return torch.load(tmp_path / f"{name}.pt")
 
 
-@pytest.mark.parametrize("distributed", [True, False], ids=["distributed", "single-file"])
-def test_checkpoint_resumes_exactly_at_the_same_mesh(tmp_path, distributed) -> None:
-    uninterrupted = _fit(tmp_path, "uninterrupted", distributed=distributed)
-    checkpoint = tmp_path / "checkpoints" / "epoch=0-step=3.ckpt"
-    # Distributed: one shard file per rank in a folder. Single file: every owner's state in one.
-    assert checkpoint.is_dir() == distributed
-    resumed = _fit(tmp_path, "resumed", ckpt_path=str(checkpoint), distributed=distributed)
-    assert len(resumed) == 3
-    # The next three losses: the first checks the weights and the data (the batch after the
-    # checkpoint's, in the same epoch), the next two the optimizer state (owner-held SOAP factors
-    # and bases, sharded moments), the learning-rate schedule and the next epoch's order.
-    for got, expected in zip(resumed, uninterrupted[3:]):
-        assert abs(got - expected) <= 1e-6, (resumed, uninterrupted[3:])
-
-
 class CountTeams(Callback):
     """Asserts, on every rank, that the plan has matrices computed by teams, and that the
     optimizer's counters are Python numbers, also after a save or a load handed state over."""
@@ -118,7 +103,8 @@ class CountTeams(Callback):
         assert counted and counted <= {int, float}, kinds
 
 
-#: Optimizers whose plans split matrices over teams (collectives priced at zero) on both meshes:
+#: The resumed optimizers; with collectives priced at zero their plans split matrices over teams on
+#: both meshes:
 #: Muon's state is momentum, sharded like the weights whoever computes the update; SOAP's moments
 #: are in slices on a team's members (at max_precond_dim 100, the 128-long sides of the attention
 #: and the MLP have no factor, the key and value projections' 64-long side has), and a checkpoint
@@ -134,27 +120,30 @@ TEAM_OPTIMIZERS = {
 
 
 @pytest.mark.parametrize(
-    "optimizer, distributed",
-    [("muon", True), ("soap", True), ("soap", False), ("shampoo", True)],
-    ids=["muon-distributed", "soap-distributed", "soap-single-file", "shampoo-distributed"],
+    "optimizer, distributed, teams",
+    [("muon", True, True), ("soap", True, True), ("soap", False, False), ("shampoo", True, True)],
+    ids=["muon-distributed", "soap-distributed", "soap-single-file-whole", "shampoo-distributed"],
 )
-def test_checkpoint_of_matrices_computed_by_teams_resumes_exactly(tmp_path, optimizer, distributed) -> None:
-    teams = {
-        "optimizer": TEAM_OPTIMIZERS[optimizer],
-        "plan": lc.PlanConfig(team_prices=(0.0, 0.0)),
-        "extra": [CountTeams()],
-        "distributed": distributed,
-    }
-    uninterrupted = _fit(tmp_path, "uninterrupted", **teams)
+def test_checkpoint_resumes_exactly_and_reshards(tmp_path, optimizer, distributed, teams) -> None:
+    """Stopped at step 3 and resumed, the next three losses are the uninterrupted run's: the
+    first checks the weights and the data (the batch after the checkpoint's, in the same epoch),
+    the next two the optimizer state (owner-held SOAP factors and bases, sharded moments, states
+    of matrices computed by teams), the learning-rate schedule and the next epoch's order."""
+    settings = {"optimizer": TEAM_OPTIMIZERS[optimizer], "distributed": distributed}
+    if teams:  # collectives priced at zero: matrices split over teams
+        settings.update(plan=lc.PlanConfig(team_prices=(0.0, 0.0)), extra=[CountTeams()])
+    uninterrupted = _fit(tmp_path, "uninterrupted", **settings)
     checkpoint = tmp_path / "checkpoints" / "epoch=0-step=3.ckpt"
-    resumed = _fit(tmp_path, "resumed", ckpt_path=str(checkpoint), **teams)
+    # Distributed: one shard file per rank in a folder. Single file: every owner's state in one.
+    assert checkpoint.is_dir() == distributed
+    resumed = _fit(tmp_path, "resumed", ckpt_path=str(checkpoint), **settings)
     for got, expected in zip(resumed, uninterrupted[3:], strict=True):
         assert abs(got - expected) <= 1e-6, (resumed, uninterrupted[3:])
     # Resharded onto dp 2 × tp 1, where other teams compute: the same data per data-parallel
     # rank, the same training up to the order in which one TP rank instead of two sums partial
     # products (SOAP's eigenbasis grows those ulps: see the resharding test below).
     resharded = _fit(
-        tmp_path, "resharded", ckpt_path=str(checkpoint), mesh=(2, 1), checkpoints=False, **teams
+        tmp_path, "resharded", ckpt_path=str(checkpoint), mesh=(2, 1), checkpoints=False, **settings
     )
     tolerance = 1e-4 if optimizer == "muon" else 5e-3
     for got, expected in zip(resharded, uninterrupted[3:], strict=True):
