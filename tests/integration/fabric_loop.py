@@ -71,8 +71,8 @@ def parallelize_mlps(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Modul
 
 
 def train(fabric: Fabric, setup: str, model_name: str = "qwen3") -> dict[str, object]:
-    """The loop, on the ranks that ``fabric`` launched; rank 0 returns the trained weights whole
-    and the gradient norms before each clipping."""
+    """The loop, on the ranks that ``fabric`` launched; rank 0 returns the trained weights whole,
+    the gradient norms before each clipping and the shapes of the meshes the optimizer planned."""
     model = build(model_name)
     if setup == "joint":  # the optimizer built on the parameters before they are sharded
         model, optimizer = fabric.setup(model, lc.Muon(lc.matrix_param_groups(model), **MUON))
@@ -87,7 +87,8 @@ def train(fabric: Fabric, setup: str, model_name: str = "qwen3") -> dict[str, ob
         norms.append(float(fabric.clip_gradients(model, optimizer, max_norm=MAX_NORM)))
         optimizer.step()
         optimizer.zero_grad()
-    return {"weights": full_model_state(model), "norms": norms}
+    meshes = [tuple(mesh.shape) for mesh in optimizer.plans()]
+    return {"weights": full_model_state(model), "norms": norms, "meshes": meshes}
 
 
 def main(out: str, dp: str, tp: str, setup: str, model: str = "qwen3") -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from fabric_loop import ACCUMULATE, MAX_NORM, MUON, batches, build, loss_of, train
+from fabric_loop import ACCUMULATE, MAX_NORM, MUON, batches, build, loss_of, parallelize_mlps, train
 from lightning.fabric import Fabric
 from printed import warning_lines
 from safetensors.torch import load_file
@@ -88,16 +88,18 @@ def test_a_fabric_script_trains_the_bundled_model_exactly(tmp_path) -> None:
     _check_against_one_process(torch.load(out), tensor_parallel=True)
 
 
-def test_a_third_party_model_trains_exactly_with_the_users_parallelize_fn(tmp_path) -> None:
+def test_a_third_party_model_trains_exactly_with_the_users_parallelize_fn(capfd) -> None:
     # A transformers Llama whose own plan the user's parallelize_fn replaces: at dp 2 × tp 2 it
-    # splits the MLPs and keeps attention whole on each TP rank.
-    out = tmp_path / "trained.pt"
-    printed = _run(LOOP, out, 2, 2, "joint", "llama", cwd=tmp_path)
+    # splits the MLPs and keeps attention whole on each TP rank. The ranks are forked from here
+    # (the script launch is the bundled model's test).
+    strategy = lc.CanzonaFabricStrategy(2, 2, parallelize_fn=parallelize_mlps, start_method="fork")
+    trained = Fabric(accelerator="cpu", devices=4, strategy=strategy).launch(train, "joint", "llama")
     # One plan over the whole mesh: attention's matrices, whole on each TP rank, are computed
     # once too (one owner for the TP replicas of its data-parallel shards), like the split MLPs.
-    assert printed.count("lightning_canzona plan on mesh (2, 2)") == 1
+    assert trained["meshes"] == [(2, 2)]
+    printed = "".join(capfd.readouterr())
     assert not warning_lines(printed), printed[-3000:]
-    _check_against_one_process(torch.load(out), tensor_parallel=True, model_name="llama")
+    _check_against_one_process(trained, tensor_parallel=True, model_name="llama")
 
 
 def test_fabric_takes_the_strategy_by_name_and_checks_its_settings_before_any_rank_starts() -> None:
