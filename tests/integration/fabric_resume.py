@@ -1,16 +1,10 @@
-"""A Fabric loop that saves and resumes, run by `test_fabric.py` as a script: SOAP (whose factors
-and eigenbases live with each matrix's owner) on the bundled model with 4 key/value heads (so
-that 4 TP ranks can split them), ``fabric.save`` after ``SAVED_AT`` steps and ``fabric.load`` at
-whatever mesh the resumed run has.
-
-Usage: ``python fabric_resume.py OUT DP TP CHECKPOINT PHASE``; PHASE ``first`` trains every step
-and saves the checkpoint on the way, ``resumed`` loads it and trains the remaining steps. Rank 0
-saves the trained weights whole to OUT.
+"""A Fabric loop that saves and resumes, which `test_fabric.py` launches on forked ranks: SOAP
+(whose factors and eigenbases live with each matrix's owner) on the bundled model with 4
+key/value heads (so that 4 TP ranks can split them), ``fabric.save`` after ``SAVED_AT`` steps and
+``fabric.load`` at whatever mesh the resumed run has.
 """
 
 from __future__ import annotations
-
-import sys
 
 import torch
 from fabric_loop import ACCUMULATE, batches, loss_of
@@ -26,10 +20,10 @@ SOAP = {"lr": 3e-3, "precondition_frequency": 1, "weight_decay": 0.01}
 CONFIG = Qwen3Config(256, 128, 384, 2, 4, 4, head_dim=32, rope_theta=10_000.0)
 
 
-def main(out: str, dp: str, tp: str, checkpoint: str, phase: str) -> None:
-    sizes = [size if size == "auto" else int(size) for size in (dp, tp)]
-    fabric = Fabric(accelerator="cpu", devices=4, strategy=lc.CanzonaFabricStrategy(*sizes))
-    fabric.launch()
+def train(fabric: Fabric, checkpoint: str, phase: str) -> dict[str, torch.Tensor]:
+    """The loop on the ranks ``fabric`` launched; ``phase`` ``"first"`` trains every step and saves
+    the checkpoint on the way, ``"resumed"`` loads it and trains the remaining steps. Rank 0
+    returns the trained weights whole."""
     torch.manual_seed(0)
     model = fabric.setup_module(Qwen3(CONFIG))
     optimizer = fabric.setup_optimizers(lc.SOAP(lc.matrix_param_groups(model), **SOAP))
@@ -47,10 +41,4 @@ def main(out: str, dp: str, tp: str, checkpoint: str, phase: str) -> None:
         state["step"] = step + 1
         if phase == "first" and state["step"] == SAVED_AT:
             fabric.save(checkpoint, state)
-    weights = full_model_state(model)
-    if fabric.global_rank == 0:
-        torch.save(weights, out)
-
-
-if __name__ == "__main__":
-    main(*sys.argv[1:6])
+    return full_model_state(model)

@@ -19,6 +19,7 @@ import pytest
 import torch
 import transformers
 from fabric_loop import ACCUMULATE, MAX_NORM, MUON, batches, build, loss_of, parallelize_mlps, train
+from fabric_resume import train as resume_run
 from lightning.fabric import Fabric
 from printed import warning_lines
 from safetensors.torch import load_file
@@ -32,7 +33,6 @@ from lightning_canzona.models.qwen3 import PRESETS, Qwen3
 from lightning_canzona.telemetry import COMPUTE_MAX_MS, COMPUTE_MS, MATRICES, SENT_MIB, STEP_MS
 
 LOOP = Path(__file__).with_name("fabric_loop.py")
-RESUME = Path(__file__).with_name("fabric_resume.py")
 
 
 def _one_process(model_name: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[float]]:
@@ -158,15 +158,19 @@ def test_a_notebook_launch_of_a_model_that_cannot_take_the_sizes_is_one_report(c
     assert "device mesh" not in printed
 
 
-def test_a_fabric_checkpoint_resumes_at_tp4_with_every_owners_state(tmp_path) -> None:
+def _resume_run(dp: int, tp: int, checkpoint: Path, phase: str) -> dict[str, torch.Tensor]:
+    strategy = lc.CanzonaFabricStrategy(dp, tp, start_method="fork")
+    return Fabric(accelerator="cpu", devices=4, strategy=strategy).launch(resume_run, str(checkpoint), phase)
+
+
+def test_a_fabric_checkpoint_resumes_at_tp4_with_every_owners_state(tmp_path, capfd) -> None:
     # Saved at dp 2 × tp 2, resumed at dp 1 × tp 4 (the Trainer's tests reshard to dp 4).
     checkpoint = tmp_path / "checkpoint"
-    _run(RESUME, tmp_path / "uninterrupted.pt", 2, 2, checkpoint, "first", cwd=tmp_path)
+    uninterrupted = _resume_run(2, 2, checkpoint, "first")
     assert (checkpoint / "manifest.json").is_file()  # verified when loaded
-    uninterrupted = torch.load(tmp_path / "uninterrupted.pt")
-    printed = _run(RESUME, tmp_path / "resumed.pt", 1, 4, checkpoint, "resumed", cwd=tmp_path)
+    resumed = _resume_run(1, 4, checkpoint, "resumed")
+    printed = "".join(capfd.readouterr())
     assert not warning_lines(printed), printed[-3000:]
-    resumed = torch.load(tmp_path / "resumed.pt")
     # The same training up to the order in which TP ranks sum partial products, which SOAP's
     # eigenbases grow. Measured, of the largest weight: 2.8e-4 (2.0e-4 at dp 4); resumed without
     # the optimizer's state, 0.46 (dp 4).
