@@ -98,6 +98,12 @@ class _Setting(NamedTuple):
         """Intra-op threads per rank: the ranks share the machine's cores."""
         return max(1, (os.cpu_count() or 1) // (self.dp * self.tp))
 
+    @property
+    def start_method(self) -> str:
+        """How ranks start: forked on CPUs (no interpreter and imports per rank, 10 s each on a
+        slow CPU), spawned on GPUs (a forked child cannot use CUDA that its parent used)."""
+        return "fork" if self.device == "cpu" else "spawn"
+
     def datamodule(self) -> ByteTextDataModule:
         """Every variant's data: the same batches in the same order on each rank."""
         return ByteTextDataModule(seq_len=self.seq_len, batch_size=8)
@@ -206,11 +212,15 @@ class _CanzonaModel(CausalLanguageModel):
         return lc.Muon(groups, adamw_lr=ADAMW_LR, **muon)
 
 
-class _SpawnedModelParallel(ModelParallelStrategy):
+class _InProcessModelParallel(ModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy``, started from this process like `CanzonaStrategy`."""
 
+    def __init__(self, start_method: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.start_method = start_method
+
     def _configure_launcher(self) -> None:
-        self._launcher = InProcessLauncher(self, start_method="spawn")
+        self._launcher = InProcessLauncher(self, start_method=self.start_method)
 
 
 class _Timer(Callback):
@@ -266,9 +276,9 @@ def _strategy(variant: str, setting: _Setting) -> Any:
     sizes = {"data_parallel_size": setting.dp, "tensor_parallel_size": setting.tp}
     if variant == "canzona":
         return lc.CanzonaStrategy(
-            **sizes, process_group_backend=setting.backend, start_method="spawn", telemetry=False
+            **sizes, process_group_backend=setting.backend, start_method=setting.start_method, telemetry=False
         )
-    return _SpawnedModelParallel(**sizes, process_group_backend=setting.backend)
+    return _InProcessModelParallel(setting.start_method, **sizes, process_group_backend=setting.backend)
 
 
 def _fit_with_trainer(name: str, model: LightningModule, setting: _Setting) -> TrainTiming:
@@ -299,7 +309,7 @@ def _fit_with_fabric(name: str, model: LightningModule, setting: _Setting) -> Tr
         data_parallel_size=setting.dp,
         tensor_parallel_size=setting.tp,
         process_group_backend=setting.backend,
-        start_method="spawn",
+        start_method=setting.start_method,
     )
     fabric = Fabric(
         accelerator=setting.device,
