@@ -1,16 +1,9 @@
-"""A Fabric training loop as a user writes it, run by `test_fabric.py` as a script (the ranks are
-re-run from it): a model, ``fabric.setup(model, optimizer)``, gradient accumulation under
-``no_backward_sync``, clipping, and the trained weights saved whole by rank 0.
-
-Usage: ``python fabric_loop.py OUT DP TP SETUP [MODEL]`` (``auto`` for either size; SETUP
-``joint``: ``fabric.setup(model, optimizer)``, ``separate``: ``setup_module`` then
-``setup_optimizers``; MODEL ``qwen3``, the bundled model, or ``llama``: a ``transformers`` Llama
-parallelized by the user's ``parallelize_fn`` instead of its own plan).
+"""A Fabric training loop as a user writes it, which `test_fabric.py` launches on forked ranks: a
+model, ``fabric.setup(model, optimizer)`` or ``setup_module`` then ``setup_optimizers``, gradient
+accumulation under ``no_backward_sync``, clipping, and the trained weights gathered whole.
 """
 
 from __future__ import annotations
-
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -89,21 +82,3 @@ def train(fabric: Fabric, setup: str, model_name: str = "qwen3") -> dict[str, ob
         optimizer.zero_grad()
     meshes = [tuple(mesh.shape) for mesh in optimizer.plans()]
     return {"weights": full_model_state(model), "norms": norms, "meshes": meshes}
-
-
-def main(out: str, dp: str, tp: str, setup: str, model: str = "qwen3") -> None:
-    sizes = [size if size == "auto" else int(size) for size in (dp, tp)]
-    # The headline: the strategy by name; explicit sizes (or the user's parallelize_fn) through the class.
-    if model == "llama":
-        strategy = lc.CanzonaFabricStrategy(*sizes, parallelize_fn=parallelize_mlps)
-    else:
-        strategy = "canzona" if sizes == ["auto", "auto"] else lc.CanzonaFabricStrategy(*sizes)
-    fabric = Fabric(accelerator="cpu", devices=4, strategy=strategy)
-    fabric.launch()
-    trained = train(fabric, setup, model)
-    if fabric.global_rank == 0:
-        torch.save(trained, out)
-
-
-if __name__ == "__main__":
-    main(*sys.argv[1:])
