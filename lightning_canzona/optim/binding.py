@@ -57,10 +57,10 @@ def convert_torch_muon(optimizer: Optimizer, module: nn.Module, config: PlanConf
     """A `Muon` with ``optimizer``'s param groups, one to one, and their hyperparameters.
 
     `Muon` takes ``torch.optim.Muon``'s keywords with the same meaning, and computes in bfloat16 as
-    it does (not `Muon`'s ``"auto"``). Groups keep their order
-    and every key (a scheduler's ``initial_lr`` among them), so a learning-rate scheduler built on
-    ``optimizer`` drives the new one once re-pointed at it, and ``param_groups[i]`` edits keep
-    working. Parameters are named after ``module``'s.
+    it does (not `Muon`'s ``"auto"``). Groups keep their order and every key (a scheduler's
+    ``initial_lr`` among them), so a learning-rate scheduler built on ``optimizer`` drives the new
+    one once re-pointed at it, and ``param_groups[i]`` edits keep working. Parameters are named
+    after ``module``'s.
     """
     names = {id(param): name for name, param in module.named_parameters()}
     groups = [
