@@ -34,3 +34,21 @@ def run_script(*arguments: object, cwd: Path, timeout: float = 300) -> tuple[int
         except ProcessLookupError:
             pass
     return process.returncode, output
+
+
+#: Runs the example script ``sys.argv[1]`` with the rest as its arguments, every
+#: `CanzonaStrategy` it builds forking its ranks from this one interpreter.
+_FORKED = """
+import functools, runpy, sys
+import lightning_canzona as lc
+lc.CanzonaStrategy = functools.partial(lc.CanzonaStrategy, start_method="fork")
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def run_example_forked(example: Path, *arguments: object, cwd: Path) -> tuple[int, str]:
+    """`run_script` of an example whose Trainer is built with `CanzonaStrategy`, its ranks forked
+    instead of re-running the script once each: the example's own code, without an interpreter
+    and its imports per rank (the README's launches are tested as users run them)."""
+    return run_script("-c", _FORKED, example, *arguments, cwd=cwd)

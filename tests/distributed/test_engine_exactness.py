@@ -1,8 +1,9 @@
 """The distributed engine equals the single-process optimizer on the full matrices.
 
 Each mesh runs in one process group; inside it every optimizer × policy × α combination (with
-overlap, and one without) steps a model parallelized with ``parallelize_module`` (TP) and ``fully_shard`` (FSDP2), fed the
-same full gradients as a single-process reference on plain tensors, in float32 compute.
+overlap, and one without) steps a model parallelized with ``parallelize_module`` (TP) and
+``fully_shard`` (FSDP2), fed the same full gradients as a single-process reference on plain
+tensors, in float32 compute.
 """
 
 from __future__ import annotations

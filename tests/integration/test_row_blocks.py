@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import copy
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from printed import warning_lines
+from scripts import run_example_forked
 from torch import nn
 
 import lightning_canzona as lc
@@ -221,20 +219,11 @@ def test_matrix_param_groups_name_a_row_blocks_pattern_that_does_not_apply(row_b
 
 def test_the_documented_example_trains_with_split_weights(tmp_path) -> None:
     example = Path(__file__).resolve().parents[2] / "examples" / "models" / "fused_weights.py"
-    # As a user runs it: a script that Lightning re-runs once per rank.
-    done = subprocess.run(
-        [sys.executable, str(example), "--max_steps", "8", "--per_head"],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    assert done.returncode == 0, done.stdout[-3000:]
+    code, output = run_example_forked(example, "--max_steps", "8", "--per_head", cwd=tmp_path)
+    assert code == 0, output[-3000:]
     # The strategy says what it splits, and how.
-    assert "(8, 8, 8, 8, 8, 8, 8, 8, 16): blocks.0.qkv.weight and 1 more" in done.stdout
-    assert "2: blocks.0.gate_up.weight and 1 more" in done.stdout
-    (line,) = [line for line in done.stdout.splitlines() if line.startswith("final train_loss")]
+    assert "(8, 8, 8, 8, 8, 8, 8, 8, 16): blocks.0.qkv.weight and 1 more" in output
+    assert "2: blocks.0.gate_up.weight and 1 more" in output
+    (line,) = [line for line in output.splitlines() if line.startswith("final train_loss")]
     assert float(line.split()[-1]) < math.log(256) - 0.5  # well below a uniform guess over bytes
-    assert not warning_lines(done.stdout), done.stdout[-3000:]
+    assert not warning_lines(output), output[-3000:]

@@ -15,8 +15,6 @@ import ast
 import logging
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +23,7 @@ import transformers
 from lightning import Callback, LightningModule
 from lightning.fabric import Fabric
 from printed import warning_lines
+from scripts import run_example_forked
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -294,16 +293,8 @@ def test_the_package_never_imports_transformers_itself() -> None:
 )
 def test_the_documented_examples_train(tmp_path, script, arguments) -> None:
     example = Path(__file__).resolve().parents[2] / "examples" / "models" / script
-    # As a user runs it: a script that Lightning re-runs once per rank.
-    done = subprocess.run(
-        [sys.executable, str(example), *arguments, "--max_steps", "8"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    (line,) = [line for line in done.stdout.splitlines() if line.startswith("final train_loss")]
+    code, output = run_example_forked(example, *arguments, "--max_steps", "8", cwd=tmp_path)
+    assert code == 0, output[-3000:]
+    (line,) = [line for line in output.splitlines() if line.startswith("final train_loss")]
     assert float(line.split()[-1]) < math.log(256) - 1.0  # well below a uniform guess over bytes
-    assert not warning_lines(done.stdout + done.stderr), done.stderr[-3000:]
+    assert not warning_lines(output), output[-3000:]
