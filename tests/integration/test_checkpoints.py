@@ -110,7 +110,7 @@ class CountTeams(Callback):
 #: and the MLP have no factor, the key and value projections' 64-long side has), and a checkpoint
 #: holds them whole; Shampoo's attention matrices have factors on both sides, the long side's in
 #: rows on the members. Every third step a decomposition: after the checkpoint too.
-TEAM_OPTIMIZERS = {
+RESUMED_OPTIMIZERS = {
     "muon": functools.partial(lc.Muon, lr=0.02, compute_dtype="float32"),
     "soap": functools.partial(lc.SOAP, lr=3e-3, precondition_frequency=3, max_precond_dim=100),
     "shampoo": functools.partial(
@@ -129,7 +129,7 @@ def test_checkpoint_resumes_exactly_and_reshards(tmp_path, optimizer, distribute
     first checks the weights and the data (the batch after the checkpoint's, in the same epoch),
     the next two the optimizer state (owner-held SOAP factors and bases, sharded moments, states
     of matrices computed by teams), the learning-rate schedule and the next epoch's order."""
-    settings = {"optimizer": TEAM_OPTIMIZERS[optimizer], "distributed": distributed}
+    settings = {"optimizer": RESUMED_OPTIMIZERS[optimizer], "distributed": distributed}
     if teams:  # collectives priced at zero: matrices split over teams
         settings.update(plan=lc.PlanConfig(team_prices=(0.0, 0.0)), extra=[CountTeams()])
     uninterrupted = _fit(tmp_path, "uninterrupted", **settings)
