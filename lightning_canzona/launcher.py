@@ -117,28 +117,7 @@ class ForkSafeLaunch:
                 (`refuse_fork_after_cuda`), before any rank starts.
         """
         refuse_fork_after_cuda(self._start_method, self._strategy.root_device)  # type: ignore[attr-defined]
-        before = set(multiprocessing.active_children())
-        outcome: dict[str, Any] = {}
-
-        def run() -> None:
-            try:
-                outcome["result"] = super(ForkSafeLaunch, self).launch(function, *args, **kwargs)  # type: ignore[misc]
-            except BaseException as error:
-                outcome["error"] = error
-
-        launching = threading.Thread(target=run, name="lightning_canzona-launch", daemon=True)
-        launching.start()
-        try:
-            while launching.is_alive():
-                launching.join(timeout=0.2)
-        except BaseException:  # KeyboardInterrupt in a notebook: no rank may live on
-            for rank in set(multiprocessing.active_children()) - before:
-                rank.kill()
-            launching.join(timeout=30)
-            raise
-        if "error" in outcome:
-            raise outcome["error"]
-        return outcome.get("result")
+        return in_fresh_thread(super().launch, function, *args, **kwargs)  # type: ignore[misc]
 
     def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
         _die_with_launching_thread()
@@ -215,6 +194,35 @@ class FabricInProcessLauncher(ForkSafeLaunch, FabricMultiProcessingLauncher):
             return torch.load(path, weights_only=False)  # what rank 0 of this launch returned
         finally:
             shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+
+
+def in_fresh_thread(start: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``start(*args, **kwargs)``, a function that starts ranks and joins them, run in a new
+    thread that has run no OpenMP region (see the module docstring), and waited for here; the
+    ranks it started are killed if the wait is interrupted (KeyboardInterrupt in a notebook: no
+    rank may live on). Returns what ``start`` returns and raises what it raises."""
+    before = set(multiprocessing.active_children())
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = start(*args, **kwargs)
+        except BaseException as error:
+            outcome["error"] = error
+
+    launching = threading.Thread(target=run, name="lightning_canzona-launch", daemon=True)
+    launching.start()
+    try:
+        while launching.is_alive():
+            launching.join(timeout=0.2)
+    except BaseException:
+        for rank in set(multiprocessing.active_children()) - before:
+            rank.kill()
+        launching.join(timeout=30)
+        raise
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("result")
 
 
 def refuse_fork_after_cuda(start_method: str, device: torch.device) -> None:

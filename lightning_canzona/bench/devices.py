@@ -29,6 +29,12 @@ def default_backend(device: str) -> str:
     return "nccl" if device == "cuda" else "gloo"
 
 
+def start_method(device: str) -> str:
+    """How the ranks start: forked on CPUs (no interpreter and imports per rank, 10 s each on a
+    slow CPU), spawned on GPUs (a forked child cannot use CUDA that its parent used)."""
+    return "fork" if device == "cpu" else "spawn"
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for ``device``'s queued work, so that the host's clock measures it."""
     if device.type == "cuda":

@@ -63,9 +63,16 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, parallelize_module
 
 import lightning_canzona as lc
-from lightning_canzona.bench.devices import check_devices, default_backend, rank_device, synchronize
+from lightning_canzona.bench.devices import (
+    check_devices,
+    default_backend,
+    rank_device,
+    start_method,
+    synchronize,
+)
 from lightning_canzona.compat import REDISTRIBUTE_LOGGER
 from lightning_canzona.config import PlanConfig
+from lightning_canzona.launcher import in_fresh_thread
 from lightning_canzona.models.qwen3 import Qwen3, tensor_parallel_plan
 from lightning_canzona.planning import report
 
@@ -333,11 +340,11 @@ def measure(
     problem = check_devices(device, backend, world)
     if problem:
         raise ValueError(problem)
-    context = mp.get_context("spawn")
-    queue = context.SimpleQueue()
+    method = start_method(device)
+    queue = mp.get_context(method).SimpleQueue()
     args = (world, _free_port(), dp, tp, preset, steps, optimizer, queue)
     args += (device, backend, warmup, compute_dtype)
-    mp.start_processes(_worker, args=args, nprocs=world, start_method="spawn")
+    in_fresh_thread(mp.start_processes, _worker, args=args, nprocs=world, start_method=method)
     return queue.get()
 
 

@@ -43,7 +43,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.tensor import DTensor
 
 import lightning_canzona as lc
-from lightning_canzona.bench.devices import check_devices, default_backend, synchronize
+from lightning_canzona.bench.devices import check_devices, default_backend, start_method, synchronize
 from lightning_canzona.compat import REDISTRIBUTE_LOGGER
 from lightning_canzona.composition import compose
 from lightning_canzona.data import ByteTextDataModule
@@ -100,9 +100,8 @@ class _Setting(NamedTuple):
 
     @property
     def start_method(self) -> str:
-        """How ranks start: forked on CPUs (no interpreter and imports per rank, 10 s each on a
-        slow CPU), spawned on GPUs (a forked child cannot use CUDA that its parent used)."""
-        return "fork" if self.device == "cpu" else "spawn"
+        """How ranks start (`lightning_canzona.bench.devices.start_method`)."""
+        return start_method(self.device)
 
     def datamodule(self) -> ByteTextDataModule:
         """Every variant's data: the same batches in the same order on each rank."""
