@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -36,19 +37,48 @@ def run_script(*arguments: object, cwd: Path, timeout: float = 300) -> tuple[int
     return process.returncode, output
 
 
-#: Runs the example script ``sys.argv[1]`` with the rest as its arguments, every
-#: `CanzonaStrategy` it builds forking its ranks from this one interpreter.
-_FORKED = """
-import functools, runpy, sys
+#: Runs each ``[folder, [script, arguments…]]`` of the JSON list ``sys.argv[1]`` in turn, in that
+#: folder, every `CanzonaStrategy` and ``strategy="canzona"`` it builds forking its ranks
+#: from this one interpreter; prints `_BEGIN` before each run's output and `_END` with its exit
+#: code after it.
+_BEGIN, _END = "=== example begins: ", "=== example exit code: "
+_FORKED = f"""
+import functools, json, os, runpy, sys, traceback
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+from lightning.pytorch.strategies import StrategyRegistry
 import lightning_canzona as lc
 lc.CanzonaStrategy = functools.partial(lc.CanzonaStrategy, start_method="fork")
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
+for registry in (StrategyRegistry, STRATEGY_REGISTRY):
+    registry["canzona"] = registry["canzona_notebook"]
+for folder, sys.argv in json.loads(sys.argv[1]):
+    os.chdir(folder)
+    print({_BEGIN!r} + sys.argv[0], flush=True)
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+        code = 0
+    except SystemExit as exit:
+        code = exit.code if isinstance(exit.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    print({_END!r} + str(code), flush=True)
 """
 
 
-def run_example_forked(example: Path, *arguments: object, cwd: Path) -> tuple[int, str]:
-    """`run_script` of an example whose Trainer is built with `CanzonaStrategy`, its ranks forked
-    instead of re-running the script once each: the example's own code, without an interpreter
-    and its imports per rank (the README's launches are tested as users run them)."""
-    return run_script("-c", _FORKED, example, *arguments, cwd=cwd)
+def run_examples_forked(runs: dict[str, tuple[Path, Path, list[object]]]) -> dict[str, tuple[int, str]]:
+    """The exit code and output of each example in ``runs`` (by name: the script, the folder it
+    runs in, its arguments), all run one after the other in one interpreter, each `CanzonaStrategy`
+    or ``strategy="canzona"`` forking its ranks instead of re-running the script once each: the
+    examples' own code, without an interpreter and its imports per rank and per example (the
+    launch that re-runs a script per rank is tested by the main job's test and the failure
+    reports'). An example that fails leaves the others to run."""
+    listed = [[str(folder), [str(script), *map(str, args)]] for script, folder, args in runs.values()]
+    code, output = run_script("-c", _FORKED, json.dumps(listed), cwd=Path.cwd(), timeout=600)
+    assert code == 0, output[-3000:]
+    results = {}
+    for name, part in zip(runs, output.split(_BEGIN)[1:], strict=True):
+        printed, _, exit_code = part.rpartition(_END)
+        results[name] = (int(exit_code.split()[0]), printed)
+    return results

@@ -70,11 +70,14 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--out", default="runs/finetune", help="the run's folder: base/, checkpoint/, tuned/")
     args = parser.parse_args()
+    fabric = Fabric(accelerator="cpu", devices=args.devices, strategy="canzona")
+    fabric.launch(fine_tune, args)
+
+
+def fine_tune(fabric: Fabric, args: argparse.Namespace) -> None:
+    """What every rank runs: fine-tune, evaluate, save and export."""
     out = Path(args.out)
     transformers.utils.logging.disable_progress_bar()  # one bar per rank for every load and save
-
-    fabric = Fabric(accelerator="cpu", devices=args.devices, strategy="canzona")
-    fabric.launch()
     fabric.seed_everything(0, verbose=False)
     base = Path(args.base or out / "base")
     with fabric.rank_zero_first():  # rank 0 writes the stand-in; the others then read it

@@ -35,10 +35,13 @@ def main() -> None:
     parser.add_argument("--log-every", type=int, default=10, help="steps between logs of the step's costs")
     parser.add_argument("--out", default="runs/pretrain", help="the run's folder: its logs/")
     args = parser.parse_args()
-
     logger = CSVLogger(f"{args.out}/logs", name="", version="")
     fabric = Fabric(accelerator="cpu", devices=args.devices, strategy="canzona", loggers=logger)
-    fabric.launch()
+    fabric.launch(pretrain, args)
+
+
+def pretrain(fabric: Fabric, args: argparse.Namespace) -> None:
+    """What every rank runs: the training loop, its logs and the checkpoint."""
     fabric.seed_everything(0, verbose=False)
     model = fabric.setup_module(Qwen3("tiny"))  # the model first: the mesh is chosen for it
     optimizer = fabric.setup_optimizers(
@@ -71,7 +74,7 @@ def main() -> None:
             fabric.log_dict(telemetry.compute(), step=state["step"])
             fabric.print(f"step {state['step']}: loss {loss.item():.3f}")
     fabric.print(f"trained {state['step']} steps")
-    logger.finalize("success")
+    fabric.logger.finalize("success")
     if args.checkpoint:
         fabric.save(args.checkpoint, state)
 

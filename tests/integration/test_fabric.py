@@ -10,8 +10,6 @@ from __future__ import annotations
 import csv
 import dataclasses
 import re
-import subprocess
-import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -45,18 +43,6 @@ def _one_process(model_name: str) -> tuple[dict[str, torch.Tensor], dict[str, to
         optimizer.step()
         optimizer.zero_grad()
     return initial, model.state_dict(), norms
-
-
-def _run(script: Path, *arguments: object, cwd: Path) -> str:
-    run = subprocess.run(
-        [sys.executable, str(script), *map(str, arguments)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=cwd,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run.stdout + run.stderr
 
 
 def _check_against_one_process(trained: dict, tensor_parallel: bool, model_name: str = "qwen3") -> None:
@@ -166,10 +152,10 @@ def test_a_fabric_checkpoint_resumes_at_tp4_with_every_owners_state(tmp_path, ca
         assert torch.allclose(resumed[name], weight, rtol=0, atol=bound), name
 
 
-def test_the_fabric_example_pretrains_logs_the_step_costs_and_saves(tmp_path) -> None:
-    example = Path(__file__).resolve().parents[2] / "examples" / "fabric" / "pretrain.py"
-    checkpoint = "runs/pretrain/checkpoint"  # as the example's docstring shows
-    printed = _run(example, "--steps", 2, "--log-every", 1, "--checkpoint", checkpoint, cwd=tmp_path)
+def test_the_fabric_example_pretrains_logs_the_step_costs_and_saves(examples) -> None:
+    # Saved to runs/pretrain/checkpoint, as the example's docstring shows.
+    code, printed, tmp_path = examples["fabric-pretrain"]
+    assert code == 0, printed[-3000:]
     assert "lightning_canzona: device mesh data_parallel 2 × tensor_parallel 2" in printed
     assert "trained 2 steps" in printed and not warning_lines(printed), printed[-3000:]
     run = tmp_path / "runs" / "pretrain"
@@ -183,9 +169,9 @@ def test_the_fabric_example_pretrains_logs_the_step_costs_and_saves(tmp_path) ->
         assert float(row[MATRICES]) > 0 and float(row[SENT_MIB]) > 0
 
 
-def test_the_fabric_example_fine_tunes_a_transformers_model_and_exports_it(tmp_path) -> None:
-    example = Path(__file__).resolve().parents[2] / "examples" / "fabric" / "finetune.py"
-    printed = _run(example, "--steps", 4, cwd=tmp_path)
+def test_the_fabric_example_fine_tunes_a_transformers_model_and_exports_it(examples) -> None:
+    code, printed, tmp_path = examples["fabric-finetune"]
+    assert code == 0, printed[-3000:]
     assert "lightning_canzona: device mesh data_parallel 2 × tensor_parallel 2" in printed
     assert not warning_lines(printed), printed[-3000:]
     before, after = map(

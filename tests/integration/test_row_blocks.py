@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import copy
 import math
-from pathlib import Path
 
 import pytest
 import torch
 from printed import warning_lines
-from scripts import run_example_forked
 from torch import nn
 
 import lightning_canzona as lc
@@ -217,9 +215,8 @@ def test_matrix_param_groups_name_a_row_blocks_pattern_that_does_not_apply(row_b
         lc.matrix_param_groups(Block(), row_blocks=row_blocks)
 
 
-def test_the_documented_example_trains_with_split_weights(tmp_path) -> None:
-    example = Path(__file__).resolve().parents[2] / "examples" / "models" / "fused_weights.py"
-    code, output = run_example_forked(example, "--max_steps", "8", "--per_head", cwd=tmp_path)
+def test_the_documented_example_trains_with_split_weights(examples) -> None:
+    code, output, _ = examples["fused-weights"]
     assert code == 0, output[-3000:]
     # The strategy says what it splits, and how.
     assert "(8, 8, 8, 8, 8, 8, 8, 8, 16): blocks.0.qkv.weight and 1 more" in output
