@@ -8,6 +8,7 @@ notebooks, scripts, checkpoints on disk). Helper modules beside this file (``mul
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -19,17 +20,37 @@ if TYPE_CHECKING:
     from lightning import Trainer
 
 EXAMPLES_DIR = Path(__file__).resolve().parents[1] / "examples"
-#: The examples that tests run, by name: the script and its arguments (fewer steps than their
-#: defaults). They run together in one interpreter (the `examples` fixture).
+CONFIGS_DIR = EXAMPLES_DIR / "configs"
+CANZONA = shutil.which("canzona") or "canzona"  # the command's script, as pip installed it
+#: What tests run as scripts whose subject is not the launch, by name: the script and its
+#: arguments (fewer steps than their defaults). They run together in one interpreter (the
+#: `examples` fixture).
 EXAMPLES = {
     "fabric-pretrain": (
-        "fabric/pretrain.py",
+        EXAMPLES_DIR / "fabric/pretrain.py",
         ["--steps", 2, "--log-every", 1, "--checkpoint", "runs/pretrain/checkpoint"],
     ),
-    "fabric-finetune": ("fabric/finetune.py", ["--steps", 4]),
-    "transformers-moe": ("models/transformers_causal_lm.py", ["--model", "qwen3-moe", "--max_steps", 8]),
-    "own-model": ("models/own_model.py", ["--max_steps", 8]),
-    "fused-weights": ("models/fused_weights.py", ["--max_steps", 8, "--per_head"]),
+    "fabric-finetune": (EXAMPLES_DIR / "fabric/finetune.py", ["--steps", 4]),
+    "transformers-moe": (
+        EXAMPLES_DIR / "models/transformers_causal_lm.py",
+        ["--model", "qwen3-moe", "--max_steps", 8],
+    ),
+    "own-model": (EXAMPLES_DIR / "models/own_model.py", ["--max_steps", 8]),
+    "fused-weights": (EXAMPLES_DIR / "models/fused_weights.py", ["--max_steps", 8, "--per_head"]),
+    # `canzona fit` on the shipped configs (quick: no validation, no progress bar).
+    "cli-moe": (
+        CANZONA,
+        ["fit", "--config", CONFIGS_DIR / "tiny-moe.yaml", "--trainer.max_steps", 2]
+        + ["--trainer.limit_val_batches", 0, "--trainer.enable_progress_bar", "false"],
+    ),
+    "cli-top-level-soap": (
+        CANZONA,
+        ["fit", "--config", CONFIGS_DIR / "tiny.yaml", "--trainer.devices", 2, "--trainer.max_steps", 2]
+        + ["--trainer.limit_val_batches", 0, "--trainer.enable_progress_bar", "false"]
+        + ["--optimizer", "lightning_canzona.SOAP", "--optimizer.lr", 0.003]
+        # Settings of `strategy: canzona` as users guess them, the plan's by its fields.
+        + ["--trainer.strategy.tensor_parallel_size", 1, "--trainer.strategy.plan.policy", "lpt"],
+    ),
 }
 
 
@@ -68,8 +89,5 @@ def examples(tmp_path_factory) -> dict[str, tuple[int, str, Path]]:
     from scripts import run_examples_forked
 
     folders = {name: tmp_path_factory.mktemp(name) for name in EXAMPLES}
-    runs = {
-        name: (EXAMPLES_DIR / script, folders[name], arguments)
-        for name, (script, arguments) in EXAMPLES.items()
-    }
+    runs = {name: (script, folders[name], arguments) for name, (script, arguments) in EXAMPLES.items()}
     return {name: (*result, folders[name]) for name, result in run_examples_forked(runs).items()}

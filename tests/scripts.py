@@ -57,7 +57,7 @@ for folder, sys.argv in json.loads(sys.argv[1]):
         runpy.run_path(sys.argv[0], run_name="__main__")
         code = 0
     except SystemExit as exit:
-        code = exit.code if isinstance(exit.code, int) else 1
+        code = 0 if exit.code is None else exit.code if isinstance(exit.code, int) else 1
     except BaseException:
         traceback.print_exc()
         code = 1

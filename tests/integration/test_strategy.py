@@ -280,14 +280,9 @@ def test_cli_runs_the_main_job_config_quietly_on_the_mesh_auto_chose(tmp_path) -
     assert not warning_lines(output), output
 
 
-#: Ranks forked from the one ``canzona fit`` process, not an interpreter each: what is tested
-#: below is the config, not the launch (the main job's test launches as the README does).
-FORKED = ("--trainer.strategy", "canzona_notebook")
-
-
-def test_cli_runs_the_mixture_of_experts_config_with_experts_updated_where_they_lie(tmp_path) -> None:
-    config = TINY_CONFIG.with_name("tiny-moe.yaml")
-    output = _fit_with_cli(tmp_path, *FORKED, "--trainer.max_steps", "2", config=config)
+def test_cli_runs_the_mixture_of_experts_config_with_experts_updated_where_they_lie(examples) -> None:
+    code, output, _ = examples["cli-moe"]
+    assert code == 0, output[-3000:]
     assert "`max_steps=2` reached" in output and not warning_lines(output)
     # `strategy: canzona`: the heads allow TP 2 (the experts are not split over TP).
     assert "device mesh data_parallel 2 × tensor_parallel 2" in output
@@ -298,15 +293,9 @@ def test_cli_runs_the_mixture_of_experts_config_with_experts_updated_where_they_
     assert _planned_matrices(output) == 80
 
 
-def test_cli_top_level_optimizer_is_built_from_the_sharded_model_with_matrix_groups(tmp_path) -> None:
-    output = _fit_with_cli(
-        tmp_path,
-        *FORKED,
-        *("--trainer.devices", "2", "--trainer.max_steps", "2"),
-        *("--optimizer", "lightning_canzona.SOAP", "--optimizer.lr", "0.003"),
-        # Settings of `strategy: canzona` as users guess them, the plan's by its fields.
-        *("--trainer.strategy.tensor_parallel_size", "1", "--trainer.strategy.plan.policy", "lpt"),
-    )
+def test_cli_top_level_optimizer_is_built_from_the_sharded_model_with_matrix_groups(examples) -> None:
+    code, output, _ = examples["cli-top-level-soap"]
+    assert code == 0, output[-3000:]
     assert "device mesh data_parallel 2 × tensor_parallel 1" in output and "policy lpt" in output
     assert "`max_steps=2` reached" in output
     # 28 matrices (4 blocks × 7 linear layers); the embedding and the head went to AdamW.
