@@ -51,6 +51,8 @@ EXAMPLES = {
         # Settings of `strategy: canzona` as users guess them, the plan's by its fields.
         + ["--trainer.strategy.tensor_parallel_size", 1, "--trainer.strategy.plan.policy", "lpt"],
     ),
+    # Last: it quietens Lightning's loggers in its process.
+    "doctor-quick": (CANZONA, ["doctor", "--quick", "--device", "cpu"]),
 }
 
 

@@ -79,6 +79,6 @@ def run_examples_forked(runs: dict[str, tuple[Path, Path, list[object]]]) -> dic
     assert code == 0, output[-3000:]
     results = {}
     for name, part in zip(runs, output.split(_BEGIN)[1:], strict=True):
-        printed, _, exit_code = part.rpartition(_END)
+        printed, _, exit_code = part.split("\n", 1)[1].rpartition(_END)  # after the script's name
         results[name] = (int(exit_code.split()[0]), printed)
     return results

@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from scripts import run_script
 
 from lightning_canzona.commands import doctor
 
 
-def test_doctor_quick_passes_every_check_on_the_cpu(tmp_path) -> None:
-    code, output = run_script(
-        "-m", "lightning_canzona.cli", "doctor", "--quick", "--device", "cpu", cwd=tmp_path
-    )
+def test_doctor_quick_passes_every_check_on_the_cpu(examples) -> None:
+    code, output, _ = examples["doctor-quick"]
     lines = output.splitlines()
     # A header, one line per check, the summary: nothing else (no Lightning banner, no warning).
     assert len(lines) == 2 + len(doctor.ENVIRONMENT) + len(doctor.CHECKS), output
