@@ -87,9 +87,10 @@ def quiet_trainer() -> Callable[..., Trainer]:
 def examples(tmp_path_factory) -> dict[str, tuple[int, str, Path]]:
     """Every example of `EXAMPLES` run once for the session, each in a folder of its own, in
     one interpreter (`scripts.run_examples_forked`): by name, its exit code, what it printed
-    and its folder."""
+    and its folder; and `scripts.IMPORTED`."""
     from scripts import run_examples_forked
 
     folders = {name: tmp_path_factory.mktemp(name) for name in EXAMPLES}
     runs = {name: (script, folders[name], arguments) for name, (script, arguments) in EXAMPLES.items()}
-    return {name: (*result, folders[name]) for name, result in run_examples_forked(runs).items()}
+    results = run_examples_forked(runs)
+    return {name: (*result, folders.get(name)) for name, result in results.items()}

@@ -40,13 +40,16 @@ def run_script(*arguments: object, cwd: Path, timeout: float = 300) -> tuple[int
 #: Runs each ``[folder, [script, arguments…]]`` of the JSON list ``sys.argv[1]`` in turn, in that
 #: folder, every `CanzonaStrategy` and ``strategy="canzona"`` it builds forking its ranks
 #: from this one interpreter; prints `_BEGIN` before each run's output and `_END` with its exit
-#: code after it.
-_BEGIN, _END = "=== example begins: ", "=== example exit code: "
+#: code after it. First, `_LOADED` and the package's modules that its import loaded.
+#: The entry of `run_examples_forked`'s results that says what importing the package loaded.
+IMPORTED = "import lightning_canzona"
+_BEGIN, _END, _LOADED = "=== example begins: ", "=== example exit code: ", "=== loaded: "
 _FORKED = f"""
 import functools, json, os, runpy, sys, traceback
+import lightning_canzona as lc
+print({_LOADED!r} + " ".join(sorted(sys.modules)), flush=True)
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
-import lightning_canzona as lc
 lc.CanzonaStrategy = functools.partial(lc.CanzonaStrategy, start_method="fork")
 for registry in (StrategyRegistry, STRATEGY_REGISTRY):
     registry["canzona"] = registry["canzona_notebook"]
@@ -73,12 +76,14 @@ def run_examples_forked(runs: dict[str, tuple[Path, Path, list[object]]]) -> dic
     or ``strategy="canzona"`` forking its ranks instead of re-running the script once each: the
     examples' own code, without an interpreter and its imports per rank and per example (the
     launch that re-runs a script per rank is tested by the main job's test and the failure
-    reports'). An example that fails leaves the others to run."""
+    reports'). An example that fails leaves the others to run. Under `IMPORTED`: what ``import
+    lightning_canzona`` loaded in that interpreter, module names separated by spaces."""
     listed = [[str(folder), [str(script), *map(str, args)]] for script, folder, args in runs.values()]
     code, output = run_script("-c", _FORKED, json.dumps(listed), cwd=Path.cwd(), timeout=600)
     assert code == 0, output[-3000:]
-    results = {}
-    for name, part in zip(runs, output.split(_BEGIN)[1:], strict=True):
+    header, *parts = output.split(_BEGIN)
+    results = {IMPORTED: (0, header.split(_LOADED, 1)[1].split("\n", 1)[0])}
+    for name, part in zip(runs, parts, strict=True):
         printed, _, exit_code = part.split("\n", 1)[1].rpartition(_END)  # after the script's name
         results[name] = (int(exit_code.split()[0]), printed)
     return results
