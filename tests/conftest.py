@@ -26,6 +26,8 @@ CANZONA = shutil.which("canzona") or "canzona"  # the command's script, as pip i
 #: arguments (fewer steps than their defaults). They run together in one interpreter (the
 #: `examples` fixture).
 EXAMPLES = {
+    # Written into its folder by the fixture (`headline.headline`).
+    "headline": (Path("train.py"), []),
     "fabric-pretrain": (
         EXAMPLES_DIR / "fabric/pretrain.py",
         ["--steps", 2, "--log-every", 1, "--checkpoint", "runs/pretrain/checkpoint"],
@@ -85,12 +87,14 @@ def quiet_trainer() -> Callable[..., Trainer]:
 
 @pytest.fixture(scope="session")
 def examples(tmp_path_factory) -> dict[str, tuple[int, str, Path]]:
-    """Every example of `EXAMPLES` run once for the session, each in a folder of its own, in
+    """Every script of `EXAMPLES` run once for the session, each in a folder of its own, in
     one interpreter (`scripts.run_examples_forked`): by name, its exit code, what it printed
     and its folder; and `scripts.IMPORTED`."""
+    from headline import headline
     from scripts import run_examples_forked
 
     folders = {name: tmp_path_factory.mktemp(name) for name in EXAMPLES}
+    (folders["headline"] / "train.py").write_text(headline())
     runs = {name: (script, folders[name], arguments) for name, (script, arguments) in EXAMPLES.items()}
     results = run_examples_forked(runs)
     return {name: (*result, folders.get(name)) for name, result in results.items()}

@@ -17,11 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from headline import headline
 from lightning import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import StrategyRegistry
 from printed import warning_lines
-from scripts import run_examples_forked, run_script
+from scripts import run_script
 from torch.distributed.tensor import DTensor
 from trainers import quiet_trainer
 
@@ -445,33 +446,6 @@ def test_a_bad_optimizer_keyword_names_the_class_when_the_model_is_built() -> No
         lc.SOAP([torch.nn.Parameter(torch.zeros(2, 2))], precondition_freq=5)
 
 
-HEADLINE = """
-import lightning as L
-import lightning_canzona
-from lightning_canzona.data import ByteTextDataModule
-from lightning_canzona.models import CausalLanguageModel
-
-class Fails(CausalLanguageModel):
-    def training_step(self, batch, batch_idx):
-        raise RuntimeError("the loss went wrong on every rank")
-
-class NoPlan(CausalLanguageModel):
-    def tensor_parallel_plan(self):
-        return None
-
-class Misspelt(CausalLanguageModel):
-    def configure_optimizers(self):  # docs/index.md's pattern, with a typo
-        groups = lightning_canzona.matrix_param_groups(self)
-        return lightning_canzona.Muon(groups, lr=0.02, wieght_decay=0.01)
-
-trainer = L.Trainer(
-    strategy={strategy}, devices={devices}, accelerator="cpu", max_steps=2, limit_val_batches=0,
-    logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-)
-trainer.fit({model}("tiny"), ByteTextDataModule(seq_len=32, batch_size=4){fit})
-"""
-
-
 def _run_headline(
     tmp_path,
     strategy: str = '"canzona"',
@@ -484,7 +458,7 @@ def _run_headline(
     Lightning re-runs once per rank, or ``torchrun`` runs on every rank); returns its exit code and
     everything it printed."""
     script = tmp_path / "train.py"
-    script.write_text(HEADLINE.format(strategy=strategy, devices=devices, model=model, fit=fit))
+    script.write_text(headline(strategy, devices, model, fit))
     if torchrun:
         return run_script(
             "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={devices}", script, cwd=tmp_path
@@ -492,12 +466,10 @@ def _run_headline(
     return run_script(script, cwd=tmp_path)
 
 
-def test_the_headline_trains_the_bundled_model_on_a_mesh_it_can_take(tmp_path) -> None:
+def test_the_headline_trains_the_bundled_model_on_a_mesh_it_can_take(examples) -> None:
     # Its ranks forked from the script's process: the launch that re-runs the script once per
     # rank is the main job's test (`canzona fit`) and the failure tests' below.
-    script = tmp_path / "train.py"
-    script.write_text(HEADLINE.format(strategy='"canzona"', devices=4, model="CausalLanguageModel", fit=""))
-    ((code, output),) = run_examples_forked({"headline": (script, tmp_path, [])}).values()
+    code, output, _ = examples["headline"]
     assert code == 0, output[-3000:]
     assert "device mesh data_parallel 2 × tensor_parallel 2" in output
     assert "`max_steps=2` reached" in output and not warning_lines(output)
