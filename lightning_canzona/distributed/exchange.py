@@ -134,15 +134,18 @@ class MicroGroupExchange:
     ) -> dict[int, Tensor]:
         """The blocks this rank computes (whole matrices, or a team member's slices), from the
         gather's buffer and, for what this rank holds itself, its ``prepared`` shards."""
-        full = {
-            m: meter.track(torch.empty(self.regions[m].shape, dtype=received.dtype, device=received.device))
+        pieces: dict[int, list[tuple[Block, Tensor]]] = {m: [] for m in self.computed}
+        for m, block, chunk in _chunks(received, self.gather_recv):
+            pieces[m].append((block, chunk))
+        for m, local, region in self.gather_self:
+            pieces[m].append((region, prepared[m][local.slices]))
+        return {
+            m: _placed(
+                meter.track(torch.empty(self.regions[m].shape, dtype=received.dtype, device=received.device)),
+                pieces[m],
+            )
             for m in self.computed
         }
-        for m, block, chunk in _chunks(received, self.gather_recv):
-            full[m][block.slices] = chunk.view(block.shape)
-        for m, local, region in self.gather_self:
-            full[m][region.slices] = prepared[m][local.slices]
-        return full
 
     def launch_scatter(
         self,
@@ -175,27 +178,29 @@ class MicroGroupExchange:
         (``sync``) cut out of the locally computed full directions."""
         if received is None:
             return {
-                m: _local(shard, ((p.local, directions[m][p.block.slices]) for p in shard.pieces))
+                m: _local(shard, [(p.local, directions[m][p.block.slices]) for p in shard.pieces])
                 for m, shard in self.my_shards.items()
                 if shard.numel
             }
         pieces: dict[int, list[tuple[Block, Tensor]]] = {}
         for m, local, chunk in _chunks(received, self.scatter_recv):
-            pieces.setdefault(m, []).append((local, chunk.view(local.shape)))
+            pieces.setdefault(m, []).append((local, chunk))
         for m, local, region in self.scatter_self:
             pieces.setdefault(m, []).append((local, directions[m][region.slices].to(dtype)))
         return {m: _local(self.my_shards[m], values) for m, values in pieces.items()}
 
 
 def _packed(pieces: Iterable[Tensor], numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """One flat buffer of ``numel`` elements of ``dtype`` holding ``pieces`` in order, each
-    copied once (the copy converts the dtype and gathers a strided block alike)."""
+    """One flat buffer of ``numel`` elements of ``dtype`` holding ``pieces`` in order: one
+    concatenation of them all (one batched copy on a GPU where they are contiguous and of
+    ``dtype``; it converts the dtype too), not a copy per piece from Python. A piece that is not
+    contiguous in its tensor (a team member's slice across the rows) is gathered by a copy of
+    its own first."""
+    flat = [piece.reshape(-1) for piece in pieces]
+    assert sum(piece.numel() for piece in flat) == numel, f"{len(flat)} pieces for a buffer of {numel}"
     buffer = torch.empty(numel, dtype=dtype, device=device)
-    offset = 0
-    for piece in pieces:
-        buffer[offset : offset + piece.numel()].view(piece.shape).copy_(piece)
-        offset += piece.numel()
-    assert offset == numel, f"packed {offset} elements into a buffer of {numel}"
+    if flat:
+        torch.cat(flat, out=buffer)
     return buffer
 
 
@@ -225,13 +230,33 @@ def _relative(part: Block, region: Block) -> Block:
     return Block(tuple(p - r for p, r in zip(part.offset, region.offset)), part.shape)
 
 
-def _local(shard: LocalShard, pieces: Iterable[tuple[Block, Tensor]]) -> Tensor:
-    """A local shard from its pieces: the one piece that is all of it, or the pieces copied into
-    place."""
-    pieces = list(pieces)
+def _local(shard: LocalShard, pieces: list[tuple[Block, Tensor]]) -> Tensor:
+    """A local shard from its pieces (flat, or of their blocks' shapes): the one piece that is
+    all of it, or the pieces placed (`_placed`)."""
     if len(pieces) == 1 and pieces[0][0].shape == shard.shape:
-        return pieces[0][1]
-    local = torch.empty(shard.shape, dtype=pieces[0][1].dtype, device=pieces[0][1].device)
+        return pieces[0][1].view(shard.shape)
+    value = pieces[0][1]
+    return _placed(torch.empty(shard.shape, dtype=value.dtype, device=value.device), pieces)
+
+
+def _placed(out: Tensor, pieces: list[tuple[Block, Tensor]]) -> Tensor:
+    """``out`` with each ``(block, value)`` of ``pieces`` (flat, or of the block's shape) copied
+    to its block, the blocks tiling ``out``. Blocks that each fill a run of ``out``'s memory (its
+    rows, or its stacked matrices: a slice of the first dimension they do not span) are placed
+    by one concatenation in memory order; other tilings (the columns of a row-wise
+    tensor-parallel shard) by a copy each."""
+    if all(_contiguous_in(block, out.shape) for block, _ in pieces):
+        ordered = sorted(pieces, key=lambda piece: piece[0].offset)
+        torch.cat([value.reshape(-1) for _, value in ordered], out=out.view(-1))
+        return out
     for block, value in pieces:
-        local[block.slices] = value
-    return local
+        out[block.slices] = value.view(block.shape)
+    return out
+
+
+def _contiguous_in(block: Block, shape: Sequence[int]) -> bool:
+    """Whether ``block`` is a contiguous run of a row-major tensor of ``shape``: size 1 in every
+    dimension before some dimension, and whole in every dimension after it."""
+    dims = len(shape)
+    first = next((d for d in range(dims) if block.shape[d] != 1), dims - 1)
+    return all(block.shape[d] == shape[d] for d in range(first + 1, dims))

@@ -135,6 +135,59 @@ def _buffers_per_group_in_flight(rank: int, world_size: int) -> None:
             time.sleep(0.01)
         assert engine.meter.live == 0, engine.meter.live
 
+    # Packing a buffer and assembling a matrix are one kernel each, whatever the number of
+    # pieces (16 matrices in one micro-group: 8 to send to the other rank, 2 pieces each to
+    # assemble), not a copy per piece from Python: the step is launch-bound on a GPU otherwise.
+    optimizer = lc.Muon(groups, plan=lc.PlanConfig(micro_group_capacity=1e18))
+    optimizer.step()
+    (engine,) = optimizer.engines.values()
+    (members,) = engine.plan.micro_groups
+    assert len(members) == 16
+    kernels = _exchange_kernels(optimizer.step)
+    computed = 8  # each rank owns half the matrices
+    assert kernels == {"launch_gather": 1, "assemble": computed, "launch_scatter": 1, "my_updates": 0}, (
+        kernels
+    )
+
+
+#: What issues a kernel that moves data, at the dispatcher's top level (inside ``aten::cat`` a
+#: CPU copies input by input; on a GPU it is one batched kernel).
+MOVES = {"aten::copy_", "aten::cat", "aten::clone", "aten::_to_copy", "aten::index_put_"}
+
+
+def _exchange_kernels(step) -> dict[str, int]:
+    """Data-moving kernels issued by each `MicroGroupExchange` method during ``step()``."""
+    from lightning_canzona.distributed.exchange import MicroGroupExchange
+
+    methods = ("launch_gather", "assemble", "launch_scatter", "my_updates")
+    originals = {name: getattr(MicroGroupExchange, name) for name in methods}
+
+    def labelled(name, method):
+        def run(*args, **kwargs):
+            with torch.profiler.record_function(f"exchange.{name}"):
+                return method(*args, **kwargs)
+
+        return run
+
+    try:
+        for name, method in originals.items():
+            setattr(MicroGroupExchange, name, labelled(name, method))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            step()
+    finally:
+        for name, method in originals.items():
+            setattr(MicroGroupExchange, name, method)
+    counts = dict.fromkeys(methods, 0)
+    for event in profile.events():
+        ancestors, parent = [], event.cpu_parent
+        while parent is not None:
+            ancestors.append(parent.name)
+            parent = parent.cpu_parent
+        label = next((a for a in ancestors if a.startswith("exchange.")), None)
+        if event.name in MOVES and label and not any(a in MOVES for a in ancestors):
+            counts[label.removeprefix("exchange.")] += 1
+    return counts
+
 
 def test_a_step_holds_the_buffers_of_the_micro_groups_in_flight_only() -> None:
     run_on_ranks(2, _buffers_per_group_in_flight)
