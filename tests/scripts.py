@@ -37,12 +37,12 @@ def run_script(*arguments: object, cwd: Path, timeout: float = 300) -> tuple[int
     return process.returncode, output
 
 
+#: The entry of `run_examples_forked`'s results that says what importing the package loaded.
+IMPORTED = "import lightning_canzona"
 #: Runs each ``[folder, [script, arguments…]]`` of the JSON list ``sys.argv[1]`` in turn, in that
 #: folder, every `CanzonaStrategy` and ``strategy="canzona"`` it builds forking its ranks
 #: from this one interpreter; prints `_BEGIN` before each run's output and `_END` with its exit
-#: code after it. First, `_LOADED` and the package's modules that its import loaded.
-#: The entry of `run_examples_forked`'s results that says what importing the package loaded.
-IMPORTED = "import lightning_canzona"
+#: code after it. First, `_LOADED` and every module loaded once the package is imported.
 _BEGIN, _END, _LOADED = "=== example begins: ", "=== example exit code: ", "=== loaded: "
 _FORKED = f"""
 import functools, json, os, runpy, sys, traceback
