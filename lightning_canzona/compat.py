@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -48,6 +49,8 @@ __all__ = [
     "align_compiled_param_names",
     "detached_from_trainer",
     "check_option_values_with",
+    "compile_counts",
+    "compile_function",
     "data_version",
     "foreach_add_",
     "foreach_addcdiv_",
@@ -148,6 +151,39 @@ def substituted_parameters(module: nn.Module, tensors: Mapping[str, Tensor]) -> 
         yield
     finally:
         module._parameters.update(held)
+
+
+def compile_function(function: Callable[..., Any], graphs: int, **options: Any) -> Callable[..., Any]:
+    """``torch.compile(function, **options)``, allowed ``graphs`` graphs (one per guard failure:
+    a new shape under ``dynamic=False``) before dynamo stops compiling it.
+
+    Public alternative: ``torch.compile(recompile_limit=...)`` (torch 2.12 on), used where torch
+    takes it; before that, dynamo's process-wide limit (``torch._dynamo.config.recompile_limit``)
+    raised while the compiled function runs.
+    """
+    if "recompile_limit" in inspect.signature(torch.compile).parameters:
+        return torch.compile(function, recompile_limit=graphs, **options)
+    compiled = torch.compile(function, **options)
+
+    @functools.wraps(function)
+    def within_limit(*args: Any, **kwargs: Any) -> Any:
+        with torch._dynamo.config.patch(recompile_limit=graphs):
+            return compiled(*args, **kwargs)
+
+    return within_limit
+
+
+def compile_counts() -> dict[str, int]:
+    """What ``torch.compile`` did in this process so far: ``"graphs"`` compiled (a recompile
+    after a guard failed, a new shape's, included) and ``"graph_breaks"``. Public alternative:
+    none (``torch._logging`` prints them; dynamo counts them here).
+    """
+    from torch._dynamo.utils import counters
+
+    return {
+        "graphs": counters["stats"]["unique_graphs"],
+        "graph_breaks": sum(counters["graph_break"].values()),
+    }
 
 
 #: The logger of DTensor's redistribution (see `warning_filters.SequentialGathers`).

@@ -491,6 +491,8 @@ class MatrixOptimizer(Optimizer):
             defaults = self.adamw_defaults if group.get("algorithm") == ADAMW else self.defaults
             for key, value in defaults.items():
                 group.setdefault(key, value)
+            if "compile" in defaults:  # how this run computes, not how the saved one did
+                group["compile"] = defaults["compile"]
         for mesh, entries in self._distributed_entries().items():
             if mesh in self.engines and self.engines[mesh].plan is not None:
                 engine = self.engines[mesh]

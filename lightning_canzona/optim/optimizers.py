@@ -7,7 +7,7 @@ math lives in `lightning_canzona.rules`.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -18,6 +18,7 @@ from lightning_canzona.optim.optimizer import (
     resolve_dtype,
 )
 from lightning_canzona.qk_clip.settings import QKClip
+from lightning_canzona.rules.compiled import check_compile
 from lightning_canzona.rules.muon import ADJUST_LR_FNS, MuonRule
 from lightning_canzona.rules.newton_schulz import FORMS, Coefficients, resolve_schedule
 from lightning_canzona.rules.normuon import NorMuonRule
@@ -66,6 +67,11 @@ class Muon(MatrixOptimizer):
             wide; ``"standard-symmetric"`` or ``"gram-symmetric"``: either with its symmetric
             products (``XXᵀ`` and its square) computed by blocks, 5/8 of their FLOPs (see
             `lightning_canzona.rules.newton_schulz`).
+        compile: Compile Newton–Schulz with ``torch.compile`` (``True``), run it eagerly
+            (``False``), or ``"auto"``: compiled on CUDA, eager elsewhere. The same result bit for
+            bit either way; compiling costs seconds per matrix shape at the first step (see
+            `lightning_canzona.rules.compiled`). A loaded checkpoint keeps this setting, not the
+            saved run's.
         qk_clip: Bound the attention logits after each step (MuonClip's QK-clip, Kimi K2): see
             `lightning_canzona.QKClip`; ``None`` leaves the weights as the update made them.
         **kwargs: AdamW-group settings (``adamw_lr``, ``adamw_betas``, ``adamw_eps``,
@@ -89,6 +95,7 @@ class Muon(MatrixOptimizer):
         adjust_lr_fn: str | None = None,
         compute_dtype: str = "auto",
         ns_form: str = "standard",
+        compile: bool | Literal["auto"] = "auto",
         qk_clip: QKClip | None = None,
         **kwargs: Any,
     ) -> None:
@@ -103,6 +110,7 @@ class Muon(MatrixOptimizer):
             adjust_lr_fn=adjust_lr_fn,
             compute_dtype=compute_dtype,
             ns_form=ns_form,
+            compile=compile,
         )
         self.check_keywords(kwargs)
         super().__init__(params, defaults, **kwargs)
@@ -134,6 +142,7 @@ class NorMuon(MatrixOptimizer):
         compute_dtype: Dtype of the Newton–Schulz iteration, as `Muon`'s (the normalisation
             computes in float32).
         ns_form: As `Muon`'s.
+        compile: As `Muon`'s.
         beta2: Decay of each output neuron's second moment (dion's ``muon_beta2``).
         qk_clip: As `Muon`'s.
         **kwargs: AdamW-group settings (``adamw_lr``, ``adamw_betas``, ``adamw_eps``,
@@ -156,12 +165,15 @@ class NorMuon(MatrixOptimizer):
         adjust_lr_fn: str | None = None,
         compute_dtype: str = "auto",
         ns_form: str = "standard",
+        compile: bool | Literal["auto"] = "auto",
         beta2: float = 0.95,
         qk_clip: QKClip | None = None,
         **kwargs: Any,
     ) -> None:
         muon = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov)
-        newton_schulz = dict(ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, ns_form=ns_form)
+        newton_schulz = dict(
+            ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, ns_form=ns_form, compile=compile
+        )
         defaults = dict(
             **muon, **newton_schulz, adjust_lr_fn=adjust_lr_fn, compute_dtype=compute_dtype, beta2=beta2
         )
@@ -206,6 +218,7 @@ def _muon_settings(group: dict[str, Any]) -> dict[str, Any]:
         adjust_lr_fn=adjust_lr_fn,
         compute_dtype=resolve_dtype(group["compute_dtype"], _device(group)),
         ns_form=group["ns_form"],
+        compile=check_compile(group["compile"]),
     )
 
 

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from lightning_canzona.compat import foreach_lerp, foreach_lerp_
 from lightning_canzona.rules.base import MatrixRule, State, TeamComputation, UpdateCost, matrix_dims
+from lightning_canzona.rules.compiled import Compile, compiles
 from lightning_canzona.rules.ieee import ieee_float32_products
 from lightning_canzona.rules.newton_schulz import (
     NewtonSchulzSchedule,
@@ -55,6 +56,7 @@ class MuonRule(MatrixRule):
     adjust_lr_fn: str = "original"
     compute_dtype: torch.dtype = torch.bfloat16
     ns_form: str = "standard"
+    compile: Compile = False
     name = "muon"
     elementwise_state_keys = ("momentum_buffer",)
     batches_matrices = True
@@ -73,7 +75,10 @@ class MuonRule(MatrixRule):
 
     @ieee_float32_products
     def direction(self, matrix: Tensor, state: State) -> Tensor:
-        return newton_schulz(matrix, self.schedule, self.ns_steps, self.eps, self.compute_dtype, self.ns_form)
+        compile = compiles(self.compile, matrix.device)
+        return newton_schulz(
+            matrix, self.schedule, self.ns_steps, self.eps, self.compute_dtype, self.ns_form, compile
+        )
 
     def matmul_dtype(self) -> torch.dtype:
         return self.compute_dtype

@@ -49,6 +49,7 @@ from torch import Tensor
 
 from lightning_canzona.geometry import split_sizes
 from lightning_canzona.rules.base import TeamComputation, TeamRows, TeamSum, summed_dtype
+from lightning_canzona.rules.compiled import compiled
 
 Coefficients = tuple[float, float, float]
 #: The forms of the iteration (see the module docstring).
@@ -272,6 +273,7 @@ def newton_schulz(
     eps: float = 1e-7,
     dtype: torch.dtype = torch.bfloat16,
     form: str = "standard",
+    compile: bool = False,
 ) -> Tensor:
     """Approximate the polar factor of ``matrix`` (or of each matrix in a stack).
 
@@ -283,6 +285,8 @@ def newton_schulz(
         eps: Lower clamp of the normaliser, so that an all-zero input stays zero.
         dtype: Compute dtype of the iteration.
         form: One of `FORMS` (see the module docstring).
+        compile: Run the steps compiled (`lightning_canzona.rules.compiled`); the normalisation
+            stays eager, its reduction summed in eager's order.
 
     Returns:
         A tensor of ``matrix``'s shape in ``dtype``.
@@ -303,9 +307,18 @@ def newton_schulz(
     batch_shape = x.shape[:-2]
     if x.ndim > 3:
         x = x.reshape(-1, *x.shape[-2:])
-    iterate = _gram_steps if iteration == "gram" else _standard_steps
-    x = iterate(x, schedule.steps(ns_steps), symmetric, transposed)
+    iterate = compiled(_steps) if compile else _steps
+    x = iterate(x, schedule, ns_steps, iteration == "gram", symmetric, transposed)
     return x.reshape(*batch_shape, *x.shape[-2:])
+
+
+def _steps(
+    x: Tensor, schedule: NewtonSchulzSchedule, ns_steps: int, gram: bool, symmetric: bool, transposed: bool
+) -> Tensor:
+    """`newton_schulz`'s steps on the normalised wide orientation ``x``: what it compiles (the
+    coefficients, read from ``schedule`` here, are the graph's constants)."""
+    iterate = _gram_steps if gram else _standard_steps
+    return iterate(x, schedule.steps(ns_steps), symmetric, transposed)
 
 
 @dataclass(frozen=True)

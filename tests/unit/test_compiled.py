@@ -1,0 +1,104 @@
+"""``compile=True``: Newton–Schulz compiled with ``torch.compile`` (`lightning_canzona.rules.compiled`),
+bit for bit the eager iteration, with no graph break and no graph compiled after the first step.
+
+Compiling costs seconds per graph on a CPU: the module's runs share one warm compile (module-scoped
+fixtures), on the smallest shapes, each form once.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lightning_canzona as lc
+from lightning_canzona.compat import compile_counts, compile_function
+from lightning_canzona.rules.compiled import compiles
+from lightning_canzona.rules.newton_schulz import FORMS, PRESETS, newton_schulz
+
+#: A matrix and a bias, as a model holds them.
+SHAPES = {"matrix": (6, 10), "bias": (10,)}
+STEPS = 3
+
+
+def _train(compile: bool) -> tuple[dict[str, torch.Tensor], list[dict[str, int]]]:
+    """``STEPS`` steps of Muon (AdamW for the bias; Newton–Schulz in bf16, the default), the
+    learning rate changed every step as a scheduler does: the weights after, and
+    `compile_counts` before the first step and after each."""
+    generator = torch.Generator().manual_seed(0)
+    params = {
+        name: torch.nn.Parameter(torch.randn(shape, generator=generator)) for name, shape in SHAPES.items()
+    }
+    optimizer = lc.Muon(list(params.items()), lr=0.02, compile=compile)
+    counts = [compile_counts()]
+    for _ in range(STEPS):
+        for param in params.values():
+            param.grad = torch.randn(param.shape, generator=generator)
+        for group in optimizer.param_groups:
+            group["lr"] *= 0.9
+        optimizer.step()
+        counts.append(compile_counts())
+    return {name: param.detach() for name, param in params.items()}, counts
+
+
+@pytest.fixture(scope="module")
+def trained() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[dict[str, int]]]:
+    """The eager run's weights, the compiled run's, and the compiled run's counts."""
+    return (_train(False)[0], *_train(True))
+
+
+def test_compiled_steps_equal_eager_ones_bit_for_bit(trained) -> None:
+    eager, compiled_weights, _ = trained
+    for name in SHAPES:
+        assert torch.equal(compiled_weights[name], eager[name]), name
+
+
+def test_compiled_steps_break_no_graph_and_compile_only_at_the_first(trained) -> None:
+    _, _, (before, first, *later) = trained
+    assert first["graphs"] - before["graphs"] == 1
+    assert first["graph_breaks"] == before["graph_breaks"]
+    assert all(counts == first for counts in later)  # new learning rates: no graph, no recompile
+
+
+@pytest.fixture(scope="module")
+def orthogonalized() -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """Each form once in float32 and the standard form in bf16, on a stack of tall matrices
+    (batched, iterated transposed): ``(what, eager, compiled)``. Three steps, the Gram form's
+    restart among them; each graph takes inductor several seconds to build here."""
+    generator = torch.Generator().manual_seed(2)
+    results = []
+    cases = [(form, torch.float32) for form in FORMS] + [("standard", torch.bfloat16)]
+    for form, dtype in cases:
+        matrix = torch.randn(2, 5, 3, generator=generator)
+        arguments = (matrix, PRESETS["polar_express"], 3, 1e-7, dtype, form)
+        what = f"{form} {dtype}"
+        results.append((what, newton_schulz(*arguments), newton_schulz(*arguments, compile=True)))
+    return results
+
+
+def test_compiled_newton_schulz_equals_eager_in_every_form(orthogonalized) -> None:
+    for what, eager, compiled_result in orthogonalized:
+        assert compiled_result.dtype == eager.dtype and torch.equal(compiled_result, eager), what
+    assert compile_counts()["graph_breaks"] == 0
+
+
+def test_a_compiled_function_takes_a_graph_for_each_of_many_shapes() -> None:
+    # More shapes than dynamo's default limit of 8 graphs per function, each compiled (past the
+    # limit, fullgraph=True would raise). The "eager" backend traces as inductor's does and
+    # generates no code: fast.
+    def double(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    function = compile_function(double, 16, fullgraph=True, dynamic=False, backend="eager")
+    before = compile_counts()
+    for size in range(1, 13):
+        assert torch.equal(function(torch.ones(size)), torch.full((size,), 2.0))
+    after = compile_counts()
+    assert after["graphs"] - before["graphs"] == 12
+    assert after["graph_breaks"] == before["graph_breaks"]
+
+
+def test_auto_compiles_on_cuda_only_and_the_setting_is_checked() -> None:
+    assert compiles("auto", torch.device("cuda")) and not compiles("auto", torch.device("cpu"))
+    assert compiles(True, torch.device("cpu")) and not compiles(False, torch.device("cuda"))
+    with pytest.raises(ValueError, match=r"\(muon\): compile must be True, False or 'auto', got 'yes'"):
+        lc.Muon([torch.nn.Parameter(torch.ones(2, 2))], compile="yes")
