@@ -1,9 +1,10 @@
 """``canzona doctor``: check this machine for lightning_canzona, one line per check.
 
 First what it runs on (INFO: versions, precision switches, devices), then checks on the device
-(PASS or FAIL): Newton–Schulz in every form and dtype against float64, ``lightning_canzona.Muon``
-against ``torch.optim.Muon``, Shampoo and SOAP against their float64 references, and a short
-Trainer run that saves a distributed checkpoint and resumes from it. Each line gives its figure
+(PASS or FAIL): Newton–Schulz in every form and dtype against float64, and compiled against
+eager; ``lightning_canzona.Muon`` against ``torch.optim.Muon``, Shampoo and SOAP against their
+float64 references, and a short Trainer run that saves a distributed checkpoint and resumes from
+it. Each line gives its figure
 and the seconds it took; the exit status is 1 when any check fails. ``--quick`` takes under a
 minute on a CPU; the full run a few minutes on a GPU.
 
@@ -220,6 +221,41 @@ def _ns_references(shape: tuple[int, int]) -> Any:
     from lightning_canzona.bench.newton_schulz import References
 
     return References(shape)
+
+
+def compiled(settings: Settings) -> Result:
+    """Muon's Newton–Schulz compiled (``compile=True``: `lightning_canzona.rules.compiled`)
+    against eager, in the dtype ``compute_dtype="auto"`` takes on the device: the same bits, and
+    what compiling costs at the first call and gains after (median of the later calls)."""
+    from lightning_canzona.bench.devices import synchronize
+    from lightning_canzona.rules.newton_schulz import PRESETS, newton_schulz
+
+    shape = settings.pick((64, 160), (512, 1536), (4096, 12288))
+    dtype = resolve_dtype("auto", settings.device)
+    matrix = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(settings.device)
+
+    def timed(compile: bool) -> tuple[torch.Tensor, float, float]:
+        """The result, the first call's seconds and the later calls' median."""
+        seconds = []
+        for _ in range(settings.pick(5, 10, 10)):
+            synchronize(settings.device)
+            start = time.perf_counter()
+            result = newton_schulz(matrix, PRESETS["quintic"], 5, 1e-7, dtype, "standard", compile)
+            synchronize(settings.device)
+            seconds.append(time.perf_counter() - start)
+        return result, seconds[0], sorted(seconds[1:])[len(seconds[1:]) // 2]
+
+    eager, _, eager_seconds = timed(False)
+    result, first, compiled_seconds = timed(True)
+    figure = (
+        f"{shape[0]}×{shape[1]} {str(dtype).removeprefix('torch.')}: first call {first:.1f} s, "
+        f"then {compiled_seconds * 1e3:.2f} ms against eager {eager_seconds * 1e3:.2f} ms "
+        f"({compiled_seconds / eager_seconds:.2f}×)"
+    )
+    if not torch.equal(result, eager):
+        difference = float((result.float() - eager.float()).abs().max())
+        return Result("FAIL", f"{figure}; differs from eager by up to {difference:.1e}")
+    return Result("PASS", f"{figure}; bit for bit eager's")
 
 
 def muon(settings: Settings) -> Result:
@@ -456,6 +492,7 @@ CHECKS: dict[str, Check] = {
         for form in FORMS
         for dtype in (torch.float32, torch.bfloat16)
     },
+    "compiled Newton–Schulz": compiled,
     "Muon = torch.optim.Muon": muon,
     "Shampoo vs float64": shampoo,
     "SOAP vs float64": soap,
