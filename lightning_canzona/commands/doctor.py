@@ -3,9 +3,9 @@
 First what it runs on (INFO: versions, precision switches, devices), then checks on the device
 (PASS or FAIL): Newton–Schulz in every form and dtype against float64, and compiled against
 eager; ``lightning_canzona.Muon`` against ``torch.optim.Muon``, Shampoo and SOAP against their
-float64 references, and a short Trainer run that saves a distributed checkpoint and resumes from
-it. Each line gives its figure
-and the seconds it took; the exit status is 1 when any check fails. ``--quick`` takes under a
+float64 references, the host syncs of a distributed step, and a short Trainer run that saves a
+distributed checkpoint and resumes from it. Each line gives its figure and the seconds it took;
+the exit status is 1 when any check fails. ``--quick`` takes under a
 minute on a CPU; the full run a few minutes on a GPU.
 
 Example::
@@ -62,6 +62,9 @@ KRONECKER_BOUND = 3e-4
 #: How far the resumed run's losses may lie from the uninterrupted run's (as
 #: ``tests/integration/test_checkpoints.py`` asserts).
 RESUME_TOLERANCE = 1e-6
+#: The reads of a device value on the host that an optimizer step may make: the gradients'
+#: agreement, which carries the previous step's failure flag (``tests/distributed/test_host_syncs.py``).
+HOST_SYNCS_PER_STEP = 1
 
 
 @dataclass(frozen=True)
@@ -376,6 +379,74 @@ def _tf32_allowed() -> Iterator[None]:
         torch.set_float32_matmul_precision(saved)
 
 
+def host_syncs(settings: Settings) -> Result:
+    """A Muon step of a small model sharded by FSDP2 over the device's ranks (one a GPU, NCCL;
+    2 CPU ranks, gloo), after two that built its plan and state: how often each rank reads a
+    value of the device on the host in it (`lightning_canzona.bench.host_syncs`), at most
+    `HOST_SYNCS_PER_STEP`. The ranks fork as `trainer`'s do."""
+    import torch.multiprocessing as mp
+
+    from lightning_canzona.launcher import in_fresh_thread
+
+    gpus = _gpu_indices(settings) if settings.device.type == "cuda" else []
+    ranks = len(gpus) or 2
+    method = "spawn" if torch.cuda.is_initialized() else "fork"
+    queue = mp.get_context(method).SimpleQueue()
+    with tempfile.TemporaryDirectory(prefix="canzona-doctor-") as folder:
+        rendezvous = f"file://{folder}/rendezvous"
+        in_fresh_thread(
+            mp.start_processes,
+            _count_host_syncs,
+            args=(ranks, rendezvous, gpus, queue),
+            nprocs=ranks,
+            start_method=method,
+        )
+        where = queue.get()
+    most = max(where, key=len)
+    figure = f"{ranks} ranks (FSDP2), a Muon step: at most {len(most)} (limit {HOST_SYNCS_PER_STEP})"
+    if len(most) <= HOST_SYNCS_PER_STEP:
+        return Result("PASS", figure)
+    return Result("FAIL", f"{figure}: {'; '.join(most)}")
+
+
+def _count_host_syncs(rank: int, ranks: int, rendezvous: str, gpus: list[int], queue: Any) -> None:
+    """`host_syncs` on one rank; rank 0 puts every rank's syncs (where each was made) in ``queue``."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import lightning_canzona as lc
+    from lightning_canzona.bench.host_syncs import HostSyncs
+    from lightning_canzona.distributed import deferred
+
+    torch.set_num_threads(1)
+    device = torch.device("cuda", gpus[rank]) if gpus else torch.device("cpu")
+    if gpus:
+        torch.cuda.set_device(device)
+    backend = "nccl" if gpus else "gloo"
+    dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=ranks)
+    mesh = init_device_mesh(device.type, (ranks,))
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(64, 64) for _ in range(4))).to(device)
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = lc.Muon(lc.matrix_param_groups(model), lr=0.02)
+    for _ in range(3):
+        for param in model.parameters():
+            param.grad = torch.ones_like(param)
+        with HostSyncs() as syncs:
+            optimizer.step()
+    deferred.settle()  # a failure of the last step, which no step follows, raises here
+    gathered: list[Any] = [None] * ranks
+    dist.all_gather_object(gathered, syncs.where)
+    if rank == 0:
+        queue.put(gathered)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def trainer(settings: Settings) -> Result:
     """A short Trainer run of the bundled tiny model under ``CanzonaStrategy`` with SOAP (matrix
     state on each matrix's owner: the hard case) on the device's ranks (one a GPU, NCCL; 2 CPU
@@ -496,6 +567,7 @@ CHECKS: dict[str, Check] = {
     "Muon = torch.optim.Muon": muon,
     "Shampoo vs float64": shampoo,
     "SOAP vs float64": soap,
+    "host syncs of a step": host_syncs,
     "Trainer checkpoint resume": trainer,
 }
 

@@ -1,4 +1,5 @@
-"""Host syncs of an optimizer step at dp2×tp2, counted as a GPU would feel them (`host_syncs`).
+"""Host syncs of an optimizer step at dp2×tp2, counted as a GPU would feel them
+(`lightning_canzona.bench.host_syncs`).
 
 After warm-up steps (the plan built, state created), one step of each optimizer is counted: the
 strategy's work after backward (the plain parameters' averaging and replica check), gradient
@@ -14,7 +15,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from host_syncs import HostSyncs
 from multiprocess import run_on_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import lightning_canzona as lc
+from lightning_canzona.bench.host_syncs import HostSyncs
 from lightning_canzona.distributed import deferred
 from lightning_canzona.distributed.clipping import clip_grad_norm_
 from lightning_canzona.preparation import synchronise_unsharded

@@ -10,13 +10,15 @@ nor the index tensor that indexing by a Python list copies from the host, which 
 apart (`HostSyncs.list_indexing`).
 
 On CPU ranks every tensor is a host tensor, so a count there is only the count a GPU would feel
-when host-side counters are Python numbers, not tensors (as the package keeps them).
+when host-side counters are Python numbers, not tensors (as the package keeps them). ``canzona
+doctor`` counts a step's with it on the device, ``tests/distributed/test_host_syncs.py`` each
+optimizer's.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
-import sys
 from collections import Counter
 from typing import Any
 
@@ -28,7 +30,9 @@ READS = frozenset({"item", "__bool__", "__int__", "__float__", "__index__", "tol
 #: Factories that copy Python data into a tensor.
 FACTORIES = frozenset({"tensor", "as_tensor"})
 
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: Where the package lies: places are given relative to the folder that holds it (its
+#: repository, or site-packages).
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class HostSyncs(TorchFunctionMode):
@@ -68,11 +72,12 @@ def _has_list(index: Any) -> bool:
 
 
 def _caller() -> str:
-    """The innermost frame in this repository outside this file: the package's line, or the test's."""
-    frame = sys._getframe(2)
+    """The innermost frame under `_ROOT` outside this file and torch: the package's line, or a
+    test's."""
+    frame = inspect.currentframe()
     while frame is not None:
         path = os.path.abspath(frame.f_code.co_filename)
-        if path.startswith(_PACKAGE) and path != os.path.abspath(__file__):
-            return f"{os.path.relpath(path, _PACKAGE)}:{frame.f_lineno}"
+        if path.startswith(_ROOT) and path != os.path.abspath(__file__) and "/torch/" not in path:
+            return f"{os.path.relpath(path, _ROOT)}:{frame.f_lineno}"
         frame = frame.f_back
     return "?"
