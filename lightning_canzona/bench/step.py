@@ -11,7 +11,10 @@ noise hits all alike:
   with ``torch.optim.AdamW`` for the rest;
 - ``round_robin``: one owner per matrix by index;
 - ``lpt (no overlap)``: one owner per matrix by LPT, micro-groups run one after another;
-- ``canzona``: α-balanced owners and micro-groups, pipelined.
+- ``canzona``: α-balanced owners and micro-groups, pipelined;
+- ``dion.Muon``: microsoft/dion's distributed Muon (all-to-alls over FSDP2's 1-D mesh, its
+  Newton–Schulz compiled), with ``--tp 1`` where ``import dion`` finds it (a checkout on
+  ``PYTHONPATH``).
 
 A mixture-of-experts preset leaves out ``torch.optim.Muon``, which refuses 3-D parameters (the
 expert stacks), and adds two variants of ``canzona`` that take back one thing each:
@@ -44,6 +47,7 @@ latency, which depends on how the scheduler interleaves the ranks.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import socket
@@ -57,7 +61,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, parallelize_module
@@ -86,6 +90,9 @@ VARIANTS = (
     "canzona (teams, measured)",
 )
 MOE_VARIANTS = ("canzona (locality-blind)", "canzona (call per expert)")
+#: microsoft/dion's distributed Muon: timed where ``import dion`` finds it (a checkout on
+#: ``PYTHONPATH``: a comparison, never a dependency) and the mesh is 1-D, which it requires.
+DION = "dion.Muon"
 #: Each optimizer and its settings in every variant.
 OPTIMIZERS: dict[str, tuple[type[lc.MatrixOptimizer], dict]] = {
     "muon": (lc.Muon, {"lr": 0.02, "adamw_lr": 3e-3}),
@@ -164,11 +171,37 @@ class _TorchMuonWithAdamW:
             optimizer.step()
 
 
+class _DionMuon:
+    """dion's ``Muon`` for the matrices (its defaults: bf16 Newton–Schulz, compiled) and its
+    AdamW for the rest, on the data-parallel mesh."""
+
+    def __init__(self, groups: list[dict], mesh: DeviceMesh) -> None:
+        import dion
+
+        matrices = [p for g in groups if "algorithm" not in g for _, p in g["params"]]
+        others = [p for g in groups if g.get("algorithm") == "adamw" for _, p in g["params"]]
+        param_groups = [{"params": matrices}]
+        if others:
+            param_groups.append({"params": others, "algorithm": "adamw", "lr": 3e-3})
+        self.optimizer = dion.Muon(param_groups, distributed_mesh=mesh, lr=0.02)
+        self.state = self.optimizer.state
+        self.engines: dict = {}
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+
 def _build(
-    variant: str, groups: list[dict], optimizer_name: str = "muon", compute_dtype: str | None = None
+    variant: str,
+    groups: list[dict],
+    optimizer_name: str = "muon",
+    compute_dtype: str | None = None,
+    mesh: DeviceMesh | None = None,
 ) -> object:
     if variant == "torch.optim.Muon":
         return _TorchMuonWithAdamW(groups)
+    if variant == DION:
+        return _DionMuon(groups, mesh)
     optimizer_class, settings = OPTIMIZERS[optimizer_name]
     if optimizer_class in (lc.Muon, lc.NorMuon):  # bfloat16 by default, as torch.optim.Muon
         settings = {**settings, "compute_dtype": compute_dtype or "bfloat16"}
@@ -262,8 +295,10 @@ def _worker(
         variants = tuple(v for v in VARIANTS if v != "torch.optim.Muon")
     elif isinstance(model, Qwen3) and model.config.num_experts:  # torch.optim.Muon refuses 3-D stacks
         variants = tuple(v for v in VARIANTS if v != "torch.optim.Muon") + MOE_VARIANTS
+    if tp == 1 and "torch.optim.Muon" in variants and importlib.util.find_spec("dion"):
+        variants += (DION,)
     optimizers = {
-        variant: _build(variant, lc.matrix_param_groups(model), optimizer_name, compute_dtype)
+        variant: _build(variant, lc.matrix_param_groups(model), optimizer_name, compute_dtype, mesh["dp"])
         for variant in variants
     }
     times: dict[str, list[float]] = {v: [] for v in variants}
