@@ -154,12 +154,19 @@ class VariantResult:
     split_matrices: dict[int, int]
 
 
+def _matrices_and_others(groups: list[dict]) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """The parameters of `lightning_canzona.matrix_param_groups`' matrix groups, and of its
+    AdamW groups: what the other libraries' optimizers take apart."""
+    matrices = [p for g in groups if "algorithm" not in g for _, p in g["params"]]
+    others = [p for g in groups if g.get("algorithm") == "adamw" for _, p in g["params"]]
+    return matrices, others
+
+
 class _TorchMuonWithAdamW:
     """``torch.optim.Muon`` for the matrices and ``torch.optim.AdamW`` for the rest."""
 
     def __init__(self, groups: list[dict]) -> None:
-        matrices = [p for g in groups if "algorithm" not in g for _, p in g["params"]]
-        others = [p for g in groups if g.get("algorithm") == "adamw" for _, p in g["params"]]
+        matrices, others = _matrices_and_others(groups)
         self.optimizers = [torch.optim.Muon(matrices, lr=0.02)]
         if others:
             self.optimizers.append(torch.optim.AdamW(others, lr=3e-3))
@@ -178,8 +185,7 @@ class _DionMuon:
     def __init__(self, groups: list[dict], mesh: DeviceMesh) -> None:
         import dion
 
-        matrices = [p for g in groups if "algorithm" not in g for _, p in g["params"]]
-        others = [p for g in groups if g.get("algorithm") == "adamw" for _, p in g["params"]]
+        matrices, others = _matrices_and_others(groups)
         param_groups = [{"params": matrices}]
         if others:
             param_groups.append({"params": others, "algorithm": "adamw", "lr": 3e-3})
@@ -295,6 +301,7 @@ def _worker(
         variants = tuple(v for v in VARIANTS if v != "torch.optim.Muon")
     elif isinstance(model, Qwen3) and model.config.num_experts:  # torch.optim.Muon refuses 3-D stacks
         variants = tuple(v for v in VARIANTS if v != "torch.optim.Muon") + MOE_VARIANTS
+    # dion's Muon takes a 1-D mesh; it runs where torch.optim.Muon does (bf16 Muon, no experts).
     if tp == 1 and "torch.optim.Muon" in variants and importlib.util.find_spec("dion"):
         variants += (DION,)
     optimizers = {

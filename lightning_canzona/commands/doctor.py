@@ -5,8 +5,8 @@ First what it runs on (INFO: versions, precision switches, devices), then checks
 eager; ``lightning_canzona.Muon`` against ``torch.optim.Muon``, Shampoo and SOAP against their
 float64 references, the host syncs of a distributed step, and a short Trainer run that saves a
 distributed checkpoint and resumes from it. Each line gives its figure and the seconds it took;
-the exit status is 1 when any check fails. ``--quick`` takes under a
-minute on a CPU; the full run a few minutes on a GPU.
+the exit status is 1 when any check fails. ``--quick`` takes under a minute on a CPU; the full
+run a few minutes on a GPU.
 
 Example::
 
@@ -23,6 +23,7 @@ import logging
 import multiprocessing
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -246,7 +247,7 @@ def compiled(settings: Settings) -> Result:
             result = newton_schulz(matrix, PRESETS["quintic"], 5, 1e-7, dtype, "standard", compile)
             synchronize(settings.device)
             seconds.append(time.perf_counter() - start)
-        return result, seconds[0], sorted(seconds[1:])[len(seconds[1:]) // 2]
+        return result, seconds[0], statistics.median(seconds[1:])
 
     eager, _, eager_seconds = timed(False)
     result, first, compiled_seconds = timed(True)

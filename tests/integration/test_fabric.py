@@ -2,7 +2,8 @@
 
 The loop (`fabric_loop.py`) runs on ranks forked from here, as in a notebook; the reference runs
 the same loop here on the whole model with `lc.Muon` and ``torch.nn.utils.clip_grad_norm_``. The
-examples run as a user runs them, as scripts whose ranks Fabric starts by re-running them.
+examples run as scripts, their ranks forked (the `examples` fixture); the launch that re-runs a
+script per rank is the mismatch test's.
 """
 
 from __future__ import annotations
