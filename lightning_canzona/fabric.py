@@ -48,6 +48,7 @@ from lightning_canzona.compat import BackwardSyncControl, PathLike, materialize_
 from lightning_canzona.composition import compose
 from lightning_canzona.config import PlanConfig
 from lightning_canzona.distributed.clipping import clip_grad_norm_
+from lightning_canzona.elastic import check_restartable, nodes_started
 from lightning_canzona.launcher import FabricInProcessLauncher, report_failures_briefly
 from lightning_canzona.mesh import MeshShape, choose_mesh
 from lightning_canzona.optim import MatrixOptimizer
@@ -119,6 +120,10 @@ class CanzonaFabricStrategy(ModelParallelStrategy):
         # any process starts (under torchrun or SLURM, as one traceback: rank 0's).
         if self.cluster_environment.creates_processes_externally:
             report_failures_briefly(self.global_rank)
+            check_restartable()
+            self.num_nodes = nodes_started(
+                self.cluster_environment.world_size(), self.num_processes, self.num_nodes
+            )
         choose_mesh(None, *self._requested_sizes, self.num_nodes, self.num_processes)
         check_precision(self.precision, type(self).__name__)
         if self.start_method != "popen":

@@ -70,6 +70,7 @@ from lightning_canzona.compat import (
 from lightning_canzona.composition import compose
 from lightning_canzona.config import PlanConfig
 from lightning_canzona.distributed import deferred
+from lightning_canzona.elastic import check_restartable, nodes_started
 from lightning_canzona.launcher import InProcessLauncher, ScriptLauncher, report_failures_briefly
 from lightning_canzona.mesh import MeshShape, choose_mesh
 from lightning_canzona.metrics import prepare_metrics
@@ -179,6 +180,10 @@ class CanzonaStrategy(ModelParallelStrategy):
     def _configure_launcher(self) -> None:
         if self.cluster_environment.creates_processes_externally:  # torchrun, SLURM: every rank checks
             report_failures_briefly(self.global_rank)
+            check_restartable()
+            self.num_nodes = nodes_started(
+                self.cluster_environment.world_size(), self.num_processes, self.num_nodes
+            )
         self._check_settings()
         if self.start_method != "popen":
             self._launcher = InProcessLauncher(self, self.start_method, self.preflight, self.return_weights)

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+#: This folder, where `_AGENT` finds this module.
+_TESTS = str(Path(__file__).parent)
 
 
 def run_script(*arguments: object, cwd: Path, timeout: float = 300) -> tuple[int, str]:
@@ -87,3 +93,88 @@ def run_examples_forked(runs: dict[str, tuple[Path, Path, list[object]]]) -> dic
         printed, _, exit_code = part.split("\n", 1)[1].rpartition(_END)  # after the script's name
         results[name] = (int(exit_code.split()[0]), printed)
     return results
+
+
+#: One node's torchrun agent (``sys.argv[1]``: JSON of its `LaunchConfig`'s settings, the script and
+#: its arguments): torchrun's own, `elastic_launch`, whose ranks are forked from a server that
+#: imported Lightning once (``forkserver``) instead of each re-running an interpreter and its imports.
+_AGENT = """
+import json, multiprocessing, sys
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+import scripts
+settings, script, arguments = json.loads(sys.argv[1])
+multiprocessing.set_forkserver_preload(["lightning", "lightning_canzona"])
+elastic_launch(LaunchConfig(**settings, start_method="forkserver"), scripts.run_as_main)(script, arguments)
+"""
+
+
+def run_as_main(script: str, arguments: list[str]) -> None:
+    """Run ``script`` as ``python script arguments…`` would, in this process."""
+    sys.argv = [script, *arguments]
+    runpy.run_path(script, run_name="__main__")
+
+
+def run_nodes(
+    script: Path,
+    *arguments: object,
+    nodes: int,
+    devices: int,
+    cwd: Path,
+    min_nodes: int | None = None,
+    max_restarts: int = 0,
+    rendezvous: dict[str, object] | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 300,
+) -> list[tuple[int, str]]:
+    """Run ``script arguments…`` as a job of ``nodes`` nodes of ``devices`` ranks each, as on a
+    cluster: one torchrun agent a node (`_AGENT`), ``min_nodes`` as ``--nnodes min_nodes:nodes``,
+    ``max_restarts`` as ``--max-restarts``, the agents meeting by the c10d rendezvous on a free port
+    of this machine (``rendezvous``: ``--rdzv-conf``), ``env`` added to their environment.
+    Returns each agent's exit code and everything it and its ranks printed (kept in
+    ``cwd/node{N}.log``); every process of the job is killed at the end, whatever happened (on a
+    timeout, the test fails with what was printed)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    settings: dict[str, object] = {
+        "min_nodes": min_nodes or nodes,
+        "max_nodes": nodes,
+        "nproc_per_node": devices,
+        "run_id": f"job-{port}",
+        "rdzv_backend": "c10d",
+        "rdzv_endpoint": f"127.0.0.1:{port}",
+        "max_restarts": max_restarts,
+    }
+    search_path = os.pathsep.join(filter(None, [_TESTS, os.environ.get("PYTHONPATH")]))
+    logs = [cwd / f"node{node}.log" for node in range(nodes)]
+    agents = []
+    for node, log in enumerate(logs):
+        # Node 0 hosts the rendezvous, as the node of --rdzv-endpoint does on a cluster: every
+        # agent is on this machine's address, and the first to bind it would host it otherwise.
+        settings["rdzv_configs"] = {**(rendezvous or {}), "is_host": node == 0}
+        job = json.dumps([settings, str(script), list(map(str, arguments))])
+        with log.open("w") as output:  # a file, not a pipe: an agent never waits for its reader
+            process = subprocess.Popen(
+                [sys.executable, "-c", _AGENT, job],
+                cwd=cwd,
+                env={**os.environ, "PYTHONPATH": search_path, **(env or {})},
+                start_new_session=True,
+                stdout=output,
+                stderr=output,
+            )
+        agents.append(process)
+    try:
+        deadline = time.monotonic() + timeout
+        for agent in agents:
+            agent.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        printed = "\n".join(log.read_text()[-3000:] for log in logs)
+        raise AssertionError(f"the agents of {script.name} ran past {timeout} s:\n{printed}") from None
+    finally:
+        for agent in agents:
+            try:
+                os.killpg(agent.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            agent.wait()
+    return [(agent.returncode, log.read_text()) for agent, log in zip(agents, logs, strict=True)]

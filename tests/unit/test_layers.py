@@ -27,6 +27,7 @@ LAYERS: list[set[str]] = [
     {  # the strategy's parts
         "checkpoint",
         "composition",
+        "elastic",
         "export",
         "huggingface",
         "launcher",
