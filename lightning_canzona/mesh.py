@@ -13,7 +13,7 @@ before any rank starts and every rank chooses the same.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from torch import nn
@@ -37,17 +37,42 @@ class MeshShape:
         data_parallel_size: Devices per data-parallel group (FSDP2 shards over them).
         tensor_parallel_size: Devices per tensor-parallel group.
         reason: Why, in a user's words (what ``"auto"`` read, or that the sizes were given).
+        devices_per_node: Devices (ranks) on each node; ``None``: one node.
     """
 
     data_parallel_size: int
     tensor_parallel_size: int
     reason: str
+    devices_per_node: int | None = None
 
     def describe(self) -> str:
-        """One line for the log."""
-        return (
+        """One line for the log; on several nodes, which collectives cross them."""
+        line = (
             f"lightning_canzona: device mesh data_parallel {self.data_parallel_size} × "
             f"tensor_parallel {self.tensor_parallel_size}: {self.reason}."
+        )
+        return f"{line} {self.crossing()}" if self.crossing() else line
+
+    def crossing(self) -> str:
+        """Which of the mesh's collectives go between nodes (``""`` on one node).
+
+        The ranks fill the mesh tensor-parallel first (Lightning's ``(data_parallel,
+        tensor_parallel)`` order), node after node: a tensor-parallel group stays in a node where
+        its size divides the devices per node; a data-parallel group of more than one rank then
+        spans nodes, and so does the optimizer's exchange, which spans the whole mesh.
+        """
+        per_node = self.devices_per_node
+        if per_node is None or self.data_parallel_size * self.tensor_parallel_size <= per_node:
+            return ""
+        across = ["the optimizer's gathers and scatters"]
+        if self.data_parallel_size > 1:
+            across.insert(0, "FSDP2's all-gathers and reduce-scatters (data_parallel)")
+        if per_node % self.tensor_parallel_size == 0:
+            return f"Across nodes: {', '.join(across)}; tensor_parallel stays within each node."
+        across.insert(0, "every layer's tensor-parallel collectives")
+        return (
+            f"Across nodes: {', '.join(across)}: a tensor_parallel_size that divides the "
+            f"{per_node} devices per node keeps them within a node."
         )
 
 
@@ -101,6 +126,7 @@ def choose_mesh(
         shape = MeshShape(data_parallel_size, world // data_parallel_size, "data_parallel_size as given")
     else:
         shape = _auto(module, num_nodes, devices_per_node, composes)
+    shape = replace(shape, devices_per_node=devices_per_node if num_nodes > 1 else None)
     if module is not None:
         if composes:
             check_composable(module, shape.tensor_parallel_size)

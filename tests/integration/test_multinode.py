@@ -47,6 +47,7 @@ def test_a_job_that_loses_a_node_resumes_by_itself_and_goes_on_with_the_nodes_le
     assert nodes[0][0] == 0 and nodes[1][0] == -signal.SIGKILL, output[-4000:]
     # "auto" keeps tensor parallelism inside a node; on the node left, over its 2 devices.
     assert "data_parallel 2 × tensor_parallel 2: tensor parallelism over each node's 2 devices" in output
+    assert "; tensor_parallel stays within each node." in output
     assert "data_parallel 1 × tensor_parallel 2" in output
     assert "the launcher started 2 ranks, 1 node(s) of 2, not num_nodes=2" in output
     assert output.count("killed while saving the step-4 checkpoint") == 2  # both ranks of node 1

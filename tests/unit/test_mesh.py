@@ -30,6 +30,22 @@ def test_auto_takes_the_largest_tensor_parallel_size_the_heads_allow(preset) -> 
     assert _sizes(module, per_node=6) == (3, 2)
 
 
+def test_the_mesh_line_says_which_collectives_cross_nodes() -> None:
+    module = CausalLanguageModel("tiny")
+    assert "Across" not in choose_mesh(module, "auto", "auto", 1, 4).describe()
+    two_nodes = choose_mesh(module, "auto", "auto", 2, 2).describe()
+    assert two_nodes.endswith(
+        "Across nodes: FSDP2's all-gathers and reduce-scatters (data_parallel), the optimizer's gathers "
+        "and scatters; tensor_parallel stays within each node."
+    )
+    split = choose_mesh(module, 1, 2, 2, 1).describe()  # one device a node: TP between them
+    assert (
+        "Across nodes: every layer's tensor-parallel collectives, the optimizer's gathers and scatters: "
+        in split
+    )
+    assert "a tensor_parallel_size that divides the 1 devices per node keeps them within a node." in split
+
+
 def test_explicit_sizes_are_kept_and_checked_against_the_model() -> None:
     module = CausalLanguageModel("tiny")
     assert _sizes(module, dp=4, tp=1) == (4, 1)
