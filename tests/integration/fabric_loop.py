@@ -1,10 +1,15 @@
-"""A Fabric training loop as a user writes it, which `test_fabric.py` launches on forked ranks: a
-model, ``fabric.setup(model, optimizer)`` or ``setup_module`` then ``setup_optimizers``, gradient
-accumulation under ``no_backward_sync``, clipping, and the trained weights gathered whole.
+"""A Fabric training loop as a user writes it, which `test_fabric.py` launches on forked ranks
+(and `test_multinode.py` with torchrun on two nodes, as a script): a model, ``fabric.setup(model,
+optimizer)`` or ``setup_module`` then ``setup_optimizers``, gradient accumulation under
+``no_backward_sync``, clipping, and the trained weights gathered whole; and the same loop in one
+process, the reference.
 """
 
 from __future__ import annotations
 
+import sys
+
+import pytest
 import torch
 import torch.nn.functional as F
 from lightning.fabric import Fabric
@@ -63,6 +68,38 @@ def parallelize_mlps(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Modul
     return model
 
 
+def one_process(model_name: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[float]]:
+    """The loop in one process, without Fabric: the initial and trained weights, the norms."""
+    model = build(model_name)
+    initial = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    optimizer = lc.Muon(lc.matrix_param_groups(model), **MUON)
+    norms = []
+    for micro_batches in batches().split(ACCUMULATE):
+        for tokens in micro_batches:
+            loss_of(model, tokens).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        optimizer.step()
+        optimizer.zero_grad()
+    return initial, model.state_dict(), norms
+
+
+def check_against_one_process(trained: dict, tensor_parallel: bool, model_name: str = "qwen3") -> None:
+    """``trained`` (`train`'s result) equals `one_process` within float32's bounds."""
+    initial, expected, expected_norms = one_process(model_name)
+    # The norms before clipping (clipping fired: they exceed MAX_NORM), then the weights, with the
+    # bounds of the transformers tests: data parallelism alone reorders no sum; tensor
+    # parallelism sums partial products in another order, float32 noise Newton-Schulz amplifies.
+    assert min(expected_norms) > MAX_NORM
+    assert trained["norms"] == pytest.approx(expected_norms, rel=1e-5)
+    tolerance = 3e-5 if tensor_parallel else 1e-6
+    ulps = 16 * torch.finfo(torch.float32).eps
+    assert trained["weights"].keys() == expected.keys()
+    for name, weight in expected.items():
+        update, expected_update = trained["weights"][name] - initial[name], weight - initial[name]
+        bound = tolerance * float(expected_update.norm()) + ulps * float(initial[name].norm())
+        assert float((update - expected_update).norm()) <= bound, name
+
+
 def train(fabric: Fabric, setup: str, model_name: str = "qwen3") -> dict[str, object]:
     """The loop, on the ranks that ``fabric`` launched; rank 0 returns the trained weights whole,
     the gradient norms before each clipping and the shapes of the meshes the optimizer planned."""
@@ -82,3 +119,13 @@ def train(fabric: Fabric, setup: str, model_name: str = "qwen3") -> dict[str, ob
         optimizer.zero_grad()
     meshes = [tuple(mesh.shape) for mesh in optimizer.plans()]
     return {"weights": full_model_state(model), "norms": norms, "meshes": meshes}
+
+
+if __name__ == "__main__":  # under torchrun: fabric_loop.py RESULT NUM_NODES DEVICES
+    fabric = Fabric(
+        strategy="canzona", accelerator="cpu", num_nodes=int(sys.argv[2]), devices=int(sys.argv[3])
+    )
+    fabric.launch()
+    result = train(fabric, "separate")
+    if fabric.global_rank == 0:
+        torch.save(result, sys.argv[1])

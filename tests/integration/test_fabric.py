@@ -17,7 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from fabric_loop import ACCUMULATE, MAX_NORM, MUON, batches, build, loss_of, parallelize_mlps, train
+from fabric_loop import (
+    check_against_one_process,
+    parallelize_mlps,
+    train,
+)
 from fabric_resume import train as resume_run
 from lightning.fabric import Fabric
 from printed import warning_lines
@@ -32,36 +36,6 @@ from lightning_canzona.models.qwen3 import PRESETS, Qwen3
 from lightning_canzona.telemetry import COMPUTE_MAX_MS, COMPUTE_MS, MATRICES, SENT_MIB, STEP_MS
 
 
-def _one_process(model_name: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[float]]:
-    model = build(model_name)
-    initial = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-    optimizer = lc.Muon(lc.matrix_param_groups(model), **MUON)
-    norms = []
-    for micro_batches in batches().split(ACCUMULATE):
-        for tokens in micro_batches:
-            loss_of(model, tokens).backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
-        optimizer.step()
-        optimizer.zero_grad()
-    return initial, model.state_dict(), norms
-
-
-def _check_against_one_process(trained: dict, tensor_parallel: bool, model_name: str = "qwen3") -> None:
-    initial, expected, expected_norms = _one_process(model_name)
-    # The norms before clipping (clipping fired: they exceed MAX_NORM), then the weights, with the
-    # bounds of the transformers tests: data parallelism alone reorders no sum; tensor
-    # parallelism sums partial products in another order, float32 noise Newton-Schulz amplifies.
-    assert min(expected_norms) > MAX_NORM
-    assert trained["norms"] == pytest.approx(expected_norms, rel=1e-5)
-    tolerance = 3e-5 if tensor_parallel else 1e-6
-    ulps = 16 * torch.finfo(torch.float32).eps
-    assert trained["weights"].keys() == expected.keys()
-    for name, weight in expected.items():
-        update, expected_update = trained["weights"][name] - initial[name], weight - initial[name]
-        bound = tolerance * float(expected_update.norm()) + ulps * float(initial[name].norm())
-        assert float((update - expected_update).norm()) <= bound, name
-
-
 def test_a_third_party_model_trains_exactly_with_the_users_parallelize_fn(capfd) -> None:
     # A transformers Llama whose own plan the user's parallelize_fn replaces: at dp 2 × tp 2 it
     # splits the MLPs and keeps attention whole on each TP rank. The ranks are forked from here
@@ -73,7 +47,7 @@ def test_a_third_party_model_trains_exactly_with_the_users_parallelize_fn(capfd)
     assert trained["meshes"] == [(2, 2)]
     printed = "".join(capfd.readouterr())
     assert not warning_lines(printed), printed[-3000:]
-    _check_against_one_process(trained, tensor_parallel=True, model_name="llama")
+    check_against_one_process(trained, tensor_parallel=True, model_name="llama")
 
 
 def test_fabric_takes_the_strategy_by_name_and_checks_its_settings_before_any_rank_starts() -> None:
@@ -207,4 +181,4 @@ def test_a_notebook_launch_forks_safely_after_threaded_work_and_trains_exactly(c
     printed = "".join(capfd.readouterr())
     assert not warning_lines(printed), printed[-3000:]
     assert trained["meshes"] == [(2, 2)]  # auto sizes: the tiny model's 2 key/value heads allow TP 2
-    _check_against_one_process(trained, tensor_parallel=True)
+    check_against_one_process(trained, tensor_parallel=True)

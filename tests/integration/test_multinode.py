@@ -10,12 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 from elastic_job import STEPS, main
+from fabric_loop import check_against_one_process
 from scripts import run_nodes
 
 import lightning_canzona as lc
 from lightning_canzona.elastic import check_restartable
 
 JOB = Path(__file__).with_name("elastic_job.py")
+FABRIC_LOOP = Path(__file__).with_name("fabric_loop.py")
 
 
 def test_a_job_that_loses_a_node_resumes_by_itself_and_goes_on_with_the_nodes_left(tmp_path) -> None:
@@ -66,6 +68,19 @@ def test_a_job_that_loses_a_node_resumes_by_itself_and_goes_on_with_the_nodes_le
         assert got.keys() == expected.keys()
         for name, weight in expected.items():
             assert torch.equal(got[name], weight), (step, name)
+
+
+def test_a_fabric_loop_on_two_nodes_trains_as_one_process(tmp_path) -> None:
+    """``Fabric(strategy="canzona", num_nodes=2, devices=2)``, two torchrun agents as two nodes:
+    tensor parallelism within each, and the weights of the same loop in one process."""
+    result = tmp_path / "trained.pt"
+    nodes = run_nodes(FABRIC_LOOP, result, 2, 2, nodes=2, devices=2, cwd=tmp_path, timeout=240)
+    output = "\n".join(printed for _, printed in nodes)
+    assert [code for code, _ in nodes] == [0, 0], output[-4000:]
+    assert "; tensor_parallel stays within each node." in output
+    trained = torch.load(result)
+    assert trained["meshes"] == [(2, 2)]
+    check_against_one_process(trained, tensor_parallel=True)
 
 
 ELASTIC = {
