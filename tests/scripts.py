@@ -12,11 +12,13 @@ import sys
 import time
 from pathlib import Path
 
-#: This folder, where `_AGENT` finds this module.
+#: This folder.
 _TESTS = str(Path(__file__).parent)
 
 
-def run_script(*arguments: object, cwd: Path, timeout: float = 300) -> tuple[int, str]:
+def run_script(
+    *arguments: object, cwd: Path, timeout: float = 300, env: dict[str, str] | None = None
+) -> tuple[int, str]:
     """Run ``python arguments…`` (a script and its arguments, or ``-m`` and a module) in a process
     session of its own; return its exit code and everything it printed. The session (the ranks it
     started included) is killed at the end, whatever happened: on a timeout, the test fails with
@@ -24,6 +26,7 @@ def run_script(*arguments: object, cwd: Path, timeout: float = 300) -> tuple[int
     process = subprocess.Popen(
         [sys.executable, *map(str, arguments)],
         cwd=cwd,
+        env=env,
         start_new_session=True,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -108,10 +111,44 @@ elastic_launch(LaunchConfig(**settings, start_method="forkserver"), scripts.run_
 """
 
 
-def run_as_main(script: str, arguments: list[str]) -> None:
-    """Run ``script`` as ``python script arguments…`` would, in this process."""
+def run_as_main(script: str, arguments: list[str], env: dict[str, str] | None = None) -> None:
+    """Run ``script`` as ``python script arguments…`` would, in this process, ``env`` added to
+    its environment."""
+    os.environ.update(env or {})
     sys.argv = [script, *arguments]
     runpy.run_path(script, run_name="__main__")
+
+
+#: `run_slurm_tasks`' ``srun`` (``sys.argv[1]``: JSON of each task's SLURM variables, the script and
+#: its arguments): the tasks forked from a server that imported Lightning once.
+_SRUN = """
+import json, multiprocessing, sys
+import scripts
+tasks, script, arguments = json.loads(sys.argv[1])
+multiprocessing.set_forkserver_preload(["lightning", "lightning_canzona"])
+context = multiprocessing.get_context("forkserver")
+processes = [context.Process(target=scripts.run_as_main, args=(script, arguments, env)) for env in tasks]
+for process in processes:
+    process.start()
+for process in processes:
+    process.join()
+sys.exit(max(abs(process.exitcode) for process in processes))
+"""
+
+
+def run_slurm_tasks(script: Path, *arguments: object, nodes: int, devices: int, cwd: Path) -> tuple[int, str]:
+    """Run ``script arguments…`` as ``srun`` runs a SLURM job's tasks, ``devices`` a node on
+    ``nodes`` nodes, each with the variables SLURM gives it (all on this machine, as node
+    ``localhost``); returns the exit code (the largest of the tasks') and everything they printed."""
+    job = {"SLURM_JOB_ID": 1, "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "localhost", "SLURM_NNODES": nodes}
+    job |= {"SLURM_NTASKS": nodes * devices, "SLURM_NTASKS_PER_NODE": devices, "MASTER_PORT": _free_port()}
+    tasks = [
+        {**job, "SLURM_NODEID": rank // devices, "SLURM_PROCID": rank, "SLURM_LOCALID": rank % devices}
+        for rank in range(nodes * devices)
+    ]
+    tasks = [{name: str(value) for name, value in task.items()} for task in tasks]
+    srun = json.dumps([tasks, str(script), list(map(str, arguments))])
+    return run_script("-c", _SRUN, srun, cwd=cwd, env=_finding_this_module())
 
 
 def run_nodes(
@@ -133,9 +170,7 @@ def run_nodes(
     Returns each agent's exit code and everything it and its ranks printed (kept in
     ``cwd/node{N}.log``); every process of the job is killed at the end, whatever happened (on a
     timeout, the test fails with what was printed)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = _free_port()
     settings: dict[str, object] = {
         "min_nodes": min_nodes or nodes,
         "max_nodes": nodes,
@@ -145,7 +180,6 @@ def run_nodes(
         "rdzv_endpoint": f"127.0.0.1:{port}",
         "max_restarts": max_restarts,
     }
-    search_path = os.pathsep.join(filter(None, [_TESTS, os.environ.get("PYTHONPATH")]))
     logs = [cwd / f"node{node}.log" for node in range(nodes)]
     agents = []
     for node, log in enumerate(logs):
@@ -157,7 +191,7 @@ def run_nodes(
             process = subprocess.Popen(
                 [sys.executable, "-c", _AGENT, job],
                 cwd=cwd,
-                env={**os.environ, "PYTHONPATH": search_path, **(env or {})},
+                env={**_finding_this_module(), **(env or {})},
                 start_new_session=True,
                 stdout=output,
                 stderr=output,
@@ -178,3 +212,16 @@ def run_nodes(
                 pass
             agent.wait()
     return [(agent.returncode, log.read_text()) for agent, log in zip(agents, logs, strict=True)]
+
+
+def _free_port() -> int:
+    """A TCP port of this machine that nothing listens on now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _finding_this_module() -> dict[str, str]:
+    """This process's environment, with this folder on the path: where `_AGENT` and `_SRUN` import
+    this module from."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_TESTS, os.environ.get("PYTHONPATH")]))}

@@ -1,5 +1,5 @@
 """A Fabric training loop as a user writes it, which `test_fabric.py` launches on forked ranks
-(and `test_multinode.py` with torchrun on two nodes, as a script): a model, ``fabric.setup(model,
+(and `test_multinode.py` as a SLURM job's script on two nodes): a model, ``fabric.setup(model,
 optimizer)`` or ``setup_module`` then ``setup_optimizers``, gradient accumulation under
 ``no_backward_sync``, clipping, and the trained weights gathered whole; and the same loop in one
 process, the reference.
@@ -121,7 +121,7 @@ def train(fabric: Fabric, setup: str, model_name: str = "qwen3") -> dict[str, ob
     return {"weights": full_model_state(model), "norms": norms, "meshes": meshes}
 
 
-if __name__ == "__main__":  # under torchrun: fabric_loop.py RESULT NUM_NODES DEVICES
+if __name__ == "__main__":  # under srun or torchrun: fabric_loop.py RESULT NUM_NODES DEVICES
     fabric = Fabric(
         strategy="canzona", accelerator="cpu", num_nodes=int(sys.argv[2]), devices=int(sys.argv[3])
     )

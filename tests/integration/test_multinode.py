@@ -11,7 +11,7 @@ import pytest
 import torch
 from elastic_job import STEPS, main
 from fabric_loop import check_against_one_process
-from scripts import run_nodes
+from scripts import run_nodes, run_slurm_tasks
 
 import lightning_canzona as lc
 from lightning_canzona.elastic import check_restartable
@@ -70,13 +70,13 @@ def test_a_job_that_loses_a_node_resumes_by_itself_and_goes_on_with_the_nodes_le
             assert torch.equal(got[name], weight), (step, name)
 
 
-def test_a_fabric_loop_on_two_nodes_trains_as_one_process(tmp_path) -> None:
-    """``Fabric(strategy="canzona", num_nodes=2, devices=2)``, two torchrun agents as two nodes:
-    tensor parallelism within each, and the weights of the same loop in one process."""
+def test_a_fabric_loop_on_two_slurm_nodes_trains_as_one_process(tmp_path) -> None:
+    """``Fabric(strategy="canzona", num_nodes=2, devices=2)`` as ``srun`` starts a SLURM job's 4
+    tasks on 2 nodes (Lightning's ``SLURMEnvironment``; the Trainer's torchrun jobs are above):
+    tensor parallelism within each node, and the weights of the same loop in one process."""
     result = tmp_path / "trained.pt"
-    nodes = run_nodes(FABRIC_LOOP, result, 2, 2, nodes=2, devices=2, cwd=tmp_path, timeout=240)
-    output = "\n".join(printed for _, printed in nodes)
-    assert [code for code, _ in nodes] == [0, 0], output[-4000:]
+    code, output = run_slurm_tasks(FABRIC_LOOP, result, 2, 2, nodes=2, devices=2, cwd=tmp_path)
+    assert code == 0, output[-4000:]
     assert "; tensor_parallel stays within each node." in output
     trained = torch.load(result)
     assert trained["meshes"] == [(2, 2)]
