@@ -19,6 +19,7 @@ the new owner (or team). This module holds that lifecycle; what it plans is
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -58,12 +59,14 @@ def mesh_process_group(mesh: DeviceMesh) -> dist.ProcessGroup:
 
 
 def mesh_sizes(mesh: DeviceMesh) -> tuple[int, int]:
-    """``(dp, tp)`` of a mesh, for reports: a 2-D mesh is (dp, tp); a 1-D mesh is DP unless named TP."""
-    if mesh.ndim == 2:
-        return mesh.size(0), mesh.size(1)
-    names = mesh.mesh_dim_names or ()
-    is_tp = any("tp" in name or "tensor" in name for name in names)
-    return (1, mesh.size()) if is_tp else (mesh.size(), 1)
+    """``(dp, tp)`` of a mesh, for the plan: tensor parallelism is the dimension named for it (a
+    2-D mesh without names: the second), data parallelism every other dimension together (HSDP's
+    replicate and shard dimensions)."""
+    names = mesh.mesh_dim_names
+    if not names:
+        return (mesh.size(0), mesh.size(1)) if mesh.ndim == 2 else (mesh.size(), 1)
+    tp = math.prod(mesh.size(d) for d, name in enumerate(names) if "tp" in name or "tensor" in name)
+    return mesh.size() // tp, tp
 
 
 class MeshEngine:

@@ -155,7 +155,7 @@ def planning_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """
     root = root_mesh(mesh)
     names, root_names = mesh.mesh_dim_names, root.mesh_dim_names
-    if root is mesh or root.ndim > 2 or not names or not root_names or not set(names) <= set(root_names):
+    if root is mesh or not names or not root_names or not set(names) <= set(root_names):
         return mesh
     return root
 

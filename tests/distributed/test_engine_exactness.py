@@ -29,6 +29,10 @@ MESHES = {
     "dp4": ((4,), ("dp",)),
     "tp2": ((2,), ("tp",)),
     "dp2xtp2": ((2, 2), ("dp", "tp")),
+    # HSDP: FSDP2 replicates over "rep" and shards over "dp"; the plan spreads the matrices over
+    # the replicas too and sends each result to all of them.
+    "rep2xdp2": ((2, 2), ("rep", "dp")),
+    "rep2xtp2": ((2, 1, 2), ("rep", "dp", "tp")),
 }
 OPTIMIZERS = {
     "muon": (lc.Muon, {"lr": 0.02, "compute_dtype": "float32", "adamw_lr": 1e-2}),
@@ -95,7 +99,9 @@ def _parallelize(model: Net, mesh) -> Net:
         packed = [_StridedShard(1, split_factor=2)]
         gate_up = distribute_tensor(model.experts.gate_up.detach(), tp_mesh, packed, src_data_rank=None)
         model.experts.gate_up = nn.Parameter(gate_up)
-    if "dp" in names:
+    if "rep" in names:
+        fully_shard(model, mesh=mesh["rep", "dp"])
+    elif "dp" in names:
         fully_shard(model, mesh=mesh["dp"] if mesh.ndim > 1 else mesh)
     return model
 
@@ -135,7 +141,7 @@ def _run_combination(rank: int, mesh, optimizer_name: str, plan: dict, overlap: 
                 param.grad = distribute_tensor(grad, param.device_mesh, param.placements, src_data_rank=None)
             else:
                 param.grad = grad
-        if step == 2:
+        if step == 2 and "rep" not in mesh.mesh_dim_names:  # (HSDP's replicas agree on gradients)
             # Rank 0 lost its block of up.weight: the engine sends zeros for it, which the
             # reference sees as a full gradient with that block zeroed.
             local = params["up.weight"].grad.to_local()
@@ -171,7 +177,10 @@ def _exactness_on_mesh(rank: int, world_size: int, mesh_name: str) -> None:
     shape, names = MESHES[mesh_name]
     mesh = init_device_mesh(DEVICE, shape, mesh_dim_names=names)
     # Overlap changes when micro-groups run, not what they move: every policy with it, one without.
+    # On HSDP meshes, where the policies are the 2-D meshes' with replicas, one plan.
     runs = [(plan, True) for plan in PLANS] + [({"policy": "canzona", "alpha": 0.5}, False)]
+    if "rep" in names:
+        runs = [({"policy": "canzona", "alpha": 0.5}, True)]
     for optimizer_name, (plan, overlap) in itertools.product(OPTIMIZERS, runs):
         _run_combination(rank, mesh, optimizer_name, plan, overlap)
     dist.barrier()
