@@ -65,6 +65,7 @@ __all__ = [
     "materialize_distributed_module",
     "nested_option",
     "optimizers_to_device",
+    "flatten_mesh",
     "root_mesh",
     "set_device_mesh",
     "should_update_logs",
@@ -89,6 +90,15 @@ def local_shape(shape: torch.Size, mesh: DeviceMesh, placements: Any) -> tuple[i
     """
     shape_here, _ = compute_local_shape_and_global_offset(shape, mesh, placements)
     return tuple(shape_here)
+
+
+def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """``mesh``'s dimensions as one, named ``name`` and reachable by it from the root mesh
+    (``root[name]``), as torchtitan flattens its HSDP dimensions into ``dp``.
+
+    Public alternative: none yet (``DeviceMesh._flatten``).
+    """
+    return mesh._flatten(name)
 
 
 def root_mesh(mesh: DeviceMesh) -> DeviceMesh:

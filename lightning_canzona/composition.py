@@ -2,10 +2,11 @@
 
 The contract: a module declares ``tensor_parallel_plan() -> {module name pattern: ParallelStyle}``
 (names relative to itself). `compose` applies that plan on the mesh's ``tensor_parallel``
-dimension, then ``fully_shard`` over its ``data_parallel`` dimension on its FSDP2 units, each
-after the units inside it (experts before their block), as FSDP2 requires. A module that holds a
-Hugging Face ``transformers`` model needs no plan of its own: the model's (and its decoder layers
-as units) are used (`lightning_canzona.huggingface`).
+dimension, then ``fully_shard`` over its ``data_parallel`` dimension (`sharding_mesh`: HSDP's two
+where the mesh has replicas) on its FSDP2 units, each after the units inside it (experts before
+their block), as FSDP2 requires. A module that holds a Hugging Face ``transformers`` model needs no
+plan of its own: the model's (and its decoder layers as units) are used
+(`lightning_canzona.huggingface`).
 
 
 - **units** are the children of ``module`` and of every module without a ``forward`` of its own
@@ -73,11 +74,20 @@ def compose(
     for unit in units.modules:
         fully_shard(
             unit,
-            mesh=device_mesh["data_parallel"],
+            mesh=sharding_mesh(device_mesh),
             reshard_after_forward=units.reshard_after_forward(unit),
             ignored_params=units.left_plain_in(unit),
             **options,
         )
+
+
+def sharding_mesh(device_mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh ``fully_shard`` takes: ``data_parallel``, or with replicas (HSDP) its
+    ``(data_parallel_replicate, data_parallel_shard)`` dimensions, over whose first FSDP2
+    replicates and over whose second it shards."""
+    if "data_parallel_replicate" in (device_mesh.mesh_dim_names or ()):
+        return device_mesh["data_parallel_replicate", "data_parallel_shard"]
+    return device_mesh["data_parallel"]
 
 
 def has_tensor_parallel_plan(module: nn.Module) -> bool:

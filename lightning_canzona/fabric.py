@@ -30,7 +30,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.strategies import ModelParallelStrategy, ParallelStrategy
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
 from lightning_canzona import preparation
@@ -84,6 +84,10 @@ class CanzonaFabricStrategy(ModelParallelStrategy):
         start_method: ``popen`` re-runs the script per rank (scripts, torchrun, SLURM); ``fork``
             (notebooks: ``fabric.launch(function)``) or ``spawn`` start the ranks from this
             process, safely after multi-threaded work in it (`lightning_canzona.launcher`).
+        data_parallel_replicate_size: Replicas among the data-parallel devices (HSDP): FSDP2
+            shards each replica's weights over ``data_parallel_size /
+            data_parallel_replicate_size`` devices and all-reduces gradients across the replicas
+            (`lightning_canzona.CanzonaStrategy`'s).
     """
 
     def __init__(
@@ -97,7 +101,9 @@ class CanzonaFabricStrategy(ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "fork", "spawn"] = "popen",
+        data_parallel_replicate_size: int = 1,
     ) -> None:
+        self.data_parallel_replicate_size = data_parallel_replicate_size
         #: The sizes as given (``"auto"`` or integers); resolved when the model is set up.
         sizes = self._requested_sizes = (data_parallel_size, tensor_parallel_size)
         compose_or_own = parallelize_fn or self._compose
@@ -124,7 +130,7 @@ class CanzonaFabricStrategy(ModelParallelStrategy):
             self.num_nodes = nodes_started(
                 self.cluster_environment.world_size(), self.num_processes, self.num_nodes
             )
-        choose_mesh(None, *self._requested_sizes, self.num_nodes, self.num_processes)
+        self._choose_mesh(None)
         check_precision(self.precision, type(self).__name__)
         if self.start_method != "popen":
             self._launcher = FabricInProcessLauncher(self, self.start_method)
@@ -141,7 +147,7 @@ class CanzonaFabricStrategy(ModelParallelStrategy):
         self._setup_distributed()
         report_failures_briefly(self.global_rank)  # after init_process_group, which installs its own
         if "auto" not in self._requested_sizes:
-            self._build_mesh(choose_mesh(None, *self._requested_sizes, self.num_nodes, self.num_processes))
+            self._build_mesh(self._choose_mesh(None))
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -158,7 +164,7 @@ class CanzonaFabricStrategy(ModelParallelStrategy):
         preparation.check_not_fsdp1(module, type(self).__name__)
         composes = self._parallelize_fn == self._compose
         # Explicit sizes too are checked against the model (its plan, its head counts).
-        shape = choose_mesh(module, *self._requested_sizes, self.num_nodes, self.num_processes, composes)
+        shape = self._choose_mesh(module, composes)
         if self._device_mesh is None:
             self._build_mesh(shape)
         module = self._parallelize_fn(module, self.device_mesh)
@@ -290,15 +296,16 @@ class CanzonaFabricStrategy(ModelParallelStrategy):
         compose(module, mesh, mixed_precision_policy(self.precision))
         return module
 
+    def _choose_mesh(self, module: nn.Module | None, composes: bool = True) -> MeshShape:
+        """`lightning_canzona.mesh.choose_mesh` with this strategy's sizes and devices."""
+        sizes, replicas = self._requested_sizes, self.data_parallel_replicate_size
+        return choose_mesh(module, *sizes, self.num_nodes, self.num_processes, composes, replicas)
+
     def _build_mesh(self, shape: MeshShape) -> None:
         rank_zero_info(shape.describe())
         self._data_parallel_size = shape.data_parallel_size
         self._tensor_parallel_size = shape.tensor_parallel_size
-        self._device_mesh = init_device_mesh(
-            self.root_device.type,
-            (shape.data_parallel_size, shape.tensor_parallel_size),
-            mesh_dim_names=("data_parallel", "tensor_parallel"),
-        )
+        self._device_mesh = preparation.build_device_mesh(shape, self.root_device)
 
 
 class _NoBackwardSync(BackwardSyncControl):

@@ -29,51 +29,87 @@ from lightning_canzona.composition import (
 Size = Literal["auto"] | int
 
 
+#: The collectives of each mesh dimension, for `MeshShape.crossing`.
+_COLLECTIVES = {
+    "data_parallel_replicate": "HSDP's all-reduces of gradients (data_parallel_replicate)",
+    "data_parallel": "FSDP2's all-gathers and reduce-scatters (data_parallel)",
+    "data_parallel_shard": "FSDP2's all-gathers and reduce-scatters (data_parallel_shard)",
+    "tensor_parallel": "every layer's tensor-parallel collectives (tensor_parallel)",
+}
+
+
 @dataclass(frozen=True)
 class MeshShape:
     """A ``(data_parallel, tensor_parallel)`` mesh and why it has that shape.
 
     Attributes:
-        data_parallel_size: Devices per data-parallel group (FSDP2 shards over them).
+        data_parallel_size: Devices per data-parallel group.
         tensor_parallel_size: Devices per tensor-parallel group.
         reason: Why, in a user's words (what ``"auto"`` read, or that the sizes were given).
         devices_per_node: Devices (ranks) on each node; ``None``: one node.
+        replicate_size: Replicas among the data-parallel devices (HSDP): FSDP2 shards over
+            ``data_parallel_size // replicate_size`` of them and all-reduces gradients across
+            the replicas; 1: FSDP2 shards over all of them.
     """
 
     data_parallel_size: int
     tensor_parallel_size: int
     reason: str
     devices_per_node: int | None = None
+    replicate_size: int = 1
+
+    @property
+    def shard_size(self) -> int:
+        """Devices each replica's FSDP2 shards over."""
+        return self.data_parallel_size // self.replicate_size
+
+    def dimensions(self) -> dict[str, int]:
+        """The device mesh's dimensions, outermost first: HSDP's two data-parallel ones where
+        there are replicas (Lightning's ``data_parallel`` is then the two flattened)."""
+        if self.replicate_size == 1:
+            return {"data_parallel": self.data_parallel_size, "tensor_parallel": self.tensor_parallel_size}
+        return {
+            "data_parallel_replicate": self.replicate_size,
+            "data_parallel_shard": self.shard_size,
+            "tensor_parallel": self.tensor_parallel_size,
+        }
 
     def describe(self) -> str:
         """One line for the log; on several nodes, which collectives cross them."""
+        data_parallel = f"data_parallel {self.data_parallel_size}"
+        if self.replicate_size > 1:
+            data_parallel += f" (replicate {self.replicate_size} × shard {self.shard_size})"
         line = (
-            f"lightning_canzona: device mesh data_parallel {self.data_parallel_size} × "
-            f"tensor_parallel {self.tensor_parallel_size}: {self.reason}."
+            f"lightning_canzona: device mesh {data_parallel} × tensor_parallel "
+            f"{self.tensor_parallel_size}: {self.reason}."
         )
         return f"{line} {self.crossing()}" if self.crossing() else line
 
     def crossing(self) -> str:
         """Which of the mesh's collectives go between nodes (``""`` on one node).
 
-        The ranks fill the mesh tensor-parallel first (Lightning's ``(data_parallel,
-        tensor_parallel)`` order), node after node: a tensor-parallel group stays in a node where
-        its size divides the devices per node; a data-parallel group of more than one rank then
-        spans nodes, and so does the optimizer's exchange, which spans the whole mesh.
+        The ranks fill the mesh's `dimensions` innermost first (tensor parallelism), node after
+        node: a dimension's groups stay within a node where the ranks they span (its size times
+        the sizes inside it) divide the devices per node. The optimizer's exchange spans the
+        whole mesh.
         """
         per_node = self.devices_per_node
         if per_node is None or self.data_parallel_size * self.tensor_parallel_size <= per_node:
             return ""
-        across = ["the optimizer's gathers and scatters"]
-        if self.data_parallel_size > 1:
-            across.insert(0, "FSDP2's all-gathers and reduce-scatters (data_parallel)")
-        if per_node % self.tensor_parallel_size == 0:
-            return f"Across nodes: {', '.join(across)}; tensor_parallel stays within each node."
-        across.insert(0, "every layer's tensor-parallel collectives")
-        return (
-            f"Across nodes: {', '.join(across)}: a tensor_parallel_size that divides the "
-            f"{per_node} devices per node keeps them within a node."
-        )
+        across, within, span = [], [], 1
+        for name, size in reversed(self.dimensions().items()):
+            span *= size
+            if size > 1:
+                (within if per_node % span == 0 else across).insert(0, name)
+        crossing = [_COLLECTIVES[name] for name in across] + ["the optimizer's gathers and scatters"]
+        line = "Across nodes: " + ", ".join(crossing)
+        if within:
+            line += "; within each node: " + ", ".join(within)
+        if "tensor_parallel" in across:
+            line += (
+                f" (a tensor_parallel_size that divides the {per_node} devices per node keeps them in one)"
+            )
+        return line + "."
 
 
 def choose_mesh(
@@ -83,6 +119,7 @@ def choose_mesh(
     num_nodes: int,
     devices_per_node: int,
     composes: bool = True,
+    replicate_size: int = 1,
 ) -> MeshShape:
     """The mesh for ``module`` on ``num_nodes × devices_per_node`` devices.
 
@@ -94,10 +131,12 @@ def choose_mesh(
         devices_per_node: Devices (processes) per node.
         composes: Whether the strategy composes the module (``False``: its ``configure_model``
             parallelizes it, with whatever sizes the mesh has).
+        replicate_size: Replicas among the data-parallel devices (HSDP; `MeshShape`).
 
     Raises:
         ValueError: A size that does not divide the devices, sizes whose product is not the
-            number of devices, or a tensor-parallel size that the module cannot take
+            number of devices, a replicate size that does not divide the data-parallel one, or a
+            tensor-parallel size that the module cannot take
             (`lightning_canzona.composition.check_composable`), naming the setting.
     """
     world = num_nodes * devices_per_node
@@ -126,7 +165,16 @@ def choose_mesh(
         shape = MeshShape(data_parallel_size, world // data_parallel_size, "data_parallel_size as given")
     else:
         shape = _auto(module, num_nodes, devices_per_node, composes)
-    shape = replace(shape, devices_per_node=devices_per_node if num_nodes > 1 else None)
+    if isinstance(replicate_size, bool) or not isinstance(replicate_size, int) or replicate_size < 1:
+        raise ValueError(f"data_parallel_replicate_size must be a positive integer, got {replicate_size!r}")
+    if shape.data_parallel_size % replicate_size:
+        raise ValueError(
+            f"data_parallel_replicate_size={replicate_size} does not divide the data-parallel size "
+            f"{shape.data_parallel_size} ({shape.reason}): each replica shards over as many devices."
+        )
+    shape = replace(
+        shape, devices_per_node=devices_per_node if num_nodes > 1 else None, replicate_size=replicate_size
+    )
     if module is not None:
         if composes:
             check_composable(module, shape.tensor_parallel_size)

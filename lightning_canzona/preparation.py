@@ -19,9 +19,11 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from lightning_canzona.compat import flatten_mesh
 from lightning_canzona.config import PlanConfig
 from lightning_canzona.distributed import deferred
 from lightning_canzona.distributed.replicas import average_gradients, check_gradients_agree
+from lightning_canzona.mesh import MeshShape
 from lightning_canzona.optim import MatrixOptimizer
 from lightning_canzona.optim.binding import bind_optimizer
 from lightning_canzona.planning import report
@@ -29,6 +31,20 @@ from lightning_canzona.qk_clip_runtime import attach_qk_clip
 from lightning_canzona.rules.blocks import describe_row_blocks
 
 NamedParameters = list[tuple[str, nn.Parameter]]
+
+
+def build_device_mesh(shape: MeshShape, device: torch.device) -> DeviceMesh:
+    """The device mesh of ``shape`` on ``device``'s type: Lightning's ``(data_parallel,
+    tensor_parallel)``, or with replicas (HSDP) ``(data_parallel_replicate, data_parallel_shard,
+    tensor_parallel)``, whose first two are also ``data_parallel`` (flattened: what the data
+    sampler, metrics and reductions split the data over)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dimensions = shape.dimensions()
+    mesh = init_device_mesh(device.type, tuple(dimensions.values()), mesh_dim_names=tuple(dimensions))
+    if shape.replicate_size > 1:
+        flatten_mesh(mesh["data_parallel_replicate", "data_parallel_shard"], "data_parallel")
+    return mesh
 
 
 def share_cpu_cores(device: torch.device, processes: int) -> None:

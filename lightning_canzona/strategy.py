@@ -43,7 +43,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -79,6 +79,7 @@ from lightning_canzona.optimizer_check import check_optimizer_settings
 from lightning_canzona.precision import check_precision, clip_across_meshes, mixed_precision_policy
 from lightning_canzona.preparation import (
     bind_and_describe,
+    build_device_mesh,
     check_not_fsdp1,
     share_cpu_cores,
     synchronise_unsharded,
@@ -132,6 +133,11 @@ class CanzonaStrategy(ModelParallelStrategy):
             Lightning's ``ModelParallelStrategy``: least memory); ``unsharded`` skips the
             reduce-scatter on the micro-batches that do not step, keeping each rank's full
             unsharded gradients until the last one (one reduce-scatter per step, more memory).
+        data_parallel_replicate_size: Replicas among the data-parallel devices (HSDP, torchtitan's
+            ``data_parallel_replicate``): FSDP2 shards each replica's weights over
+            ``data_parallel_size / data_parallel_replicate_size`` devices and all-reduces
+            gradients across the replicas; with one replica a node, only that all-reduce and the
+            optimizer's exchange cross nodes. 1: FSDP2 shards over every data-parallel device.
     """
 
     def __init__(
@@ -148,6 +154,7 @@ class CanzonaStrategy(ModelParallelStrategy):
         start_method: Literal["popen", "fork", "spawn"] = "popen",
         return_weights: bool = True,
         gradient_accumulation: Literal["sharded", "unsharded"] = "sharded",
+        data_parallel_replicate_size: int = 1,
     ) -> None:
         super().__init__(
             data_parallel_size=data_parallel_size,
@@ -171,6 +178,7 @@ class CanzonaStrategy(ModelParallelStrategy):
         self.gradient_accumulation = gradient_accumulation
         #: The sizes as given (``"auto"`` or integers); `preflight` resolves them for the model.
         self._requested_sizes = (data_parallel_size, tensor_parallel_size)
+        self.data_parallel_replicate_size = data_parallel_replicate_size
         #: The mesh `preflight` chose, until `setup_environment` builds it.
         self._mesh_shape: MeshShape | None = None
         #: Trainable parameters whose gradients the strategy synchronises (`unsharded_parameters`).
@@ -193,7 +201,7 @@ class CanzonaStrategy(ModelParallelStrategy):
     def _check_settings(self) -> None:
         """Settings that would fail on every rank fail when the Trainer is built, before any
         process starts: sizes that do not divide the devices, an unsupported precision."""
-        choose_mesh(None, *self._requested_sizes, self.num_nodes, self.num_processes)
+        self._choose_mesh(None)
         check_precision(self.precision_plugin, type(self).__name__)
 
     def preflight(self, ckpt_path: PathLike | None = None, fitting: bool = False) -> None:
@@ -215,24 +223,32 @@ class CanzonaStrategy(ModelParallelStrategy):
         """
         module = self.lightning_module
         composes = module is None or not is_overridden("configure_model", module)
-        self._mesh_shape = choose_mesh(
-            module, *self._requested_sizes, self.num_nodes, self.num_processes, composes
-        )
+        self._mesh_shape = self._choose_mesh(module, composes)
         rank_zero_info(self._mesh_shape.describe())
         check_path_exists(ckpt_path, "ckpt_path")
         if fitting and module is not None:
             check_optimizer_settings(module)
+
+    def _choose_mesh(self, module: pl.LightningModule | None, composes: bool = True) -> MeshShape:
+        """`lightning_canzona.mesh.choose_mesh` with this strategy's sizes and devices."""
+        sizes, replicas = self._requested_sizes, self.data_parallel_replicate_size
+        return choose_mesh(module, *sizes, self.num_nodes, self.num_processes, composes, replicas)
 
     def setup_environment(self) -> None:
         share_cpu_cores(self.root_device, self.num_processes)
         if self._mesh_shape is None:  # started by torchrun or SLURM: no launcher ran the preflight
             module = self.lightning_module
             self.preflight(module.trainer.ckpt_path if module is not None else None)
-        assert self._mesh_shape is not None
-        self._data_parallel_size = self._mesh_shape.data_parallel_size
-        self._tensor_parallel_size = self._mesh_shape.tensor_parallel_size
-        self._mesh_shape = None  # the next run's preflight chooses again (it may bring another model)
-        super().setup_environment()
+        shape, self._mesh_shape = self._mesh_shape, None  # the next run's preflight chooses again
+        assert shape is not None
+        self._data_parallel_size = shape.data_parallel_size
+        self._tensor_parallel_size = shape.tensor_parallel_size
+        # ModelParallelStrategy's, but for its mesh: ours may have HSDP's replicate dimension.
+        ParallelStrategy.setup_environment(self)
+        self._setup_distributed()
+        self._device_mesh = build_device_mesh(shape, self.root_device)
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh  # configure_model's self.device_mesh
         report_failures_briefly(self.global_rank)  # after init_process_group, which installs its own
 
     def setup(self, trainer: pl.Trainer) -> None:

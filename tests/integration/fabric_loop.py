@@ -121,10 +121,10 @@ def train(fabric: Fabric, setup: str, model_name: str = "qwen3") -> dict[str, ob
     return {"weights": full_model_state(model), "norms": norms, "meshes": meshes}
 
 
-if __name__ == "__main__":  # under srun or torchrun: fabric_loop.py RESULT NUM_NODES DEVICES
-    fabric = Fabric(
-        strategy="canzona", accelerator="cpu", num_nodes=int(sys.argv[2]), devices=int(sys.argv[3])
-    )
+if __name__ == "__main__":  # under srun or torchrun: fabric_loop.py RESULT NUM_NODES DEVICES REPLICAS
+    nodes, devices, replicas = map(int, sys.argv[2:5])
+    strategy = lc.CanzonaFabricStrategy(data_parallel_replicate_size=replicas)
+    fabric = Fabric(strategy=strategy, accelerator="cpu", num_nodes=nodes, devices=devices)
     fabric.launch()
     result = train(fabric, "separate")
     if fabric.global_rank == 0:

@@ -151,6 +151,20 @@ def test_checkpoint_resumes_exactly_and_reshards(tmp_path, optimizer, distribute
         assert abs(got - expected) <= tolerance, (resharded, uninterrupted[3:])
 
 
+def test_hsdp_trains_as_fsdp_and_resumes_without_replicas(tmp_path) -> None:
+    """``data_parallel_replicate_size=2`` on 4 devices (2 replicas, each sharded over 2) trains as
+    FSDP2 over the 4 up to float32's order of sums (HSDP reduce-scatters within a replica, then
+    all-reduces across them), and its checkpoint resumes on FSDP2 over the 4 as the uninterrupted
+    run, within Muon's resharding bound of the test above. (Loading at replicas: the test below.)"""
+    muon = RESUMED_OPTIMIZERS["muon"]
+    fsdp = _fit(tmp_path, "fsdp", mesh=(4, 1), checkpoints=False, optimizer=muon)
+    hsdp = _fit(tmp_path, "hsdp", mesh=(4, 1), optimizer=muon, data_parallel_replicate_size=2)
+    assert hsdp == pytest.approx(fsdp, abs=1e-5)
+    checkpoint = str(tmp_path / "checkpoints" / "epoch=0-step=3.ckpt")
+    resumed = _fit(tmp_path, "resumed", checkpoint, mesh=(4, 1), optimizer=muon)
+    assert resumed == pytest.approx(fsdp[3:], abs=1e-4)
+
+
 class DumpFullState(Callback):
     """Writes the gathered full weights and optimizer state (rank 0) at the given moment."""
 
@@ -183,9 +197,14 @@ def saved_at_dp2_tp2(tmp_path_factory):
     return directory, losses, torch.load(directory / "saved.pt")
 
 
-@pytest.mark.parametrize("mesh", [(4, 1), (2, 1), (1, 2)], ids=["dp4xtp1", "dp2xtp1", "dp1xtp2"])
+@pytest.mark.parametrize(
+    "mesh, replicas",
+    # 2 replicas (HSDP) × tp 2: each replica laid out as dp 1 × tp 2, the data-parallel size kept.
+    [((4, 1), 1), ((2, 1), 1), ((2, 2), 2)],
+    ids=["dp4xtp1", "dp2xtp1", "replicate2xtp2"],
+)
 def test_checkpoint_loads_at_a_different_mesh_with_every_owners_state(
-    saved_at_dp2_tp2, tmp_path, mesh
+    saved_at_dp2_tp2, tmp_path, mesh, replicas
 ) -> None:
     directory, uninterrupted, saved = saved_at_dp2_tp2
     checkpoint = directory / "checkpoints" / "epoch=0-step=3.ckpt"
@@ -197,6 +216,7 @@ def test_checkpoint_loads_at_a_different_mesh_with_every_owners_state(
         mesh=mesh,
         extra=[DumpFullState(dump, None)],
         preset="tiny-moe",
+        data_parallel_replicate_size=replicas,
     )
     restored = torch.load(dump)
     for name, weight in saved["weights"].items():

@@ -49,7 +49,7 @@ def test_a_job_that_loses_a_node_resumes_by_itself_and_goes_on_with_the_nodes_le
     assert nodes[0][0] == 0 and nodes[1][0] == -signal.SIGKILL, output[-4000:]
     # "auto" keeps tensor parallelism inside a node; on the node left, over its 2 devices.
     assert "data_parallel 2 × tensor_parallel 2: tensor parallelism over each node's 2 devices" in output
-    assert "; tensor_parallel stays within each node." in output
+    assert "; within each node: tensor_parallel." in output
     assert "data_parallel 1 × tensor_parallel 2" in output
     assert "the launcher started 2 ranks, 1 node(s) of 2, not num_nodes=2" in output
     assert output.count("killed while saving the step-4 checkpoint") == 2  # both ranks of node 1
@@ -70,16 +70,22 @@ def test_a_job_that_loses_a_node_resumes_by_itself_and_goes_on_with_the_nodes_le
             assert torch.equal(got[name], weight), (step, name)
 
 
-def test_a_fabric_loop_on_two_slurm_nodes_trains_as_one_process(tmp_path) -> None:
-    """``Fabric(strategy="canzona", num_nodes=2, devices=2)`` as ``srun`` starts a SLURM job's 4
-    tasks on 2 nodes (Lightning's ``SLURMEnvironment``; the Trainer's torchrun jobs are above):
-    tensor parallelism within each node, and the weights of the same loop in one process."""
+def test_a_fabric_loop_on_two_slurm_nodes_with_a_replica_each_trains_as_one_process(tmp_path) -> None:
+    """``CanzonaFabricStrategy(data_parallel_replicate_size=2)`` with ``num_nodes=2, devices=2``,
+    as ``srun`` starts a SLURM job's 4 tasks on 2 nodes (Lightning's ``SLURMEnvironment``; the
+    Trainer's torchrun jobs are above): a replica (HSDP) and tensor parallelism within each node,
+    so that only the gradients' all-reduce and the optimizer's exchange cross them, and the
+    weights of the same loop in one process."""
     result = tmp_path / "trained.pt"
-    code, output = run_slurm_tasks(FABRIC_LOOP, result, 2, 2, nodes=2, devices=2, cwd=tmp_path)
+    code, output = run_slurm_tasks(FABRIC_LOOP, result, 2, 2, 2, nodes=2, devices=2, cwd=tmp_path)
     assert code == 0, output[-4000:]
-    assert "; tensor_parallel stays within each node." in output
+    assert "device mesh data_parallel 2 (replicate 2 × shard 1) × tensor_parallel 2" in output
+    assert (
+        "Across nodes: HSDP's all-reduces of gradients (data_parallel_replicate), the optimizer's" in output
+    )
+    assert "; within each node: tensor_parallel." in output
     trained = torch.load(result)
-    assert trained["meshes"] == [(2, 2)]
+    assert trained["meshes"] == [(2, 1, 2)]
     check_against_one_process(trained, tensor_parallel=True)
 
 

@@ -350,7 +350,16 @@ def _cli(*arguments: object) -> CanzonaCLI:
 @pytest.mark.parametrize(
     "config, arguments, settings",
     [
-        (TINY_CONFIG, ["--trainer.strategy.data_parallel_size", 4], {"_requested_sizes": (4, "auto")}),
+        (
+            TINY_CONFIG,
+            [
+                "--trainer.strategy.data_parallel_size",
+                4,
+                "--trainer.strategy.data_parallel_replicate_size",
+                2,
+            ],
+            {"_requested_sizes": (4, "auto"), "data_parallel_replicate_size": 2},
+        ),
         (  # the registered name, in the nested form
             TINY_CONFIG.with_name("tiny-moe.yaml"),
             [

@@ -36,14 +36,31 @@ def test_the_mesh_line_says_which_collectives_cross_nodes() -> None:
     two_nodes = choose_mesh(module, "auto", "auto", 2, 2).describe()
     assert two_nodes.endswith(
         "Across nodes: FSDP2's all-gathers and reduce-scatters (data_parallel), the optimizer's gathers "
-        "and scatters; tensor_parallel stays within each node."
+        "and scatters; within each node: tensor_parallel."
     )
     split = choose_mesh(module, 1, 2, 2, 1).describe()  # one device a node: TP between them
     assert (
-        "Across nodes: every layer's tensor-parallel collectives, the optimizer's gathers and scatters: "
-        in split
+        "Across nodes: every layer's tensor-parallel collectives (tensor_parallel), the optimizer's" in split
     )
-    assert "a tensor_parallel_size that divides the 1 devices per node keeps them within a node." in split
+    assert "(a tensor_parallel_size that divides the 1 devices per node keeps them in one)" in split
+    # HSDP, a replica a node: only the gradients' all-reduce (and the optimizer) crosses.
+    hsdp = choose_mesh(module, "auto", 2, 2, 4, replicate_size=2)
+    assert hsdp.dimensions() == {"data_parallel_replicate": 2, "data_parallel_shard": 2, "tensor_parallel": 2}
+    assert "device mesh data_parallel 4 (replicate 2 × shard 2) × tensor_parallel 2" in hsdp.describe()
+    assert hsdp.describe().endswith(
+        "Across nodes: HSDP's all-reduces of gradients (data_parallel_replicate), the optimizer's gathers "
+        "and scatters; within each node: data_parallel_shard, tensor_parallel."
+    )
+
+
+def test_a_replicate_size_must_divide_the_data_parallel_size() -> None:
+    module = CausalLanguageModel("tiny")
+    with pytest.raises(
+        ValueError, match=r"data_parallel_replicate_size=3 does not divide the data-parallel size 2 "
+    ):
+        choose_mesh(module, "auto", "auto", 1, 4, replicate_size=3)
+    with pytest.raises(ValueError, match="data_parallel_replicate_size must be a positive integer, got 0"):
+        choose_mesh(module, "auto", "auto", 1, 4, replicate_size=0)
 
 
 def test_explicit_sizes_are_kept_and_checked_against_the_model() -> None:
