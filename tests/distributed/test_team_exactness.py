@@ -33,6 +33,8 @@ RUNS_ON_MESH = {
     "tp2": (("standard", True),),
     "dp4": (("standard", True), ("gram", True), ("gram-symmetric", True)),
     "dp2xtp2": (("standard", True), ("standard", False), ("gram", False), ("standard-symmetric", True)),
+    "rep2xdp2": (("standard", True),),  # teams whose members hold replicas of the same shards
+    "rep2xtp2": (("standard", True),),
 }
 
 
