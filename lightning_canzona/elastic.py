@@ -12,8 +12,9 @@ ranks read the dead ranks' addresses (gloo) or unique ids (NCCL) and fail or wai
 hung for 8 minutes, one rank past ``init_process_group`` and three inside it
 (pytorch/pytorch#135712, whose per-attempt prefix was dropped for a per-round store that 2.13's
 agent does not create). With ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's environment
-the ranks rendezvous on a store of their own, at a fresh port each attempt, and restarts work
-(``tests/integration/test_multinode.py``).
+the c10d rendezvous gives the ranks a store of their own, at a fresh port each attempt, and
+restarts work (``tests/integration/test_multinode.py``); the static rendezvous
+(``--master-addr``/``--master-port``) shares its store whatever the variable says.
 
 Pure: reads the environment torchrun gives its ranks, so that every rank takes the same decision
 before any process group starts.
@@ -46,8 +47,10 @@ def check_restartable(environ: Mapping[str, str] = os.environ) -> None:
             f"torchrun --max-restarts {restarts} cannot restart this job: its agents share their "
             "store with the ranks, and a restarted rank would read the addresses of the ranks that "
             "died from it and wait in init_process_group until its timeout (pytorch/pytorch#135712). "
-            f"Launch torchrun with {FIX} in its environment (`{FIX} torchrun …`, or `export {FIX}` "
-            "in the batch script): the ranks then meet on a store of their own for each attempt."
+            f"Launch torchrun with the c10d rendezvous (--rdzv-backend c10d --rdzv-endpoint HOST:PORT, "
+            f"or --standalone on one node) and {FIX} in its environment (`{FIX} torchrun …`, or "
+            f"`export {FIX}` in the batch script): the ranks then meet on a store of their own for "
+            "each attempt. (The static rendezvous, --master-addr/--master-port, always shares it.)"
         )
 
 
