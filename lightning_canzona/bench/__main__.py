@@ -73,6 +73,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     steps.add_argument("--dp", type=int, default=2)
     steps.add_argument("--tp", type=int, default=2)
+    steps.add_argument(
+        "--replicate",
+        type=int,
+        default=1,
+        help="HSDP: replicas among the --dp ranks, each sharding over dp / replicate",
+    )
     steps.add_argument("--steps", type=int, default=10, help="timed steps per variant")
     steps.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
     steps.add_argument(
@@ -107,6 +113,8 @@ def main(argv: list[str] | None = None) -> None:
         problem = check_devices(args.device, args.backend, args.dp * args.tp)
         if problem:
             parser.error(problem)  # before any rank starts
+    if args.command == "step" and (args.replicate < 1 or args.dp % args.replicate):
+        parser.error(f"--replicate {args.replicate} does not divide --dp {args.dp}")
     if args.command == "step" and args.compute_dtype and args.optimizer in ("shampoo", "soap"):
         parser.error(f"--compute-dtype is Muon's and NorMuon's: {args.optimizer} computes in float32")
 
@@ -134,6 +142,7 @@ def main(argv: list[str] | None = None) -> None:
             backend=args.backend,
             warmup=args.warmup,
             compute_dtype=args.compute_dtype,
+            replicate=args.replicate,
         )
         return
     if args.command == "qk-clip":

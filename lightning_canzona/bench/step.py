@@ -267,6 +267,7 @@ def _worker(
     backend: str = "gloo",
     warmup: int = 2,
     compute_dtype: str | None = None,
+    replicate: int = 1,
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -282,14 +283,19 @@ def _worker(
         timeout=timedelta(minutes=10),
         device_id=device if device.type == "cuda" else None,
     )
-    mesh = init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    if replicate > 1:  # HSDP: FSDP2 replicates over "replicate" and shards over "dp"
+        shape, names = (replicate, dp // replicate, tp), ("replicate", "dp", "tp")
+    else:
+        shape, names = (dp, tp), ("dp", "tp")
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    sharding = mesh["replicate", "dp"] if replicate > 1 else mesh["dp"]
     torch.manual_seed(0)
     model, plan = _model(preset)
     model.to(device)
     parallelize_module(model, mesh["tp"], plan)
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
+        fully_shard(layer, mesh=sharding)
+    fully_shard(model, mesh=sharding)
     generator = torch.Generator().manual_seed(1)
     for param in model.parameters():
         full = (torch.randn(param.shape, generator=generator) * 1e-3).to(device)
@@ -302,7 +308,7 @@ def _worker(
     elif isinstance(model, Qwen3) and model.config.num_experts:  # torch.optim.Muon refuses 3-D stacks
         variants = tuple(v for v in VARIANTS if v != "torch.optim.Muon") + MOE_VARIANTS
     # dion's Muon takes a 1-D mesh; it runs where torch.optim.Muon does (bf16 Muon, no experts).
-    if tp == 1 and "torch.optim.Muon" in variants and importlib.util.find_spec("dion"):
+    if tp == 1 and replicate == 1 and "torch.optim.Muon" in variants and importlib.util.find_spec("dion"):
         variants += (DION,)
     optimizers = {
         variant: _build(variant, lc.matrix_param_groups(model), optimizer_name, compute_dtype, mesh["dp"])
@@ -372,11 +378,15 @@ def measure(
     backend: str | None = None,
     warmup: int = 2,
     compute_dtype: str | None = None,
+    replicate: int = 1,
 ) -> list[VariantResult]:
     """Run the benchmark for one model preset on a ``dp × tp`` mesh of ``device`` ranks (CPU
     processes, or one GPU each) over ``backend`` (``None``: `default_backend`): ``warmup``
     untimed steps, then ``steps`` timed ones, of every variant; Muon's Newton–Schulz in
-    ``compute_dtype`` (``None``: bfloat16, as ``torch.optim.Muon``)."""
+    ``compute_dtype`` (``None``: bfloat16, as ``torch.optim.Muon``); ``replicate`` > 1: HSDP,
+    FSDP2 sharding within each of ``replicate`` replicas of the data-parallel ranks."""
+    if replicate < 1 or dp % replicate:
+        raise ValueError(f"--replicate {replicate} does not divide --dp {dp}")
     backend = backend or default_backend(device)
     world = dp * tp
     problem = check_devices(device, backend, world)
@@ -385,17 +395,22 @@ def measure(
     method = start_method(device)
     queue = mp.get_context(method).SimpleQueue()
     args = (world, _free_port(), dp, tp, preset, steps, optimizer, queue)
-    args += (device, backend, warmup, compute_dtype)
+    args += (device, backend, warmup, compute_dtype, replicate)
     in_fresh_thread(mp.start_processes, _worker, args=args, nprocs=world, start_method=method)
     return queue.get()
 
 
 def format_table(
-    preset: str, results: list[VariantResult], optimizer: str = "muon", device: str = "cpu"
+    preset: str,
+    results: list[VariantResult],
+    optimizer: str = "muon",
+    device: str = "cpu",
+    replicate: int = 1,
 ) -> str:
     """The results, with ratios against ``canzona``."""
     reference = next(r for r in results if r.name == "canzona")
     on = "" if device == "cpu" else f" on {device}"
+    on += f" (HSDP: {replicate} replicas)" if replicate > 1 else ""
     lines = [
         f"preset {preset}, {optimizer}: optimizer step{on}, median over ranks' slowest",
         f"{'variant':>26} {'step ms':>9} {'÷ canzona':>10} {'CPU ms':>8} {'÷ canzona':>10} "
@@ -434,8 +449,9 @@ def run(
     backend: str | None = None,
     warmup: int = 2,
     compute_dtype: str | None = None,
+    replicate: int = 1,
 ) -> None:
     """Measure and print every preset (`measure`)."""
     for preset in presets:
-        results = measure(preset, dp, tp, steps, optimizer, device, backend, warmup, compute_dtype)
-        echo(format_table(preset, results, optimizer, device))
+        results = measure(preset, dp, tp, steps, optimizer, device, backend, warmup, compute_dtype, replicate)
+        echo(format_table(preset, results, optimizer, device, replicate))

@@ -88,6 +88,9 @@ def test_bench_train_on_gpus_says_before_any_rank_starts_what_the_machine_lacks(
     with pytest.raises(SystemExit):
         main(["bench", "train", "--backend", "nccl"])
     assert "--backend nccl needs --device cuda" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "step", "--dp", "4", "--replicate", "3"])
+    assert "--replicate 3 does not divide --dp 4" in capsys.readouterr().err
 
 
 def test_bench_qk_clip_times_the_iteration_with_and_without_it(capsys) -> None:
