@@ -117,9 +117,12 @@ def test_ranks_do_not_outlive_an_interrupted_or_killed_launch(tmp_path, stop) ->
         deadline = time.monotonic() + 20
         while any(map(_alive, ranks)) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not any(map(_alive, ranks)), "ranks outlived their launch"
+        alive = [rank for rank in ranks if _alive(rank)]
+        launch = process.poll()
     finally:
         _kill_session(process)
+    printed = process.stdout.read() if process.stdout else ""
+    assert not alive, f"ranks {alive} outlived their launch (exit code {launch}):\n{printed[-3000:]}"
 
 
 @pytest.mark.parametrize("fabric", [False, True], ids=["trainer", "fabric"])
