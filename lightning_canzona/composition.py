@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_canzona import huggingface
-from lightning_canzona.compat import transformers_tp_plan
+from lightning_canzona.compat import flatten_mesh, transformers_tp_plan
 from lightning_canzona.warning_filters import ignore_view_warning_of_unresharded_root
 
 if TYPE_CHECKING:
@@ -87,6 +87,15 @@ def sharding_mesh(device_mesh: DeviceMesh) -> DeviceMesh:
     replicates and over whose second it shards."""
     if "data_parallel_replicate" in (device_mesh.mesh_dim_names or ()):
         return device_mesh["data_parallel_replicate", "data_parallel_shard"]
+    return device_mesh["data_parallel"]
+
+
+def data_parallel_mesh(device_mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh's ``data_parallel`` dimension: with replicas (HSDP), its two data-parallel
+    dimensions flattened, taken from where they were flattened (torch deprecates slicing a
+    flattened dimension from the root mesh, and warns at each slice)."""
+    if "data_parallel_replicate" in (device_mesh.mesh_dim_names or ()):
+        return flatten_mesh(sharding_mesh(device_mesh), "data_parallel")
     return device_mesh["data_parallel"]
 
 

@@ -45,7 +45,7 @@ from lightning_canzona.checkpoint import (
     write_state,
 )
 from lightning_canzona.compat import BackwardSyncControl, PathLike, materialize_distributed_module
-from lightning_canzona.composition import compose
+from lightning_canzona.composition import compose, data_parallel_mesh
 from lightning_canzona.config import PlanConfig
 from lightning_canzona.distributed.clipping import clip_grad_norm_
 from lightning_canzona.elastic import check_restartable, nodes_started
@@ -159,6 +159,12 @@ class CanzonaFabricStrategy(ModelParallelStrategy):
             )
         return self._device_mesh
 
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """The data split over the data-parallel ranks (HSDP's replicas and shards together)."""
+        mesh = data_parallel_mesh(self.device_mesh)
+        return {"num_replicas": mesh.size(), "rank": mesh.get_local_rank()}
+
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Choose the mesh for ``module`` (once), compose it, and materialize it on the device."""
         preparation.check_not_fsdp1(module, type(self).__name__)
@@ -173,7 +179,7 @@ class CanzonaFabricStrategy(ModelParallelStrategy):
         materialize_distributed_module(module, self.root_device)
         self._module = module
         self._plain_parameters = preparation.unsharded_parameters(
-            module, self.device_mesh["data_parallel"], self.world_size
+            module, data_parallel_mesh(self.device_mesh), self.world_size
         )
         return module
 
@@ -213,7 +219,9 @@ class CanzonaFabricStrategy(ModelParallelStrategy):
         super().backward(tensor, module, *args, **kwargs)
         if self._plain_parameters and self.world_size > 1 and not self._gradient_sync_blocked:
             preparation.synchronise_unsharded(
-                self._plain_parameters, self.device_mesh["data_parallel"].get_group(), self._read_checks_now
+                self._plain_parameters,
+                data_parallel_mesh(self.device_mesh).get_group(),
+                self._read_checks_now,
             )
 
     def clip_gradients_norm(

@@ -167,7 +167,12 @@ def choose_mesh(
         shape = _auto(module, num_nodes, devices_per_node, composes)
     if isinstance(replicate_size, bool) or not isinstance(replicate_size, int) or replicate_size < 1:
         raise ValueError(f"data_parallel_replicate_size must be a positive integer, got {replicate_size!r}")
-    if shape.data_parallel_size % replicate_size:
+    # Without the model, "auto" sizes are not known yet (the launching process chooses them with
+    # it): only the devices bound the replicas then.
+    unknown = module is None and data_parallel_size == tensor_parallel_size == "auto"
+    if unknown and world % replicate_size:
+        raise ValueError(f"data_parallel_replicate_size={replicate_size} does not divide {devices}.")
+    if not unknown and shape.data_parallel_size % replicate_size:
         raise ValueError(
             f"data_parallel_replicate_size={replicate_size} does not divide the data-parallel size "
             f"{shape.data_parallel_size} ({shape.reason}): each replica shards over as many devices."

@@ -67,7 +67,7 @@ from lightning_canzona.compat import (
     optimizers_to_device,
     set_device_mesh,
 )
-from lightning_canzona.composition import compose
+from lightning_canzona.composition import compose, data_parallel_mesh
 from lightning_canzona.config import PlanConfig
 from lightning_canzona.distributed import deferred
 from lightning_canzona.elastic import check_restartable, nodes_started
@@ -262,13 +262,13 @@ class CanzonaStrategy(ModelParallelStrategy):
             compose(self.lightning_module, self.device_mesh, mixed_precision_policy(self.precision_plugin))
             # The module is now sharded like one whose configure_model did the work.
             set_device_mesh(self.lightning_module, self.device_mesh)
-        prepare_metrics(self.lightning_module, self.device_mesh["data_parallel"].get_group())
+        prepare_metrics(self.lightning_module, data_parallel_mesh(self.device_mesh).get_group())
         materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         # Materialized: the parameters are the final objects.
         self._plain_parameters = unsharded_parameters(
-            self.lightning_module, self.device_mesh["data_parallel"], self.world_size
+            self.lightning_module, data_parallel_mesh(self.device_mesh), self.world_size
         )
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -278,6 +278,12 @@ class CanzonaStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """The data split over the data-parallel ranks (HSDP's replicas and shards together)."""
+        mesh = data_parallel_mesh(self.device_mesh)
+        return {"num_replicas": mesh.size(), "rank": mesh.get_local_rank()}
 
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         """Synchronise the gradients of the trainable parameters that FSDP2 does not shard.
@@ -289,7 +295,9 @@ class CanzonaStrategy(ModelParallelStrategy):
         if not self._plain_parameters or self.world_size == 1 or self._gradient_sync_blocked:
             return
         read_now = not all(isinstance(optimizer, MatrixOptimizer) for optimizer in self.optimizers)
-        synchronise_unsharded(self._plain_parameters, self.device_mesh["data_parallel"].get_group(), read_now)
+        synchronise_unsharded(
+            self._plain_parameters, data_parallel_mesh(self.device_mesh).get_group(), read_now
+        )
 
     def on_train_end(self) -> None:
         """A failure of the last optimizer step, which no next step will raise, is raised here on
@@ -318,7 +326,7 @@ class CanzonaStrategy(ModelParallelStrategy):
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         """Reduce over the data-parallel group: tensor-parallel ranks hold replicas of one value."""
         if group is None and self._device_mesh is not None:
-            group = self.device_mesh["data_parallel"].get_group()
+            group = data_parallel_mesh(self.device_mesh).get_group()
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:

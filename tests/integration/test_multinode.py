@@ -11,6 +11,7 @@ import pytest
 import torch
 from elastic_job import STEPS, main
 from fabric_loop import check_against_one_process
+from printed import warning_lines
 from scripts import run_nodes, run_slurm_tasks
 
 import lightning_canzona as lc
@@ -84,6 +85,7 @@ def test_a_fabric_loop_on_two_slurm_nodes_with_a_replica_each_trains_as_one_proc
         "Across nodes: HSDP's all-reduces of gradients (data_parallel_replicate), the optimizer's" in output
     )
     assert "; within each node: tensor_parallel." in output
+    assert not warning_lines(output), output[-3000:]  # no slice of the flattened data_parallel
     trained = torch.load(result)
     assert trained["meshes"] == [(2, 1, 2)]
     check_against_one_process(trained, tensor_parallel=True)

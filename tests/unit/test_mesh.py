@@ -59,6 +59,10 @@ def test_a_replicate_size_must_divide_the_data_parallel_size() -> None:
         ValueError, match=r"data_parallel_replicate_size=3 does not divide the data-parallel size 2 "
     ):
         choose_mesh(module, "auto", "auto", 1, 4, replicate_size=3)
+    # Without the model (the Trainer's first check), "auto" sizes are unknown: only the devices count.
+    assert choose_mesh(None, "auto", "auto", 1, 4, replicate_size=2).replicate_size == 2
+    with pytest.raises(ValueError, match=r"data_parallel_replicate_size=3 does not divide the 4 devices"):
+        choose_mesh(None, "auto", "auto", 1, 4, replicate_size=3)
     with pytest.raises(ValueError, match="data_parallel_replicate_size must be a positive integer, got 0"):
         choose_mesh(module, "auto", "auto", 1, 4, replicate_size=0)
 
