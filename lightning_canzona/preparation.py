@@ -20,6 +20,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from lightning_canzona.compat import flatten_mesh
+from lightning_canzona.composition import sharding_mesh
 from lightning_canzona.config import PlanConfig
 from lightning_canzona.distributed import deferred
 from lightning_canzona.distributed.replicas import average_gradients, check_gradients_agree
@@ -43,7 +44,7 @@ def build_device_mesh(shape: MeshShape, device: torch.device) -> DeviceMesh:
     dimensions = shape.dimensions()
     mesh = init_device_mesh(device.type, tuple(dimensions.values()), mesh_dim_names=tuple(dimensions))
     if shape.replicate_size > 1:
-        flatten_mesh(mesh["data_parallel_replicate", "data_parallel_shard"], "data_parallel")
+        flatten_mesh(sharding_mesh(mesh), "data_parallel")
     return mesh
 
 
