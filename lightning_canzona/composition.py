@@ -99,6 +99,12 @@ def data_parallel_mesh(device_mesh: DeviceMesh) -> DeviceMesh:
     return device_mesh["data_parallel"]
 
 
+def sampler_kwargs(device_mesh: DeviceMesh) -> dict[str, int]:
+    """A distributed sampler's ``num_replicas`` and ``rank``: the `data_parallel_mesh`'s."""
+    mesh = data_parallel_mesh(device_mesh)
+    return {"num_replicas": mesh.size(), "rank": mesh.get_local_rank()}
+
+
 def has_tensor_parallel_plan(module: nn.Module) -> bool:
     """Whether ``module`` declares a TP plan: ``tensor_parallel_plan()``, or a ``transformers``
     model's own (see `lightning_canzona.huggingface`)."""

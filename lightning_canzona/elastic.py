@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
 #: What torchrun's agent needs in its own environment for restarts that work.
@@ -80,3 +81,10 @@ def nodes_started(world_size: int, devices_per_node: int, num_nodes: int) -> int
             "started (an elastic job restarted on the nodes left, or num_nodes other than the launch's)."
         )
     return nodes
+
+
+def nodes_of_launch(environment: ClusterEnvironment, devices_per_node: int, num_nodes: int) -> int:
+    """What a strategy asks of a job that torchrun or SLURM started: restarts that work
+    (`check_restartable`), and the nodes the launcher started (`nodes_started`)."""
+    check_restartable()
+    return nodes_started(environment.world_size(), devices_per_node, num_nodes)

@@ -45,10 +45,10 @@ from lightning_canzona.checkpoint import (
     write_state,
 )
 from lightning_canzona.compat import BackwardSyncControl, PathLike, materialize_distributed_module
-from lightning_canzona.composition import compose, data_parallel_mesh
+from lightning_canzona.composition import compose, data_parallel_mesh, sampler_kwargs
 from lightning_canzona.config import PlanConfig
 from lightning_canzona.distributed.clipping import clip_grad_norm_
-from lightning_canzona.elastic import check_restartable, nodes_started
+from lightning_canzona.elastic import nodes_of_launch
 from lightning_canzona.launcher import FabricInProcessLauncher, report_failures_briefly
 from lightning_canzona.mesh import MeshShape, choose_mesh
 from lightning_canzona.optim import MatrixOptimizer
@@ -126,10 +126,7 @@ class CanzonaFabricStrategy(ModelParallelStrategy):
         # any process starts (under torchrun or SLURM, as one traceback: rank 0's).
         if self.cluster_environment.creates_processes_externally:
             report_failures_briefly(self.global_rank)
-            check_restartable()
-            self.num_nodes = nodes_started(
-                self.cluster_environment.world_size(), self.num_processes, self.num_nodes
-            )
+            self.num_nodes = nodes_of_launch(self.cluster_environment, self.num_processes, self.num_nodes)
         self._choose_mesh(None)
         check_precision(self.precision, type(self).__name__)
         if self.start_method != "popen":
@@ -162,8 +159,7 @@ class CanzonaFabricStrategy(ModelParallelStrategy):
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """The data split over the data-parallel ranks (HSDP's replicas and shards together)."""
-        mesh = data_parallel_mesh(self.device_mesh)
-        return {"num_replicas": mesh.size(), "rank": mesh.get_local_rank()}
+        return sampler_kwargs(self.device_mesh)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Choose the mesh for ``module`` (once), compose it, and materialize it on the device."""

@@ -83,7 +83,8 @@ class MeshShape:
             f"lightning_canzona: device mesh {data_parallel} × tensor_parallel "
             f"{self.tensor_parallel_size}: {self.reason}."
         )
-        return f"{line} {self.crossing()}" if self.crossing() else line
+        crossing = self.crossing()
+        return f"{line} {crossing}" if crossing else line
 
     def crossing(self) -> str:
         """Which of the mesh's collectives go between nodes (``""`` on one node).

@@ -67,10 +67,10 @@ from lightning_canzona.compat import (
     optimizers_to_device,
     set_device_mesh,
 )
-from lightning_canzona.composition import compose, data_parallel_mesh
+from lightning_canzona.composition import compose, data_parallel_mesh, sampler_kwargs
 from lightning_canzona.config import PlanConfig
 from lightning_canzona.distributed import deferred
-from lightning_canzona.elastic import check_restartable, nodes_started
+from lightning_canzona.elastic import nodes_of_launch
 from lightning_canzona.launcher import InProcessLauncher, ScriptLauncher, report_failures_briefly
 from lightning_canzona.mesh import MeshShape, choose_mesh
 from lightning_canzona.metrics import prepare_metrics
@@ -188,10 +188,7 @@ class CanzonaStrategy(ModelParallelStrategy):
     def _configure_launcher(self) -> None:
         if self.cluster_environment.creates_processes_externally:  # torchrun, SLURM: every rank checks
             report_failures_briefly(self.global_rank)
-            check_restartable()
-            self.num_nodes = nodes_started(
-                self.cluster_environment.world_size(), self.num_processes, self.num_nodes
-            )
+            self.num_nodes = nodes_of_launch(self.cluster_environment, self.num_processes, self.num_nodes)
         self._check_settings()
         if self.start_method != "popen":
             self._launcher = InProcessLauncher(self, self.start_method, self.preflight, self.return_weights)
@@ -282,8 +279,7 @@ class CanzonaStrategy(ModelParallelStrategy):
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """The data split over the data-parallel ranks (HSDP's replicas and shards together)."""
-        mesh = data_parallel_mesh(self.device_mesh)
-        return {"num_replicas": mesh.size(), "rank": mesh.get_local_rank()}
+        return sampler_kwargs(self.device_mesh)
 
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         """Synchronise the gradients of the trainable parameters that FSDP2 does not shard.

@@ -39,10 +39,7 @@ def run_script(
         output, _ = process.communicate()
         raise AssertionError(f"python {arguments} ran past {timeout} s:\n{output[-3000:]}") from None
     finally:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _end_session(process)
     return process.returncode, output
 
 
@@ -206,11 +203,7 @@ def run_nodes(
         raise AssertionError(f"the agents of {script.name} ran past {timeout} s:\n{printed}") from None
     finally:
         for agent in agents:
-            try:
-                os.killpg(agent.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            agent.wait()
+            _end_session(agent)
     return [(agent.returncode, log.read_text()) for agent, log in zip(agents, logs, strict=True)]
 
 
@@ -225,3 +218,12 @@ def _finding_this_module() -> dict[str, str]:
     """This process's environment, with this folder on the path: where `_AGENT` and `_SRUN` import
     this module from."""
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_TESTS, os.environ.get("PYTHONPATH")]))}
+
+
+def _end_session(process: subprocess.Popen) -> None:
+    """Kill every process of ``process``'s session (it and whatever it started), and reap it."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()

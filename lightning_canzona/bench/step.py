@@ -362,6 +362,15 @@ def _worker(
     dist.destroy_process_group()
 
 
+def replicate_problem(dp: int, replicate: int) -> str | None:
+    """Why ``replicate`` replicas cannot split ``dp`` data-parallel ranks, or ``None``."""
+    return (
+        None
+        if replicate >= 1 and dp % replicate == 0
+        else f"--replicate {replicate} does not divide --dp {dp}"
+    )
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -385,8 +394,9 @@ def measure(
     untimed steps, then ``steps`` timed ones, of every variant; Muon's Newton–Schulz in
     ``compute_dtype`` (``None``: bfloat16, as ``torch.optim.Muon``); ``replicate`` > 1: HSDP,
     FSDP2 sharding within each of ``replicate`` replicas of the data-parallel ranks."""
-    if replicate < 1 or dp % replicate:
-        raise ValueError(f"--replicate {replicate} does not divide --dp {dp}")
+    problem = replicate_problem(dp, replicate)
+    if problem:
+        raise ValueError(problem)
     backend = backend or default_backend(device)
     world = dp * tp
     problem = check_devices(device, backend, world)

@@ -15,7 +15,7 @@ from printed import warning_lines
 from scripts import run_nodes, run_slurm_tasks
 
 import lightning_canzona as lc
-from lightning_canzona.elastic import check_restartable
+from lightning_canzona.elastic import check_restartable, nodes_started
 
 JOB = Path(__file__).with_name("elastic_job.py")
 FABRIC_LOOP = Path(__file__).with_name("fabric_loop.py")
@@ -117,3 +117,13 @@ def test_restarts_that_torchruns_shared_store_would_hang_are_refused_on_every_ra
     check_restartable({**ELASTIC, "TORCHELASTIC_USE_AGENT_STORE": "False"})  # the fix
     check_restartable({**ELASTIC, "TORCHELASTIC_MAX_RESTARTS": "0"})  # no restarts asked for
     check_restartable({})  # not under torchrun
+
+
+def test_a_launch_that_is_not_whole_nodes_is_refused_and_fewer_nodes_are_followed(recwarn) -> None:
+    with pytest.raises(
+        ValueError, match="The launcher started 5 ranks, which is not a number of nodes of devices=2"
+    ):
+        nodes_started(5, 2, 2)
+    assert nodes_started(4, 2, 2) == 2 and not recwarn.list
+    assert nodes_started(2, 2, 2) == 1  # an elastic restart on the node left
+    assert "the launcher started 2 ranks, 1 node(s) of 2, not num_nodes=2" in str(recwarn.pop().message)
