@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Literal
 
 from lightning_canzona.planning import PlanSettings
+from lightning_canzona.planning.replication import REPLICATIONS, Replication
 
 #: What the cost model charges for a team's collectives (see `PlanConfig.team_prices`).
 TeamPrices = Literal["h100", "measure"] | tuple[float, float]
@@ -38,6 +39,12 @@ class PlanConfig:
             built), or ``(FLOPs per element sent, FLOPs per collective)``.
         overlap: Pipeline the micro-groups: gather the next and scatter the previous group while
             the current one computes.
+        replicas: Under HSDP (``data_parallel_replicate_size`` > 1): ``"replicated"`` plans each
+            replica's matrices over its own shard × tensor-parallel ranks (every replica computes
+            every update; the optimizer's traffic stays within a replica), ``"spread"`` computes
+            each update once over every replica's ranks and sends it to all of them (less compute
+            and matrix state per rank, traffic across replicas), ``"auto"`` the one whose
+            estimated step is shorter at ``team_prices`` (`lightning_canzona.planning.replication`).
     """
 
     policy: Literal["canzona", "lpt", "round_robin", "sync"] = "canzona"
@@ -47,9 +54,12 @@ class PlanConfig:
     max_team: int = 8
     team_prices: TeamPrices = "h100"
     overlap: bool = True
+    replicas: Replication = "auto"
 
     def __post_init__(self) -> None:
         self.settings()  # the planner's checks, each naming its setting
+        if self.replicas not in REPLICATIONS:
+            raise ValueError(f"replicas must be one of {REPLICATIONS}, got {self.replicas!r}")
         prices = self.team_prices
         figures = isinstance(prices, (tuple, list)) and len(prices) == 2
         if figures and all(isinstance(p, (int, float)) and p >= 0 for p in prices):

@@ -203,7 +203,7 @@ class CanzonaFabricStrategy(ModelParallelStrategy):
                 "fabric.setup_optimizers(optimizer) — or fabric.setup(model, optimizer)."
             )
         bound = preparation.bind_and_describe(
-            optimizer, self._module, self.plan_config, schedulers, type(self).__name__
+            optimizer, self._module, self.plan_config, schedulers, type(self).__name__, self.num_processes
         )
         # Another optimizer's step would not read the checks that wait for a step (`deferred`).
         self._read_checks_now |= not isinstance(bound, MatrixOptimizer)

@@ -128,17 +128,24 @@ def bind_and_describe(
     config: PlanConfig | None,
     schedulers: Sequence[LRScheduler] = (),
     source: str = "CanzonaStrategy",
+    devices_per_node: int | None = None,
 ) -> Optimizer:
     """``optimizer`` bound to the strategy (`bind_optimizer`), its plan built and printed as a
     table per mesh, its row blocks named, and its QK-clip attached to ``module`` with its cost
-    (collective: the plan shares the shards' layouts)."""
+    (collective: the plan shares the shards' layouts). ``devices_per_node`` prices the plan's
+    gathers and scatters within or across nodes (`MatrixOptimizer.devices_per_node`)."""
     bound, message = bind_optimizer(optimizer, module, config, schedulers, source)
     if message:
         rank_zero_info(message)
     if isinstance(bound, MatrixOptimizer):
+        bound.devices_per_node = devices_per_node
         for mesh, plan in bound.plans().items():
             if plan.matrices:  # a mesh of AdamW parameters only has nothing to show
-                rank_zero_info(f"lightning_canzona plan on mesh {tuple(mesh.shape)}:\n{report(plan).table()}")
+                text = f"lightning_canzona plan on mesh {tuple(mesh.shape)}:\n{report(plan).table()}"
+                replication = bound.engines[mesh].replication
+                if replication is not None:
+                    text += "\n" + replication.describe(plan.num_ranks)
+                rank_zero_info(text)
         if bound.row_blocks():
             rank_zero_info(f"lightning_canzona: {describe_row_blocks(bound.row_blocks())}")
         if bound.qk_clip is not None:

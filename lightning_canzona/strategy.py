@@ -412,7 +412,8 @@ class CanzonaStrategy(ModelParallelStrategy):
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
         schedulers = [config.scheduler for config in self.lr_scheduler_configs]
+        module, config, per_node = self.lightning_module, self.plan_config, self.num_processes
         self.optimizers = [
-            bind_and_describe(optimizer, self.lightning_module, self.plan_config, schedulers)
+            bind_and_describe(optimizer, module, config, schedulers, "CanzonaStrategy", per_node)
             for optimizer in self.optimizers
         ]

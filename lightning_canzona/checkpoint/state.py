@@ -60,7 +60,9 @@ def distributed_optimizer_state(module: nn.Module, optimizer: MatrixOptimizer) -
         state_dict = get_optimizer_state_dict(module, optimizer, options=options)
     stacks = {name: param for name, param in module.named_parameters() if param.ndim == 3}
     if stacks:  # the same on every rank: the model's
-        held = [int(state_dict["state"].get(name, {}).get(FAILURES, 0)) for name in stacks]
+        # Counted by the owners of record (one HSDP replica's where each replica plans alike).
+        owned = {id(param): state for param, state in optimizer.owner_held_state()}
+        held = [int(owned.get(id(param), {}).get(FAILURES, 0)) for param in stacks.values()]
         # On the parameters' device: an NCCL process group takes no host tensor.
         counts = torch.tensor(held, dtype=torch.int64, device=next(iter(stacks.values())).device)
         torch.distributed.all_reduce(counts)

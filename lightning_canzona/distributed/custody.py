@@ -181,12 +181,13 @@ class MatrixStateCustody:
 
     def owned(self) -> dict[int, State]:
         """This rank's matrix state of the matrices it owns (a team's first member: its part, or
-        the whole after `gather_team_state`), by index of the parameter among the entries.
+        the whole after `gather_team_state`), by index of the parameter among the entries; under
+        a replicated plan, on the first replica only (the others hold the same).
 
         A stack whose matrices several ranks own has a failure count on each: a checkpoint holds
         their sum (`lightning_canzona.checkpoint.full_optimizer_state`)."""
         planned = self.planned
-        if planned.plan.owners is None:
+        if planned.plan.owners is None or planned.replica:  # another replica's are of record
             return {}
         owned: dict[int, State] = {}
         for index, item in enumerate(planned.items):

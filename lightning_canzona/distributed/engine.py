@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -33,7 +34,7 @@ from lightning_canzona.distributed.clock import Clock
 from lightning_canzona.distributed.custody import MatrixStateCustody
 from lightning_canzona.distributed.exchange import MicroGroupExchange
 from lightning_canzona.distributed.items import Entry, Item, PlannedMatrices, build_items, entry_rules
-from lightning_canzona.distributed.layout import Block, exchange_layouts, holders
+from lightning_canzona.distributed.layout import Block, MatrixLayout, exchange_layouts, holders
 from lightning_canzona.distributed.memory import BufferMeter
 from lightning_canzona.distributed.runtime import StepRun, StepStats
 from lightning_canzona.distributed.team_collectives import TeamGroup
@@ -41,6 +42,13 @@ from lightning_canzona.distributed.updates import step_adamw
 from lightning_canzona.geometry import member_blocks
 from lightning_canzona.planning import Plan, PlanSettings, block_of, build_plan
 from lightning_canzona.planning.matrices import matrix_spec
+from lightning_canzona.planning.replication import (
+    Replication,
+    ReplicationChoice,
+    choose_replication,
+    within_node,
+)
+from lightning_canzona.planning.report import COST_UNITS
 from lightning_canzona.planning.teams import local_members
 from lightning_canzona.rules.adamw import ALGORITHM as ADAMW
 from lightning_canzona.rules.base import MatrixRule, State
@@ -56,6 +64,23 @@ def mesh_process_group(mesh: DeviceMesh) -> dist.ProcessGroup:
         f"lightning_canzona needs a {mesh.ndim}-D device mesh to span all {dist.get_world_size()} "
         f"ranks; this one has {mesh.size()} ({mesh})."
     )
+
+
+def replica_ranks(mesh: DeviceMesh) -> tuple[tuple[int, ...], ...] | None:
+    """Each HSDP replica's global ranks, in order (a replica's plan numbers them so), where the
+    mesh has a dimension of replicas (named ``*replicate*``, torchtitan's and our strategies'
+    word) of more than one; else ``None``."""
+    dims = [d for d, name in enumerate(mesh.mesh_dim_names or ()) if "replicate" in name]
+    if not dims or mesh.size(dims[0]) == 1:
+        return None
+    ranks = mesh.mesh.movedim(dims[0], 0).reshape(mesh.size(dims[0]), -1)
+    return tuple(tuple(sorted(row.tolist())) for row in ranks)
+
+
+def restricted(layout: MatrixLayout, ranks: Sequence[int]) -> MatrixLayout:
+    """``layout`` on the group ``ranks`` of its ranks (one HSDP replica's: whose shards tile the
+    matrix on their own), numbered in that order."""
+    return MatrixLayout(layout.shape, tuple(layout.shards[rank] for rank in ranks))
 
 
 def mesh_sizes(mesh: DeviceMesh) -> tuple[int, int]:
@@ -82,6 +107,12 @@ class MeshEngine:
         flops_weights: What a FLOP of each matmul dtype costs in FLOPs of the plan's unit
             (`distributed.prices.flops_weights`): each matrix's FLOPs are weighted by its rule's
             dtype, so that one plan balances rules that multiply in different dtypes by time.
+        replicas: On a mesh with HSDP replicas (a dimension named ``*replicate*``): replicate
+            the plan on each replica, spread it over all of them, or choose by the estimated
+            step (`planning.replication`; the first plan's choice stays).
+        devices_per_node: Ranks per node (consecutive global ranks share one), for the price of
+            a plan's gathers and scatters; ``None``: torchrun's ``LOCAL_WORLD_SIZE``, else one
+            node.
     """
 
     def __init__(
@@ -91,6 +122,8 @@ class MeshEngine:
         overlap: bool,
         batch_matrices: bool = True,
         flops_weights: dict[torch.dtype, float] | None = None,
+        replicas: Replication = "auto",
+        devices_per_node: int | None = None,
     ) -> None:
         self.mesh, self.settings, self.overlap = mesh, settings, overlap
         self.batch_matrices = batch_matrices
@@ -116,6 +149,13 @@ class MeshEngine:
         self.meter = BufferMeter()
         #: The process group of every team that a plan had, by its ranks in member order.
         self.team_groups: dict[tuple[int, ...], TeamGroup] = {}
+        self._groups: dict[frozenset[int], dist.ProcessGroup] = {}  # every team's, every copy's
+        #: Each HSDP replica's global ranks (``None``: the mesh has no replicas).
+        self.replicas = replica_ranks(mesh)
+        self.replication_setting, self.devices_per_node = replicas, devices_per_node
+        #: How the plan uses the replicas (``None`` before the first plan, or without replicas).
+        self.replication: ReplicationChoice | None = None
+        self._replica_groups: dist.ProcessGroup | None = None
 
     @property
     def plan(self) -> Plan | None:
@@ -196,26 +236,19 @@ class MeshEngine:
         layouts = exchange_layouts(
             [e.name for e in matrices], [e.param for e in matrices], self.mesh, self.group
         )
-        items = build_items(matrices, layouts, self.rank)
+        plan, items, copies = self._plan(matrices, rules, layouts)
         first_item = [0] * len(matrices)
         for index in reversed(range(len(items))):
             first_item[items[index].entry] = index
-        specs = [
-            matrix_spec(
-                matrices[item.entry].name + ("" if item.member is None else f"[{item.member}]"),
-                item.layout.shape,
-                rules[item.entry],
-                block_of(matrices[item.entry].name),
-                holders(item.layout),
-            ).weighted(self.flops_weights.get(rules[item.entry].matmul_dtype(), 1.0))
-            for item in items
-        ]
-        plan = self._local_team_members(build_plan(specs, *mesh_sizes(self.mesh), self.settings), items)
-        self.planned = PlannedMatrices(plan, matrices, items, first_item, self.group, self.rank)
+        me = dist.get_rank()
+        replica = next(index for index, ranks in enumerate(copies) if me in ranks)
+        group = self.group if len(copies) == 1 else self._replica_group(copies)
+        rank = copies[replica].index(me)
+        self.planned = PlannedMatrices(plan, matrices, items, first_item, group, rank, replica)
         self._key = key
         item_layouts = [item.layout for item in items]
         self.exchanges = [
-            MicroGroupExchange(members, item_layouts, plan.teams, self.rank, self.world)
+            MicroGroupExchange(members, item_layouts, plan.teams, rank, plan.num_ranks)
             for members in plan.micro_groups
         ]
         # Each group travels in one dtype, wide enough for every member's rule.
@@ -226,8 +259,83 @@ class MeshEngine:
             )
             for members in plan.micro_groups
         ]
-        self._create_team_groups()
+        self._create_team_groups(copies)
         self.custody(state, rules).move(previous)
+
+    def _plan(
+        self, matrices: list[Entry], rules: list[MatrixRule], layouts: list[MatrixLayout]
+    ) -> tuple[Plan, list[Item], tuple[tuple[int, ...], ...]]:
+        """The plan of this rank's copy of the matrices, its items, and the global rank of every
+        plan rank in each copy: one copy over the whole mesh, or under a replicated plan one per
+        HSDP replica (`planning.replication`), each planned alike over its own ranks."""
+        dp, tp = mesh_sizes(self.mesh)
+        whole = (tuple(dist.get_global_rank(self.group, rank) for rank in range(self.world)),)
+        if self.replicas is None or self.settings.policy == "sync":
+            plan, items = self._plan_items(matrices, rules, layouts, self.rank, dp, tp, self.settings)
+            return plan, items, whole
+        # The first plan's choice stays: matrix state and team groups follow it.
+        setting = self.replication.mode if self.replication is not None else self.replication_setting
+        count = len(self.replicas)
+        replicated = spread = spread_items = None
+        if setting != "spread":
+            first = [restricted(layout, self.replicas[0]) for layout in layouts]
+            settings = self._priced_for(self.replicas[0])
+            replicated, _ = self._plan_items(matrices, rules, first, 0, dp // count, tp, settings)
+        if setting != "replicated":
+            settings = self._priced_for(whole[0])
+            spread, spread_items = self._plan_items(matrices, rules, layouts, self.rank, dp, tp, settings)
+        unit = COST_UNITS[self.settings.cost][1]
+        self.replication = choose_replication(setting, count, replicated, spread, unit)
+        if self.replication.mode == "spread":
+            assert spread is not None and spread_items is not None
+            return spread, spread_items, whole
+        assert replicated is not None
+        # Every replica's plan is the first one's: its ranks hold its matrices as the first
+        # replica's hold them (HSDP replicates the same shards).
+        mine = next(ranks for ranks in self.replicas if dist.get_rank() in ranks)
+        own_layouts = [restricted(layout, mine) for layout in layouts]
+        items = build_items(matrices, own_layouts, mine.index(dist.get_rank()))
+        return replicated, items, self.replicas
+
+    def _plan_items(
+        self,
+        matrices: list[Entry],
+        rules: list[MatrixRule],
+        layouts: list[MatrixLayout],
+        rank: int,
+        dp: int,
+        tp: int,
+        settings: PlanSettings,
+    ) -> tuple[Plan, list[Item]]:
+        """The plan of ``matrices`` laid out as ``layouts`` on a ``dp × tp`` mesh, and their items
+        seen from ``rank``."""
+        items = build_items(matrices, layouts, rank)
+        specs = [
+            matrix_spec(
+                matrices[item.entry].name + ("" if item.member is None else f"[{item.member}]"),
+                item.layout.shape,
+                rules[item.entry],
+                block_of(matrices[item.entry].name),
+                holders(item.layout),
+            ).weighted(self.flops_weights.get(rules[item.entry].matmul_dtype(), 1.0))
+            for item in items
+        ]
+        return self._local_team_members(build_plan(specs, dp, tp, settings), items), items
+
+    def _priced_for(self, ranks: Sequence[int]) -> PlanSettings:
+        """The settings for a plan over the global ``ranks``: gathers and scatters priced as
+        within a node where they all share one (`planning.replication.within_node`)."""
+        per_node = self.devices_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        if len({rank // per_node for rank in ranks}) > 1:
+            return self.settings
+        return within_node(self.settings)
+
+    def _replica_group(self, replicas: tuple[tuple[int, ...], ...]) -> dist.ProcessGroup:
+        """The process group of this rank's replica (collective: every rank creates every
+        replica's, once)."""
+        if self._replica_groups is None:
+            self._replica_groups = dist.new_subgroups_by_enumeration([list(ranks) for ranks in replicas])[0]
+        return self._replica_groups
 
     def _local_team_members(self, plan: Plan, items: Sequence[Item]) -> Plan:
         """``plan`` of ``items`` with each team's members on the ranks that hold their slices,
@@ -247,15 +355,20 @@ class MeshEngine:
             return plan
         return replace(plan, teams=tuple(teams), owners=tuple(team[0] for team in teams))
 
-    def _create_team_groups(self) -> None:
-        """A process group for every set of ranks that forms a team of the plan (collective:
-        every rank of the job creates every group, in the same order; kept across plans)."""
+    def _create_team_groups(self, copies: Sequence[Sequence[int]]) -> None:
+        """A process group for every set of ranks that forms a team of the plan, in each of its
+        ``copies`` (the global rank of every plan rank; one per replica under a replicated plan).
+        Collective: every rank of the job creates every group, in the same order; kept across
+        plans."""
         assert self.planned is not None
-        groups = {frozenset(team): group.group for team, group in self.team_groups.items()}
+        me = dist.get_rank()
         for team in sorted({team for team in self.planned.plan.teams or () if len(team) > 1}):
-            members = [dist.get_global_rank(self.group, rank) for rank in team]
-            if frozenset(team) not in groups:
-                groups[frozenset(team)] = dist.new_group(sorted(members))
-            # A new group numbers its ranks in the order of their global ranks.
-            ranks_in_group = tuple(sorted(members).index(rank) for rank in members)
-            self.team_groups[team] = TeamGroup(groups[frozenset(team)], ranks_in_group)
+            for ranks in copies:
+                members = [ranks[rank] for rank in team]
+                key = frozenset(members)
+                if key not in self._groups:
+                    self._groups[key] = dist.new_group(sorted(members))
+                if me in members:
+                    # A new group numbers its ranks in the order of their global ranks.
+                    ranks_in_group = tuple(sorted(members).index(rank) for rank in members)
+                    self.team_groups[team] = TeamGroup(self._groups[key], ranks_in_group)

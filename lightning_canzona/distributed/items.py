@@ -86,8 +86,11 @@ class PlannedMatrices:
             new dicts (``load_state_dict``), so that hyperparameters are read from the current ones.
         items: The matrices the plan covers.
         first_item: Each entry's first item.
-        group: The process group of the mesh; the plan's ranks are ranks in it.
+        group: The process group of the plan's ranks: the mesh's, or this rank's HSDP
+            replica's under a replicated plan (`planning.replication`).
         rank: This rank in ``group``.
+        replica: This rank's replica under a replicated plan (0 otherwise): each replica's
+            owners hold the same matrix state, the first replica's is the one of record.
     """
 
     plan: Plan
@@ -96,6 +99,7 @@ class PlannedMatrices:
     first_item: list[int]
     group: dist.ProcessGroup
     rank: int
+    replica: int = 0
 
     def owner(self, index: int) -> int | None:
         """Owner group-rank of item ``index`` (``None`` under ``sync``)."""

@@ -148,6 +148,10 @@ class MatrixOptimizer(Optimizer):
         #: baselines of ``canzona bench step`` turn them off; read when an engine is created.
         self.batch_matrices = True
         self.locality = True
+        #: Ranks per node (consecutive global ranks share one), which prices a plan's gathers
+        #: and scatters within or across nodes; the strategies set it, ``None``: torchrun's
+        #: ``LOCAL_WORLD_SIZE``, else one node. Read when an engine is created.
+        self.devices_per_node: int | None = None
         self.engines: dict[Any, MeshEngine] = {}
         #: QK-clip's setting (`Muon` and `NorMuon` take it) and, once a strategy or
         #: `lightning_canzona.qk_clip_runtime.attach_qk_clip` has attached it to the model, its runtime.
@@ -458,7 +462,9 @@ class MatrixOptimizer(Optimizer):
             config = self.plan_config
             settings = priced(self.plan_settings(), config.team_prices, group, mesh.device_type, dtypes[0])
             overlap, batch = config.overlap, self.batch_matrices
-            self.engines[mesh] = MeshEngine(mesh, settings, overlap, batch, weights or {})
+            self.engines[mesh] = MeshEngine(
+                mesh, settings, overlap, batch, weights or {}, config.replicas, self.devices_per_node
+            )
         return self.engines[mesh]
 
     def state_dict(self) -> dict[str, Any]:

@@ -242,16 +242,18 @@ def shortest_period(matrices: Iterable[MatrixSpec]) -> int:
     return min((m.cost.period for m in matrices if any(m.cost.periodic_flops)), default=1)
 
 
-def estimated_step(plan: Plan) -> float:
+def estimated_step(plan: Plan, replicas: int = 1) -> float:
     """The plan's pipelined optimizer step in the cost's unit (`pipeline.pipelined_time`),
     averaged over a period of the periodic work (`Plan.averaged`).
 
     A micro-group computes as long as its busiest rank; under ``flops`` its gather and its
     scatter each cost the busiest rank's elements (what it receives of the slices it computes,
     or its shards of the group's matrices) and a message to every other rank, at the settings'
-    exchange prices. Cheap (linear in the matrices; a matrix that its owner holds whole counted
-    as moved): an estimate to choose between plans, not the traffic (`planning.traffic`) or the
-    simulator's projection.
+    exchange prices. Where the plan's ranks hold ``replicas`` copies of every matrix (HSDP's
+    replicas, a matrix planned once over all of them), one copy's holders send each matrix and
+    its computing ranks send the update to every copy. Cheap (linear in the matrices; a matrix
+    that its owner holds whole counted as moved): an estimate to choose between plans, not the
+    traffic (`planning.traffic`) or the simulator's projection.
     """
     settings = plan.settings
 
@@ -261,13 +263,15 @@ def estimated_step(plan: Plan) -> float:
     if settings.cost != "flops" or plan.teams is None:
         return plan.averaged(lambda loads: sum(computes(loads)))
     messages = (plan.num_ranks - 1) * settings.exchange_flops_per_message  # one to every peer
-    exchanges = []
+    gathers, scatters = [], []
     for group in plan.micro_groups:
         received = [0.0] * plan.num_ranks
         for index in group:
             team = plan.teams[index]
             for rank in team:
                 received[rank] += plan.matrices[index].cost.numel / len(team)
-        sent = sum(plan.matrices[index].cost.numel for index in group) / plan.num_ranks
-        exchanges.append(max(*received, sent) * settings.exchange_flops_per_element + messages)
-    return plan.averaged(lambda loads: pipelined_time(exchanges, computes(loads), exchanges))
+        held = sum(plan.matrices[index].cost.numel for index in group) * replicas / plan.num_ranks
+        price = settings.exchange_flops_per_element
+        gathers.append(max(*received, held) * price + messages)
+        scatters.append(max(max(received) * replicas, held) * price + messages)
+    return plan.averaged(lambda loads: pipelined_time(gathers, computes(loads), scatters))

@@ -23,16 +23,17 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import lightning_canzona as lc
+from lightning_canzona.optim import MatrixOptimizer
 
 MESHES = {
     "dp2": ((2,), ("dp",)),
     "dp4": ((4,), ("dp",)),
     "tp2": ((2,), ("tp",)),
     "dp2xtp2": ((2, 2), ("dp", "tp")),
-    # HSDP: FSDP2 replicates over "rep" and shards over "dp"; the plan spreads the matrices over
-    # the replicas too and sends each result to all of them.
-    "rep2xdp2": ((2, 2), ("rep", "dp")),
-    "rep2xtp2": ((2, 1, 2), ("rep", "dp", "tp")),
+    # HSDP: FSDP2 replicates over "replicate" and shards over "dp"; the plan is replicated on
+    # each replica, or spread over both with each result sent to both.
+    "rep2xdp2": ((2, 2), ("replicate", "dp")),
+    "rep2xtp2": ((2, 1, 2), ("replicate", "dp", "tp")),
 }
 OPTIMIZERS = {
     "muon": (lc.Muon, {"lr": 0.02, "compute_dtype": "float32", "adamw_lr": 1e-2}),
@@ -99,8 +100,8 @@ def _parallelize(model: Net, mesh) -> Net:
         packed = [_StridedShard(1, split_factor=2)]
         gate_up = distribute_tensor(model.experts.gate_up.detach(), tp_mesh, packed, src_data_rank=None)
         model.experts.gate_up = nn.Parameter(gate_up)
-    if "rep" in names:
-        fully_shard(model, mesh=mesh["rep", "dp"])
+    if "replicate" in names:
+        fully_shard(model, mesh=mesh["replicate", "dp"])
     elif "dp" in names:
         fully_shard(model, mesh=mesh["dp"] if mesh.ndim > 1 else mesh)
     return model
@@ -123,7 +124,7 @@ def _groups(model: Net) -> list[dict]:
     return groups
 
 
-def _run_combination(rank: int, mesh, optimizer_name: str, plan: dict, overlap: bool) -> None:
+def _run_combination(rank: int, mesh, optimizer_name: str, plan: dict, overlap: bool) -> MatrixOptimizer:
     optimizer_class, kwargs = OPTIMIZERS[optimizer_name]
     torch.manual_seed(0)
     reference_model = Net().to(DEVICE)  # on the ranks' device, as the sharded model
@@ -141,7 +142,7 @@ def _run_combination(rank: int, mesh, optimizer_name: str, plan: dict, overlap: 
                 param.grad = distribute_tensor(grad, param.device_mesh, param.placements, src_data_rank=None)
             else:
                 param.grad = grad
-        if step == 2 and "rep" not in mesh.mesh_dim_names:  # (HSDP's replicas agree on gradients)
+        if step == 2 and "replicate" not in mesh.mesh_dim_names:  # (HSDP's replicas agree on gradients)
             # Rank 0 lost its block of up.weight: the engine sends zeros for it, which the
             # reference sees as a full gradient with that block zeroed.
             local = params["up.weight"].grad.to_local()
@@ -171,18 +172,26 @@ def _run_combination(rank: int, mesh, optimizer_name: str, plan: dict, overlap: 
         torch.testing.assert_close(
             actual, expected, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{label}, {name}: {m}"
         )
+    return optimizer
 
 
 def _exactness_on_mesh(rank: int, world_size: int, mesh_name: str) -> None:
     shape, names = MESHES[mesh_name]
     mesh = init_device_mesh(DEVICE, shape, mesh_dim_names=names)
     # Overlap changes when micro-groups run, not what they move: every policy with it, one without.
-    # On HSDP meshes, where the policies are the 2-D meshes' with replicas, one plan.
+    # On HSDP meshes, where the policies are the 2-D meshes' with replicas, one plan of each use
+    # of the replicas.
     runs = [(plan, True) for plan in PLANS] + [({"policy": "canzona", "alpha": 0.5}, False)]
-    if "rep" in names:
-        runs = [({"policy": "canzona", "alpha": 0.5}, True)]
+    if "replicate" in names:
+        runs = [({"policy": "canzona", "replicas": use}, True) for use in ("replicated", "spread")]
     for optimizer_name, (plan, overlap) in itertools.product(OPTIMIZERS, runs):
-        _run_combination(rank, mesh, optimizer_name, plan, overlap)
+        optimizer = _run_combination(rank, mesh, optimizer_name, plan, overlap)
+        if "replicas" in plan:  # each replica's plan over its own 2 ranks, or one over all 4
+            (engine,) = optimizer.engines.values()
+            assert (engine.replication.mode, engine.plan.num_ranks) == (
+                plan["replicas"],
+                2 if plan["replicas"] == "replicated" else 4,
+            )
     dist.barrier()
 
 

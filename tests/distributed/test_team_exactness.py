@@ -33,7 +33,8 @@ RUNS_ON_MESH = {
     "tp2": (("standard", True),),
     "dp4": (("standard", True), ("gram", True), ("gram-symmetric", True)),
     "dp2xtp2": (("standard", True), ("standard", False), ("gram", False), ("standard-symmetric", True)),
-    "rep2xdp2": (("standard", True),),  # teams whose members hold replicas of the same shards
+    # Teams in each replica (the engine's exactness covers the plan spread over the replicas).
+    "rep2xdp2": (("standard", True),),
     "rep2xtp2": (("standard", True),),
 }
 
@@ -43,7 +44,8 @@ def _teams_on_mesh(rank: int, world_size: int, mesh_name: str) -> None:
     mesh = init_device_mesh(DEVICE, shape, mesh_dim_names=names)
     for form, overlap in RUNS_ON_MESH[mesh_name]:
         OPTIMIZERS["team_muon"] = (TeamMuon, {**OPTIMIZERS["muon"][1], "ns_form": form})
-        _run_combination(rank, mesh, "team_muon", {"policy": "canzona"}, overlap)
+        replicated = {"replicas": "replicated"} if "replicate" in names else {}
+        _run_combination(rank, mesh, "team_muon", {"policy": "canzona", **replicated}, overlap)
         (engine,) = CREATED[-1].engines.values()
         assert engine.plan.split_matrices(), f"no team on {mesh_name} ({form})"
         stats = torch.tensor([engine.stats.team_matrices, engine.stats.team_collectives], device=DEVICE)

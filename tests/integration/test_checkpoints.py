@@ -199,7 +199,8 @@ def saved_at_dp2_tp2(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "mesh, replicas",
-    # 2 replicas (HSDP) × tp 2: each replica laid out as dp 1 × tp 2, the data-parallel size kept.
+    # 2 replicas (HSDP) × tp 2: each replica laid out as dp 1 × tp 2, the data-parallel size
+    # kept, and its plan replicated: each replica's owners hold every matrix's state.
     [((4, 1), 1), ((2, 1), 1), ((2, 2), 2)],
     ids=["dp4xtp1", "dp2xtp1", "replicate2xtp2"],
 )
@@ -217,6 +218,7 @@ def test_checkpoint_loads_at_a_different_mesh_with_every_owners_state(
         extra=[DumpFullState(dump, None)],
         preset="tiny-moe",
         data_parallel_replicate_size=replicas,
+        plan=lc.PlanConfig(replicas="replicated"),
     )
     restored = torch.load(dump)
     for name, weight in saved["weights"].items():

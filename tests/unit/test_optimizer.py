@@ -262,6 +262,11 @@ def test_the_plan_is_set_in_one_place_never_overwritten_silently() -> None:
     with pytest.raises(TypeError, match="plan must be a lightning_canzona.PlanConfig"):
         lc.Muon(lc.matrix_param_groups(model), plan={"policy": "lpt"})
     assert lc.PlanConfig(team_prices=[1, 2]).team_prices == (1.0, 2.0)  # as a YAML list reads
-    for bad, message in (({"team_prices": "a100"}, "team_prices must be"), ({"max_team": 3}, "max_team")):
+    bad_settings = (
+        ({"team_prices": "a100"}, "team_prices must be"),
+        ({"max_team": 3}, "max_team"),
+        ({"replicas": "both"}, "replicas must be one of"),
+    )
+    for bad, message in bad_settings:
         with pytest.raises(ValueError, match=message):
             lc.PlanConfig(**bad)

@@ -199,3 +199,33 @@ def test_locality_owns_each_held_matrix_on_a_holder_balanced_and_moves_no_bytes(
     dense_bytes = sum(traffic(dense_only, 2).rank_sent) // 2  # gathers only
     assert expert_bytes[0] == dense_bytes  # the experts add nothing
     assert expert_bytes[1] > 2 * dense_bytes  # blind: most experts travel to another rank and back
+
+
+def test_hsdp_replicas_are_planned_by_the_shorter_estimated_step() -> None:
+    """Under HSDP, ``replicas="auto"`` replicates the plan on each replica where its estimated
+    step is shorter (Muon on a small model: each update travels over a node's links only) and
+    spreads it over the replicas where that is (SOAP: its float32 compute, divided by the
+    replicas, outweighs sending each update to both over InfiniBand); spreading sends every
+    replica its update, which costs the scatter; a given setting is taken as it is."""
+    from lightning_canzona.commands.model_matrices import make_rule, preset_matrices, rule_settings
+    from lightning_canzona.planning.devices import H100
+    from lightning_canzona.planning.plan import estimated_step
+    from lightning_canzona.planning.replication import choose_replication, within_node
+
+    replicas, shard = 2, 8
+    modes = {}
+    for optimizer in ("muon", "soap"):
+        rule = make_rule(optimizer)
+        settings = rule_settings(PlanSettings(), H100, rule)
+        replicated = build_plan(preset_matrices("0.6B", rule, shard)[0], shard, 1, within_node(settings))
+        spread = build_plan(preset_matrices("0.6B", rule, replicas * shard)[0], replicas * shard, 1, settings)
+        assert estimated_step(spread, replicas) > estimated_step(spread)
+        choice = choose_replication("auto", replicas, replicated, spread)
+        modes[optimizer] = choice.mode
+        assert choice.replicated_step == estimated_step(replicated)
+        assert choice.spread_step == estimated_step(spread, replicas)
+        assert "replicas='auto' takes the shorter" in choice.describe(spread.num_ranks)
+    assert modes == {"muon": "replicated", "soap": "spread"}
+    assert choose_replication("spread", replicas, None, None).mode == "spread"
+    with pytest.raises(ValueError, match="replicas must be one of"):
+        choose_replication("everywhere", replicas, None, None)
