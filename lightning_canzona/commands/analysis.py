@@ -8,7 +8,8 @@ from lightning_canzona.planning.devices import DeviceModel
 from lightning_canzona.planning.matrices import MatrixSpec
 from lightning_canzona.planning.plan import POLICIES, Plan, PlanSettings
 from lightning_canzona.planning.policies import build_plan
-from lightning_canzona.planning.report import PlanReport, report
+from lightning_canzona.planning.replication import ReplicationChoice, choose_replication, priced_for
+from lightning_canzona.planning.report import COST_UNITS, PlanReport, report
 from lightning_canzona.planning.traffic import Traffic, traffic
 from lightning_canzona.simulation.iteration import IterationProjection, Workload, project_iteration
 from lightning_canzona.simulation.optimizer_step import StepProjection, project_step
@@ -71,3 +72,23 @@ def analyse(scenario: Scenario, policies: tuple[str, ...] = POLICIES) -> dict[st
             ),
         )
     return results
+
+
+def compare_replication(
+    scenario: Scenario, replicas: int, replica_matrices: list[MatrixSpec]
+) -> tuple[ReplicationChoice, dict[str, Plan]]:
+    """HSDP with ``replicas`` replicas among ``scenario``'s data-parallel ranks: canzona's plan
+    replicated on each replica (of ``replica_matrices``, laid out on one replica's ranks) and
+    spread over all of them, each priced over the links its ranks span (a node holds the device
+    model's ``gpus_per_node``), and the one ``replicas="auto"`` takes."""
+    settings = replace(scenario.settings, policy="canzona")
+    per_node, tp = scenario.device.gpus_per_node, scenario.tp
+    shard = scenario.dp // replicas
+    plans = {
+        "replicated": build_plan(replica_matrices, shard, tp, priced_for(settings, shard * tp > per_node)),
+        "spread": build_plan(
+            scenario.matrices, scenario.dp, tp, priced_for(settings, scenario.dp * tp > per_node)
+        ),
+    }
+    unit = COST_UNITS[settings.cost][1]
+    return choose_replication("auto", replicas, plans["replicated"], plans["spread"], unit), plans

@@ -3,13 +3,15 @@
 Shapes come from the model built on the meta device, so even 32B plans in seconds without
 weights. For each policy it prints per-rank load, matrices, optimizer state and traffic, then a
 summary, a projection of step and iteration times on a modelled GPU cluster, and writes a PNG of
-the per-rank loads. ``--sweep`` checks the balance target over all Qwen3 presets and meshes
+the per-rank loads. ``--replicate R`` (HSDP) compares the plan replicated on each of R replicas
+with the plan spread over all of them. ``--sweep`` checks the balance target over all Qwen3 presets and meshes
 instead, for every optimizer, up to 2,048 ranks, with and without teams, and draws step time
 against ranks.
 
 Example::
 
     canzona plan --preset 32B --dp 32 --tp 8 --device h100 --out plan.png
+    canzona plan --preset 8B --optimizer soap --dp 2048 --replicate 256 --no-simulate
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import argparse
 import torch
 
 from lightning_canzona.commands import sweep, tables
-from lightning_canzona.commands.analysis import Scenario, analyse
+from lightning_canzona.commands.analysis import Scenario, analyse, compare_replication
 from lightning_canzona.commands.chart import write_load_chart, write_scale_chart
 from lightning_canzona.commands.model_matrices import (
     OPTIMIZERS,
@@ -42,6 +44,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--optimizer", default="muon", choices=OPTIMIZERS)
     parser.add_argument("--dp", type=int, default=8, help="data-parallel size")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    parser.add_argument(
+        "--replicate",
+        type=int,
+        default=1,
+        help="HSDP replicas among the --dp ranks (one per node, say): compare the optimizer's plan "
+        "replicated on each replica with the plan spread over all of them",
+    )
     parser.add_argument("--alpha", type=float, default=PlanSettings.alpha, help="canzona's α in [0, 1]")
     parser.add_argument("--cost", default="flops", choices=COST_KINDS, help="what the planner balances")
     parser.add_argument(
@@ -77,7 +86,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> None:
     """Run ``canzona plan`` with the arguments after ``plan``."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.replicate < 1 or args.dp % args.replicate:
+        parser.error(f"--replicate {args.replicate} must be a positive divisor of --dp {args.dp}")
     rule = make_rule(args.optimizer)
     exchange = rule.exchange_dtype(getattr(torch, args.dtype))
     device = DEVICES[args.device]
@@ -122,6 +134,15 @@ def main(argv: list[str]) -> None:
             measure, value = "makespan/bound", canzona.makespan_over_bound
         verdict = "met" if value <= sweep.TARGET else "MISSED"
         print(f"target: canzona {measure} {value:.4f} <= {sweep.TARGET}: {verdict}")
+    if args.replicate > 1:
+        shard = args.dp // args.replicate
+        replica_matrices, _ = preset_matrices(args.preset, rule, shard, args.tp)
+        choice, plans = compare_replication(scenario, args.replicate, replica_matrices)
+        print(
+            f"\n== HSDP: {args.replicate} replicas × shard {shard} × tp {args.tp}, "
+            f"{device.gpus_per_node} GPUs per node =="
+        )
+        print(tables.replication_table(scenario, choice, plans))
     if args.simulate:
         print(f"\n== simulated on {num_ranks} × {scenario.device.name} ==")
         print(tables.simulation_table(results))

@@ -6,8 +6,10 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from lightning_canzona.commands.analysis import PolicyResult, Scenario
-from lightning_canzona.planning import build_plan, report
+from lightning_canzona.planning import Plan, build_plan, report
 from lightning_canzona.planning.devices import DeviceModel
+from lightning_canzona.planning.plan import estimated_step
+from lightning_canzona.planning.replication import ReplicationChoice
 from lightning_canzona.planning.report import COST_UNITS
 from lightning_canzona.planning.traffic import traffic
 from lightning_canzona.simulation.iteration import Workload
@@ -154,3 +156,24 @@ def locality_line(scenario: Scenario, canzona: PolicyResult) -> str:
         f"{sum(blind.rank_sent) / max(1, sum(aware.rank_sent)):.1f}× less; max/mean load "
         f"{canzona.report.max_over_mean:.4f} vs {report(blind_plan).max_over_mean:.4f}"
     )
+
+
+def replication_table(scenario: Scenario, choice: ReplicationChoice, plans: Mapping[str, Plan]) -> str:
+    """HSDP: the plan replicated on each replica against the plan spread over all of them, by the
+    planner's estimated step (what ``replicas="auto"`` compares) and the most state on a rank."""
+    cost = scenario.settings.cost
+    # The estimate is in FLOPs of the rule's matmuls: their time on the device model.
+    scale, unit = (
+        (scenario.device.matmul_flops(scenario.compute_dtype) / 1e3, "ms")
+        if cost == "flops"
+        else COST_UNITS[cost]
+    )
+    step_header = f"est. step [{unit}]"
+    lines = [f"{'plan':<12} {'ranks':>6} {'exchanges over':>15} {step_header:>16} {'max state [MiB]':>16}"]
+    for mode, plan in plans.items():
+        link = scenario.device.link(plan.num_ranks)[0]
+        step = estimated_step(plan, choice.replicas if mode == "spread" else 1)
+        state = max(plan.rank_state_bytes()) / MIB
+        lines.append(f"{mode:<12} {plan.num_ranks:>6} {link:>15} {step / scale:>16.3f} {state:>16.1f}")
+    lines.append(f'replicas="auto" takes {choice.mode}: the shorter estimated step.')
+    return "\n".join(lines)

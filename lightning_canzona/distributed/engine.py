@@ -46,7 +46,7 @@ from lightning_canzona.planning.replication import (
     Replication,
     ReplicationChoice,
     choose_replication,
-    within_node,
+    priced_for,
 )
 from lightning_canzona.planning.report import COST_UNITS
 from lightning_canzona.planning.teams import local_members
@@ -323,12 +323,10 @@ class MeshEngine:
         return self._local_team_members(build_plan(specs, dp, tp, settings), items), items
 
     def _priced_for(self, ranks: Sequence[int]) -> PlanSettings:
-        """The settings for a plan over the global ``ranks``: gathers and scatters priced as
-        within a node where they all share one (`planning.replication.within_node`)."""
+        """The settings for a plan over the global ``ranks``, priced by whether they span nodes
+        (`planning.replication.priced_for`)."""
         per_node = self.devices_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-        if len({rank // per_node for rank in ranks}) > 1:
-            return self.settings
-        return within_node(self.settings)
+        return priced_for(self.settings, len({rank // per_node for rank in ranks}) > 1)
 
     def _replica_group(self, replicas: tuple[tuple[int, ...], ...]) -> dist.ProcessGroup:
         """The process group of this rank's replica (collective: every rank creates every

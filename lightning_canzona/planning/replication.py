@@ -37,6 +37,12 @@ def within_node(settings: PlanSettings) -> PlanSettings:
     )
 
 
+def priced_for(settings: PlanSettings, spans_nodes: bool) -> PlanSettings:
+    """``settings`` for a plan whose ranks span several nodes (as they are: gathers and scatters
+    at the exchange prices) or share one (`within_node`)."""
+    return settings if spans_nodes else within_node(settings)
+
+
 @dataclass(frozen=True)
 class ReplicationChoice:
     """How the optimizer's plan uses HSDP's replicas, and why.

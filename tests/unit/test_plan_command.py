@@ -11,6 +11,8 @@ from lightning_canzona.commands.analysis import Scenario, analyse
 from lightning_canzona.commands.model_matrices import compute_dtype, make_rule, preset_matrices, rule_settings
 from lightning_canzona.commands.sweep import bound_table
 from lightning_canzona.planning import POLICIES, PlanSettings, build_plan, describe, report, traffic
+from lightning_canzona.planning.plan import estimated_step
+from lightning_canzona.planning.replication import choose_replication, within_node
 from lightning_canzona.rules import MuonRule
 from lightning_canzona.rules.newton_schulz import PRESETS
 from lightning_canzona.simulation import H100, Workload, pipelined_time, project_step, sequential_time
@@ -73,9 +75,20 @@ def test_float32_soap_exchanges_four_bytes_per_element_and_numel_cost_is_used(ca
     assert "float32 matmul" in out
 
 
-def test_shampoo_plans_print_the_step_that_decomposes(capsys, tmp_path) -> None:
+def test_shampoo_plans_print_the_step_that_decomposes_and_hsdp_its_replication(capsys, tmp_path) -> None:
     out, _ = _plan_output(
-        capsys, tmp_path, "--preset", "tiny", "--optimizer", "shampoo", "--dp", "2", "--tp", "2"
+        capsys,
+        tmp_path,
+        "--preset",
+        "tiny",
+        "--optimizer",
+        "shampoo",
+        "--dp",
+        "2",
+        "--tp",
+        "2",
+        "--replicate",
+        "2",
     )
     rule = make_rule("shampoo")
     matrices, _ = preset_matrices("tiny", rule)
@@ -84,6 +97,23 @@ def test_shampoo_plans_print_the_step_that_decomposes(capsys, tmp_path) -> None:
         plan = build_plan(matrices, 2, 2, rule_settings(PlanSettings(policy), H100, rule))
         assert _summary_row(out, policy)[8] == f"{report(plan).average_over_ideal:.3f}"
     assert "every matrix's factors at once every 10 steps" in out
+    # HSDP, 2 replicas of tp 2: each replica's plan over 2 ranks, or one over 4; one node's links.
+    within = within_node(rule_settings(PlanSettings(), H100, rule))
+    plans = {
+        "replicated": build_plan(preset_matrices("tiny", rule, 1, 2)[0], 1, 2, within),
+        "spread": build_plan(matrices, 2, 2, within),
+    }
+    table = out.split("== HSDP: 2 replicas × shard 1 × tp 2, 8 GPUs per node ==")[1].splitlines()
+    per_ms = H100.matmul_flops("float32") / 1e3
+    for mode, plan in plans.items():
+        step = estimated_step(plan, 2 if mode == "spread" else 1)
+        assert next(line for line in table if line.startswith(mode)).split()[1:4] == [
+            str(plan.num_ranks),
+            "NVLink",
+            f"{step / per_ms:.3f}",
+        ]
+    choice = choose_replication("auto", 2, plans["replicated"], plans["spread"])
+    assert f'replicas="auto" takes {choice.mode}' in out
 
 
 def _summary_header(out: str) -> str:
