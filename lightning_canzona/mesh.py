@@ -92,7 +92,8 @@ class MeshShape:
         The ranks fill the mesh's `dimensions` innermost first (tensor parallelism), node after
         node: a dimension's groups stay within a node where the ranks they span (its size times
         the sizes inside it) divide the devices per node. The optimizer's exchange spans the
-        whole mesh.
+        whole mesh, or under HSDP each replica where its plan is replicated
+        (`lightning_canzona.planning.replication`).
         """
         per_node = self.devices_per_node
         if per_node is None or self.data_parallel_size * self.tensor_parallel_size <= per_node:
@@ -102,7 +103,10 @@ class MeshShape:
             span *= size
             if size > 1:
                 (within if per_node % span == 0 else across).insert(0, name)
-        crossing = [_COLLECTIVES[name] for name in across] + ["the optimizer's gathers and scatters"]
+        optimizer = "the optimizer's gathers and scatters"
+        if self.replicate_size > 1 and per_node % (self.shard_size * self.tensor_parallel_size) == 0:
+            optimizer += " where its plan spreads over the replicas (the plan report says)"
+        crossing = [_COLLECTIVES[name] for name in across] + [optimizer]
         line = "Across nodes: " + ", ".join(crossing)
         if within:
             line += "; within each node: " + ", ".join(within)

@@ -90,6 +90,8 @@ VARIANTS = (
     "canzona (teams, measured)",
 )
 MOE_VARIANTS = ("canzona (locality-blind)", "canzona (call per expert)")
+#: Under HSDP: the plan replicated on each replica, and spread over all (``canzona`` chooses).
+HSDP_VARIANTS = ("canzona (replicated)", "canzona (spread)")
 #: microsoft/dion's distributed Muon: timed where ``import dion`` finds it (a checkout on
 #: ``PYTHONPATH``: a comparison, never a dependency) and the mesh is 1-D, which it requires.
 DION = "dion.Muon"
@@ -225,10 +227,14 @@ def _build(
         "canzona": ("canzona", True),
         "canzona (whole matrices)": ("canzona", True),
         "canzona (teams, measured)": ("canzona", True),
+        **dict.fromkeys(HSDP_VARIANTS, ("canzona", True)),
     }[variant]
     max_team = 1 if variant == "canzona (whole matrices)" else PlanConfig.max_team
     prices = "measure" if variant == "canzona (teams, measured)" else "h100"
-    plan = PlanConfig(policy=policy, overlap=overlap, max_team=max_team, team_prices=prices)
+    replicas = variant.removeprefix("canzona (").removesuffix(")") if variant in HSDP_VARIANTS else "auto"
+    plan = PlanConfig(
+        policy=policy, overlap=overlap, max_team=max_team, team_prices=prices, replicas=replicas
+    )
     return optimizer_class(groups, **settings, plan=plan)
 
 
@@ -307,6 +313,8 @@ def _worker(
         variants = tuple(v for v in VARIANTS if v != "torch.optim.Muon")
     elif isinstance(model, Qwen3) and model.config.num_experts:  # torch.optim.Muon refuses 3-D stacks
         variants = tuple(v for v in VARIANTS if v != "torch.optim.Muon") + MOE_VARIANTS
+    if replicate > 1:
+        variants += HSDP_VARIANTS
     # dion's Muon takes a 1-D mesh; it runs where torch.optim.Muon does (bf16 Muon, no experts).
     if tp == 1 and replicate == 1 and "torch.optim.Muon" in variants and importlib.util.find_spec("dion"):
         variants += (DION,)

@@ -9,7 +9,7 @@ from lightning_canzona.planning.matrices import MatrixSpec
 from lightning_canzona.planning.plan import POLICIES, Plan, PlanSettings
 from lightning_canzona.planning.policies import build_plan
 from lightning_canzona.planning.replication import ReplicationChoice, choose_replication, priced_for
-from lightning_canzona.planning.report import COST_UNITS, PlanReport, report
+from lightning_canzona.planning.report import PlanReport, report
 from lightning_canzona.planning.traffic import Traffic, traffic
 from lightning_canzona.simulation.iteration import IterationProjection, Workload, project_iteration
 from lightning_canzona.simulation.optimizer_step import StepProjection, project_step
@@ -90,5 +90,4 @@ def compare_replication(
             scenario.matrices, scenario.dp, tp, priced_for(settings, scenario.dp * tp > per_node)
         ),
     }
-    unit = COST_UNITS[settings.cost][1]
-    return choose_replication("auto", replicas, plans["replicated"], plans["spread"], unit), plans
+    return choose_replication("auto", replicas, plans["replicated"], plans["spread"]), plans

@@ -48,7 +48,6 @@ from lightning_canzona.planning.replication import (
     choose_replication,
     priced_for,
 )
-from lightning_canzona.planning.report import COST_UNITS
 from lightning_canzona.planning.teams import local_members
 from lightning_canzona.rules.adamw import ALGORITHM as ADAMW
 from lightning_canzona.rules.base import MatrixRule, State
@@ -284,8 +283,7 @@ class MeshEngine:
         if setting != "replicated":
             settings = self._priced_for(whole[0])
             spread, spread_items = self._plan_items(matrices, rules, layouts, self.rank, dp, tp, settings)
-        unit = COST_UNITS[self.settings.cost][1]
-        self.replication = choose_replication(setting, count, replicated, spread, unit)
+        self.replication = choose_replication(setting, count, replicated, spread)
         if self.replication.mode == "spread":
             assert spread is not None and spread_items is not None
             return spread, spread_items, whole

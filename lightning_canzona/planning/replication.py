@@ -55,7 +55,6 @@ class ReplicationChoice:
         replicated_step: The replicated plan's estimated step in the cost's unit (``None``: not
             planned, the setting chose).
         spread_step: The spread plan's, likewise.
-        unit: The cost's unit, for `describe`.
     """
 
     mode: Literal["replicated", "spread"]
@@ -63,7 +62,6 @@ class ReplicationChoice:
     setting: str
     replicated_step: float | None = None
     spread_step: float | None = None
-    unit: str = "GFLOP"
 
     def describe(self, plan_ranks: int) -> str:
         """One line for the report of the plan chosen, which has ``plan_ranks`` ranks."""
@@ -79,15 +77,15 @@ class ReplicationChoice:
             )
         if self.replicated_step is None or self.spread_step is None:
             return f"{line} (replicas={self.setting!r})."
-        scale = 1e9 if self.unit == "GFLOP" else 1e6
+        ratio = self.spread_step / self.replicated_step if self.replicated_step > 0 else 1.0
         return (
-            f"{line}: estimated step {self.replicated_step / scale:.4g} {self.unit} replicated, "
-            f"{self.spread_step / scale:.4g} spread (replicas='auto' takes the shorter)."
+            f"{line}: the spread plan's estimated step is {ratio:.2f}× the replicated one's "
+            "(replicas='auto' takes the shorter)."
         )
 
 
 def choose_replication(
-    setting: str, replicas: int, replicated: Plan | None, spread: Plan | None, unit: str = "GFLOP"
+    setting: str, replicas: int, replicated: Plan | None, spread: Plan | None
 ) -> ReplicationChoice:
     """The replication that ``setting`` asks for, or under ``auto`` the plan with the shorter
     estimated step (ties: ``replicated``).
@@ -100,13 +98,12 @@ def choose_replication(
             ``setting`` is ``spread``.
         spread: The plan over every replica's ranks, priced over the links the whole mesh spans;
             needed unless ``setting`` is ``replicated``.
-        unit: The cost's unit, for the report.
     """
     if setting not in REPLICATIONS:
         raise ValueError(f"replicas must be one of {REPLICATIONS}, got {setting!r}")
     if setting != "auto":
-        return ReplicationChoice(setting, replicas, setting, unit=unit)  # type: ignore[arg-type]
+        return ReplicationChoice(setting, replicas, setting)  # type: ignore[arg-type]
     assert replicated is not None and spread is not None
     replicated_step, spread_step = estimated_step(replicated), estimated_step(spread, replicas)
     mode = "spread" if spread_step < replicated_step else "replicated"
-    return ReplicationChoice(mode, replicas, setting, replicated_step, spread_step, unit)
+    return ReplicationChoice(mode, replicas, setting, replicated_step, spread_step)

@@ -49,7 +49,8 @@ def test_the_mesh_line_says_which_collectives_cross_nodes() -> None:
     assert "device mesh data_parallel 4 (replicate 2 × shard 2) × tensor_parallel 2" in hsdp.describe()
     assert hsdp.describe().endswith(
         "Across nodes: HSDP's all-reduces of gradients (data_parallel_replicate), the optimizer's gathers "
-        "and scatters; within each node: data_parallel_shard, tensor_parallel."
+        "and scatters where its plan spreads over the replicas (the plan report says); within each "
+        "node: data_parallel_shard, tensor_parallel."
     )
 
 
