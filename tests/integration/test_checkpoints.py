@@ -140,29 +140,29 @@ def test_checkpoint_resumes_exactly_and_reshards(tmp_path, optimizer, distribute
     resumed = _fit(tmp_path, "resumed", ckpt_path=str(checkpoint), **settings)
     for got, expected in zip(resumed, uninterrupted[3:], strict=True):
         assert abs(got - expected) <= 1e-6, (resumed, uninterrupted[3:])
+    if optimizer != "soap":  # (one optimizer's resharding; the test below loads every state)
+        return
     # Resharded onto dp 2 × tp 1, where other teams compute: the same data per data-parallel
     # rank, the same training up to the order in which one TP rank instead of two sums partial
     # products (SOAP's eigenbasis grows those ulps: see the resharding test below).
     resharded = _fit(
         tmp_path, "resharded", ckpt_path=str(checkpoint), mesh=(2, 1), checkpoints=False, **settings
     )
-    tolerance = 1e-4 if optimizer == "muon" else 5e-3
     for got, expected in zip(resharded, uninterrupted[3:], strict=True):
-        assert abs(got - expected) <= tolerance, (resharded, uninterrupted[3:])
+        assert abs(got - expected) <= 5e-3, (resharded, uninterrupted[3:])
 
 
-def test_hsdp_trains_as_fsdp_and_resumes_without_replicas(tmp_path) -> None:
-    """``data_parallel_replicate_size=2`` on 4 devices (2 replicas, each sharded over 2) trains as
-    FSDP2 over the 4 up to float32's order of sums (HSDP reduce-scatters within a replica, then
-    all-reduces across them), and its checkpoint resumes on FSDP2 over the 4 as the uninterrupted
-    run, within Muon's resharding bound of the test above. (Loading at replicas: the test below.)"""
+def test_hsdp_checkpoint_resumes_without_replicas_as_hsdp_goes_on(tmp_path) -> None:
+    """``data_parallel_replicate_size=2`` on 4 devices (2 replicas, each sharded over 2; Muon's
+    plan replicated on each): its step-3 checkpoint resumes on FSDP2 over the 4, whose next steps
+    are the HSDP run's up to float32's order of sums (HSDP reduce-scatters within a replica, then
+    all-reduces across them). (Loading at replicas: the test below; HSDP × TP against one
+    process: tests/integration/test_multinode.py.)"""
     muon = RESUMED_OPTIMIZERS["muon"]
-    fsdp = _fit(tmp_path, "fsdp", mesh=(4, 1), checkpoints=False, optimizer=muon)
     hsdp = _fit(tmp_path, "hsdp", mesh=(4, 1), optimizer=muon, data_parallel_replicate_size=2)
-    assert hsdp == pytest.approx(fsdp, abs=1e-5)
     checkpoint = str(tmp_path / "checkpoints" / "epoch=0-step=3.ckpt")
     resumed = _fit(tmp_path, "resumed", checkpoint, mesh=(4, 1), optimizer=muon)
-    assert resumed == pytest.approx(fsdp[3:], abs=1e-4)
+    assert resumed == pytest.approx(hsdp[3:], abs=1e-5)
 
 
 class DumpFullState(Callback):

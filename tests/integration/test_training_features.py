@@ -104,8 +104,14 @@ class CheckAccumulation(Callback):
             assert (grad is None) == (self.mode == "unsharded")
 
 
-def test_accumulation_equals_a_large_batch_and_steps_once_per_window(tmp_path) -> None:
-    _, large = _fit(tmp_path, "large", batch_size=8)
+@pytest.fixture(scope="module")
+def large_batches(tmp_path_factory) -> dict:
+    """Three steps of batches of 8: what accumulation and manual optimization must equal."""
+    return _fit(tmp_path_factory.mktemp("large"), "large", batch_size=8)[1]
+
+
+def test_accumulation_equals_a_large_batch_and_steps_once_per_window(tmp_path, large_batches) -> None:
+    large = large_batches
     for mode in ("sharded", "unsharded"):
         _, accumulated = _fit(
             tmp_path, mode, [CheckAccumulation(mode)], accumulate_grad_batches=2, gradient_accumulation=mode
@@ -132,9 +138,9 @@ class ManualOptimization(CausalLanguageModel):
         return loss
 
 
-def test_manual_optimization_steps_exactly_like_automatic(tmp_path) -> None:
-    _, automatic = _fit(tmp_path, "automatic")
-    _, manual = _fit(tmp_path, "manual", model_class=ManualOptimization)
+def test_manual_optimization_steps_exactly_like_automatic(tmp_path, large_batches) -> None:
+    automatic = large_batches
+    _, manual = _fit(tmp_path, "manual", model_class=ManualOptimization, batch_size=8)
     assert manual["steps"] == automatic["steps"] == 3
     for name, expected in automatic["weights"].items():
         torch.testing.assert_close(manual["weights"][name], expected, rtol=0, atol=0)
