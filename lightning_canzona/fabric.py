@@ -86,7 +86,8 @@ class CanzonaFabricStrategy(ModelParallelStrategy):
             process, safely after multi-threaded work in it (`lightning_canzona.launcher`).
         data_parallel_replicate_size: Replicas among the data-parallel devices (HSDP): FSDP2
             shards each replica's weights over ``data_parallel_size /
-            data_parallel_replicate_size`` devices and all-reduces gradients across the replicas
+            data_parallel_replicate_size`` devices and all-reduces gradients across the replicas;
+            ``"auto"``: a replica a node where one node's devices hold the model
             (`lightning_canzona.CanzonaStrategy`'s).
     """
 
@@ -101,7 +102,7 @@ class CanzonaFabricStrategy(ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "fork", "spawn"] = "popen",
-        data_parallel_replicate_size: int = 1,
+        data_parallel_replicate_size: Literal["auto"] | int = 1,
     ) -> None:
         self.data_parallel_replicate_size = data_parallel_replicate_size
         #: The sizes as given (``"auto"`` or integers); resolved when the model is set up.
@@ -144,7 +145,7 @@ class CanzonaFabricStrategy(ModelParallelStrategy):
         self._setup_distributed()
         report_failures_briefly(self.global_rank)  # after init_process_group, which installs its own
         if "auto" not in self._requested_sizes:
-            self._build_mesh(self._choose_mesh(None))
+            self._build_mesh(self._choose_mesh(None), None)
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -168,7 +169,7 @@ class CanzonaFabricStrategy(ModelParallelStrategy):
         # Explicit sizes too are checked against the model (its plan, its head counts).
         shape = self._choose_mesh(module, composes)
         if self._device_mesh is None:
-            self._build_mesh(shape)
+            self._build_mesh(shape, module)
         module = self._parallelize_fn(module, self.device_mesh)
         if not isinstance(module, nn.Module):
             raise TypeError(f"parallelize_fn must return an nn.Module, got {type(module).__name__}")
@@ -305,8 +306,12 @@ class CanzonaFabricStrategy(ModelParallelStrategy):
         sizes, replicas = self._requested_sizes, self.data_parallel_replicate_size
         return choose_mesh(module, *sizes, self.num_nodes, self.num_processes, composes, replicas)
 
-    def _build_mesh(self, shape: MeshShape) -> None:
+    def _build_mesh(self, shape: MeshShape, module: nn.Module | None) -> None:
+        """Build ``shape``'s mesh for ``module`` (``None``: not set up yet), its replicas decided
+        (`preparation.decide_replicas`)."""
         rank_zero_info(shape.describe())
+        replicas = self.data_parallel_replicate_size
+        shape = preparation.decide_replicas(shape, replicas, self.num_nodes, module, self.root_device)
         self._data_parallel_size = shape.data_parallel_size
         self._tensor_parallel_size = shape.tensor_parallel_size
         self._device_mesh = preparation.build_device_mesh(shape, self.root_device)

@@ -124,7 +124,7 @@ def choose_mesh(
     num_nodes: int,
     devices_per_node: int,
     composes: bool = True,
-    replicate_size: int = 1,
+    replicate_size: Size = 1,
 ) -> MeshShape:
     """The mesh for ``module`` on ``num_nodes × devices_per_node`` devices.
 
@@ -136,7 +136,9 @@ def choose_mesh(
         devices_per_node: Devices (processes) per node.
         composes: Whether the strategy composes the module (``False``: its ``configure_model``
             parallelizes it, with whatever sizes the mesh has).
-        replicate_size: Replicas among the data-parallel devices (HSDP; `MeshShape`).
+        replicate_size: Replicas among the data-parallel devices (HSDP; `MeshShape`), or
+            ``"auto"``: decided on the ranks, where the devices' memory is known
+            (`auto_replicas`); 1 until then.
 
     Raises:
         ValueError: A size that does not divide the devices, sizes whose product is not the
@@ -170,8 +172,12 @@ def choose_mesh(
         shape = MeshShape(data_parallel_size, world // data_parallel_size, "data_parallel_size as given")
     else:
         shape = _auto(module, num_nodes, devices_per_node, composes)
-    if isinstance(replicate_size, bool) or not isinstance(replicate_size, int) or replicate_size < 1:
-        raise ValueError(f"data_parallel_replicate_size must be a positive integer, got {replicate_size!r}")
+    if replicate_size == "auto":
+        replicate_size = 1
+    elif isinstance(replicate_size, bool) or not isinstance(replicate_size, int) or replicate_size < 1:
+        raise ValueError(
+            f"data_parallel_replicate_size must be a positive integer or 'auto', got {replicate_size!r}"
+        )
     # Without the model, "auto" sizes are not known yet (the launching process chooses them with
     # it): only the devices bound the replicas then.
     unknown = module is None and data_parallel_size == tensor_parallel_size == "auto"
@@ -220,3 +226,40 @@ def _auto(module: nn.Module | None, num_nodes: int, devices_per_node: int, compo
             f"splits ({limit})"
         )
     return MeshShape(world // tp, tp, reason)
+
+
+#: What ``data_parallel_replicate_size="auto"`` counts a parameter at, in bytes: float32 weights
+#: and gradients, and two float32 moments of optimizer state (AdamW's; Muon holds one).
+BYTES_PER_PARAMETER = 16
+
+
+def auto_replicas(shape: MeshShape, num_nodes: int, parameters: int, node_memory: int) -> MeshShape:
+    """``shape`` with ``data_parallel_replicate_size="auto"`` decided: a replica a node (HSDP:
+    FSDP2's all-gathers and reduce-scatters stay within a node, only the gradients' all-reduce
+    crosses) where one node holds the model: its ``parameters`` at `BYTES_PER_PARAMETER` in at
+    most half of a node's ``node_memory`` bytes (the other half for activations and the
+    optimizer's buffers); else one (FSDP2 over every device), and the reason says why.
+
+    Args:
+        shape: The mesh as chosen with one replica.
+        num_nodes: Nodes of the job.
+        parameters: The model's parameter count (0: not built yet, as by a ``configure_model``).
+        node_memory: Bytes of memory on one node's devices together.
+    """
+    if num_nodes == 1:
+        return shape
+    needed, memory = _gigabytes(parameters * BYTES_PER_PARAMETER), _gigabytes(node_memory)
+    if shape.data_parallel_size % num_nodes:
+        why = "1 (tensor parallelism spans nodes)"
+    elif not parameters:
+        why = "1 (the model has no parameters yet: set it where configure_model builds them)"
+    elif parameters * BYTES_PER_PARAMETER > node_memory // 2:
+        why = f"1 (the model's {needed} would take over half of a node's {memory})"
+    else:
+        why = f"{num_nodes}, a replica a node (the model's {needed} fit in half of a node's {memory})"
+        shape = replace(shape, replicate_size=num_nodes)
+    return replace(shape, reason=f"{shape.reason}; data_parallel_replicate_size 'auto': {why}")
+
+
+def _gigabytes(size: int) -> str:
+    return f"{size / 1e9:.3g} GB"

@@ -24,7 +24,7 @@ from lightning_canzona.composition import sharding_mesh
 from lightning_canzona.config import PlanConfig
 from lightning_canzona.distributed import deferred
 from lightning_canzona.distributed.replicas import average_gradients, check_gradients_agree
-from lightning_canzona.mesh import MeshShape
+from lightning_canzona.mesh import MeshShape, Size, auto_replicas
 from lightning_canzona.optim import MatrixOptimizer
 from lightning_canzona.optim.binding import bind_optimizer
 from lightning_canzona.planning import report
@@ -32,6 +32,28 @@ from lightning_canzona.qk_clip_runtime import attach_qk_clip
 from lightning_canzona.rules.blocks import describe_row_blocks
 
 NamedParameters = list[tuple[str, nn.Parameter]]
+
+
+def decide_replicas(
+    shape: MeshShape, setting: Size, num_nodes: int, module: nn.Module | None, device: torch.device
+) -> MeshShape:
+    """``shape`` with ``data_parallel_replicate_size=setting`` decided where it is ``"auto"``
+    (`lightning_canzona.mesh.auto_replicas`), on the ranks: collective, they agree on the least
+    memory a node has (a GPU's times the devices on a node; the host's on the CPU)."""
+    if setting != "auto" or num_nodes == 1:
+        return shape
+    if device.type == "cuda":
+        per_node = torch.cuda.get_device_properties(device).total_memory * (
+            dist.get_world_size() // num_nodes
+        )
+    else:
+        per_node = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    least = torch.tensor(per_node, dtype=torch.int64, device=device)  # NCCL takes no host tensor
+    dist.all_reduce(least, op=dist.ReduceOp.MIN)
+    parameters = sum(p.numel() for p in module.parameters()) if module is not None else 0
+    shape = auto_replicas(shape, num_nodes, parameters, int(least.item()))
+    rank_zero_info(shape.describe())
+    return shape
 
 
 def build_device_mesh(shape: MeshShape, device: torch.device) -> DeviceMesh:

@@ -81,6 +81,7 @@ from lightning_canzona.preparation import (
     bind_and_describe,
     build_device_mesh,
     check_not_fsdp1,
+    decide_replicas,
     share_cpu_cores,
     synchronise_unsharded,
     unsharded_parameters,
@@ -138,6 +139,8 @@ class CanzonaStrategy(ModelParallelStrategy):
             ``data_parallel_size / data_parallel_replicate_size`` devices and all-reduces
             gradients across the replicas; with one replica a node, only that all-reduce and the
             optimizer's exchange cross nodes. 1: FSDP2 shards over every data-parallel device.
+            ``"auto"``: a replica a node where one node's devices hold the model (16 bytes a
+            parameter in half their memory), else 1 (`lightning_canzona.mesh.auto_replicas`).
     """
 
     def __init__(
@@ -154,7 +157,7 @@ class CanzonaStrategy(ModelParallelStrategy):
         start_method: Literal["popen", "fork", "spawn"] = "popen",
         return_weights: bool = True,
         gradient_accumulation: Literal["sharded", "unsharded"] = "sharded",
-        data_parallel_replicate_size: int = 1,
+        data_parallel_replicate_size: Literal["auto"] | int = 1,
     ) -> None:
         super().__init__(
             data_parallel_size=data_parallel_size,
@@ -243,6 +246,8 @@ class CanzonaStrategy(ModelParallelStrategy):
         # ModelParallelStrategy's, but for its mesh: ours may have HSDP's replicate dimension.
         ParallelStrategy.setup_environment(self)
         self._setup_distributed()
+        module, replicas = self.lightning_module, self.data_parallel_replicate_size
+        shape = decide_replicas(shape, replicas, self.num_nodes, module, self.root_device)
         self._device_mesh = build_device_mesh(shape, self.root_device)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh  # configure_model's self.device_mesh

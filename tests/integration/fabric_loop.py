@@ -121,8 +121,9 @@ def train(fabric: Fabric, setup: str, model_name: str = "qwen3") -> dict[str, ob
     return {"weights": full_model_state(model), "norms": norms, "meshes": meshes}
 
 
-if __name__ == "__main__":  # under srun or torchrun: fabric_loop.py RESULT NUM_NODES DEVICES REPLICAS
-    nodes, devices, replicas = map(int, sys.argv[2:5])
+if __name__ == "__main__":  # under srun or torchrun: fabric_loop.py RESULT NUM_NODES DEVICES REPLICAS|auto
+    nodes, devices = map(int, sys.argv[2:4])
+    replicas = sys.argv[4] if sys.argv[4] == "auto" else int(sys.argv[4])
     strategy = lc.CanzonaFabricStrategy(data_parallel_replicate_size=replicas)
     fabric = Fabric(strategy=strategy, accelerator="cpu", num_nodes=nodes, devices=devices)
     fabric.launch()

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from lightning_canzona.mesh import choose_mesh
+from lightning_canzona.mesh import BYTES_PER_PARAMETER, auto_replicas, choose_mesh
 from lightning_canzona.models import CausalLanguageModel
 
 
@@ -64,8 +64,30 @@ def test_a_replicate_size_must_divide_the_data_parallel_size() -> None:
     assert choose_mesh(None, "auto", "auto", 1, 4, replicate_size=2).replicate_size == 2
     with pytest.raises(ValueError, match=r"data_parallel_replicate_size=3 does not divide the 4 devices"):
         choose_mesh(None, "auto", "auto", 1, 4, replicate_size=3)
-    with pytest.raises(ValueError, match="data_parallel_replicate_size must be a positive integer, got 0"):
+    with pytest.raises(ValueError, match="a positive integer or 'auto', got 0"):
         choose_mesh(module, "auto", "auto", 1, 4, replicate_size=0)
+
+
+def test_auto_replicas_are_a_replica_a_node_where_a_node_holds_the_model() -> None:
+    """``"auto"``: one replica until the ranks know the devices' memory; then a replica a node
+    where the model at 16 bytes a parameter takes at most half of a node's memory."""
+    module = CausalLanguageModel("tiny")
+    parameters = sum(p.numel() for p in module.parameters())
+    shape = choose_mesh(module, "auto", "auto", 2, 4, replicate_size="auto")
+    assert (shape.data_parallel_size, shape.tensor_parallel_size, shape.replicate_size) == (4, 2, 1)
+    fits = auto_replicas(shape, 2, parameters, 2 * BYTES_PER_PARAMETER * parameters)
+    assert (fits.replicate_size, fits.shard_size) == (2, 2)
+    assert "data_parallel_replicate_size 'auto': 2, a replica a node (the model's" in fits.describe()
+    too_large = auto_replicas(shape, 2, parameters, 2 * BYTES_PER_PARAMETER * parameters - 1)
+    assert too_large.replicate_size == 1 and "would take over half of a node's" in too_large.reason
+    assert "no parameters yet" in auto_replicas(shape, 2, 0, 10**12).reason
+    spanning = choose_mesh(module, 4, 2, 4, 2, replicate_size="auto")  # TP over 2 of 2 devices: fine
+    assert auto_replicas(spanning, 4, parameters, 10**12).replicate_size == 4
+    across = choose_mesh(module, 1, 2, 2, 1, replicate_size="auto")  # TP across the 2 nodes
+    assert "tensor parallelism spans nodes" in auto_replicas(across, 2, parameters, 10**12).reason
+    assert auto_replicas(choose_mesh(module, "auto", "auto", 1, 4), 1, parameters, 10**12) == choose_mesh(
+        module, "auto", "auto", 1, 4
+    )
 
 
 def test_explicit_sizes_are_kept_and_checked_against_the_model() -> None:
