@@ -12,10 +12,6 @@ class Fails(CausalLanguageModel):
     def training_step(self, batch, batch_idx):
         raise RuntimeError("the loss went wrong on every rank")
 
-class NoPlan(CausalLanguageModel):
-    def tensor_parallel_plan(self):
-        return None
-
 class Misspelt(CausalLanguageModel):
     def configure_optimizers(self):  # docs/index.md's pattern, with a typo
         groups = lightning_canzona.matrix_param_groups(self)

@@ -74,18 +74,24 @@ from lightning_canzona.models.qwen3 import PRESETS, Qwen3
 
 strategy = lc.CanzonaFabricStrategy(tensor_parallel_size=2, timeout=timedelta(seconds=30))
 fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
-fabric.launch()  # Fabric runs this script again for rank 1
+fabric.launch()  # under torchrun, which started every rank
 model = fabric.setup_module(Qwen3(dataclasses.replace(PRESETS["tiny"], num_key_value_heads=1)))
 """
 
 
-def test_a_model_that_cannot_take_the_sizes_is_one_traceback_and_a_line_per_other_rank(tmp_path) -> None:
+def test_under_torchrun_a_model_that_cannot_take_the_sizes_is_one_traceback_and_a_line_per_other_rank(
+    tmp_path,
+) -> None:
+    # Every rank checks the model, as under any launcher that starts the ranks itself (the
+    # Trainer's script launch: test_strategy's failure test); torchrun adds its own summary.
     script = tmp_path / "train.py"
     script.write_text(MISMATCHED_SCRIPT)
-    code, output = run_script(script, cwd=tmp_path)
+    code, output = run_script(
+        "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", script, cwd=tmp_path
+    )
     assert code != 0 and "device mesh" not in output, output  # refused before the mesh was built
-    assert output.count("Traceback (most recent call last)") == 1, output
-    assert output.count(f"[rank0]: {MISMATCH}") == 1, output
+    assert output.count("[rank0]: Traceback (most recent call last)") == 1, output
+    assert output.count(MISMATCH) == 2 and output.count("[rank1]: Traceback") == 0, output
     (line,) = [line for line in output.splitlines() if line.startswith(f"[rank1]: {MISMATCH}")]
     path = Path(line.split("its traceback is in ")[1].rstrip(")"))
     assert MISMATCH in path.read_text()

@@ -71,15 +71,21 @@ def test_a_job_that_loses_a_node_resumes_by_itself_and_goes_on_with_the_nodes_le
             assert torch.equal(got[name], weight), (step, name)
 
 
-def test_a_fabric_loop_on_two_slurm_nodes_with_a_replica_each_trains_as_one_process(tmp_path) -> None:
+@pytest.mark.parametrize("launcher", ["slurm", "torchrun"])
+def test_a_fabric_loop_on_two_nodes_with_a_replica_each_trains_as_one_process(tmp_path, launcher) -> None:
     """``CanzonaFabricStrategy(data_parallel_replicate_size="auto")`` with ``num_nodes=2,
-    devices=2``, as ``srun`` starts a SLURM job's 4 tasks on 2 nodes (Lightning's
-    ``SLURMEnvironment``; the Trainer's torchrun jobs are above): the tiny model fits a node, so
-    a replica (HSDP) and tensor parallelism within each node, so that only the gradients'
-    all-reduce and the optimizer's exchange cross them, and the weights of the same loop in one
-    process."""
+    devices=2``, its 4 ranks started as ``srun`` starts a SLURM job's tasks on 2 nodes
+    (Lightning's ``SLURMEnvironment``), or by two torchrun agents (the Trainer's torchrun job is
+    above): the tiny model fits a node, so a replica (HSDP) and tensor parallelism within each
+    node, so that only the gradients' all-reduce and the optimizer's exchange cross them, and the
+    weights of the same loop in one process."""
     result = tmp_path / "trained.pt"
-    code, output = run_slurm_tasks(FABRIC_LOOP, result, 2, 2, "auto", nodes=2, devices=2, cwd=tmp_path)
+    arguments = (FABRIC_LOOP, result, 2, 2, "auto")
+    if launcher == "slurm":
+        code, output = run_slurm_tasks(*arguments, nodes=2, devices=2, cwd=tmp_path)
+    else:
+        nodes = run_nodes(*arguments, nodes=2, devices=2, cwd=tmp_path)
+        code, output = max(abs(code) for code, _ in nodes), "\n".join(printed for _, printed in nodes)
     assert code == 0, output[-4000:]
     assert "device mesh data_parallel 2 (replicate 2 × shard 1) × tensor_parallel 2" in output
     assert "data_parallel_replicate_size 'auto': 2, a replica a node (the model's" in output

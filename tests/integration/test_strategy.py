@@ -461,17 +461,11 @@ def _run_headline(
     devices: int = 4,
     model: str = "CausalLanguageModel",
     fit: str = "",
-    torchrun: bool = False,
 ) -> tuple[int, str]:
     """The README's headline, ``Trainer(strategy="canzona", devices=4)``, in a user's script (which
-    Lightning re-runs once per rank, or ``torchrun`` runs on every rank); returns its exit code and
-    everything it printed."""
+    Lightning re-runs once per rank); returns its exit code and everything it printed."""
     script = tmp_path / "train.py"
     script.write_text(headline(strategy, devices, model, fit))
-    if torchrun:
-        return run_script(
-            "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={devices}", script, cwd=tmp_path
-        )
     return run_script(script, cwd=tmp_path)
 
 
@@ -492,18 +486,6 @@ def test_a_mistake_in_the_headline_is_one_error_before_any_rank_starts(tmp_path)
     assert code == 1
     assert output.count(message) == 1 and output.count("Traceback") == 1, output
     assert "Initializing distributed" not in output  # no rank started
-
-
-def test_under_torchrun_a_mistake_every_rank_checks_is_one_traceback_and_a_line_per_other_rank(
-    tmp_path,
-) -> None:
-    strategy = "lightning_canzona.CanzonaStrategy(tensor_parallel_size=2)"
-    code, output = _run_headline(tmp_path, strategy, devices=2, model="NoPlan", torchrun=True)
-    message = "ValueError: tensor_parallel_size=2 but NoPlan declares no tensor_parallel_plan()"
-    assert code != 0
-    assert output.count(message) == 2 and output.count("in preflight") == 1, output  # rank 0's in full
-    (line,) = [line for line in output.splitlines() if line.startswith(f"[rank1]: {message}")]
-    Path(line.split("its traceback is in ")[1].rstrip(")")).unlink()
 
 
 def test_a_failure_on_every_rank_prints_one_traceback_and_a_line_per_other_rank(tmp_path) -> None:
