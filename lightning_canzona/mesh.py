@@ -252,7 +252,7 @@ def auto_replicas(shape: MeshShape, num_nodes: int, parameters: int, node_memory
     if shape.data_parallel_size % num_nodes:
         why = "1 (tensor parallelism spans nodes)"
     elif not parameters:
-        why = "1 (the model has no parameters yet: set it where configure_model builds them)"
+        why = "1 (the model has no parameters yet: give the size where configure_model builds them)"
     elif parameters * BYTES_PER_PARAMETER > node_memory // 2:
         why = f"1 (the model's {needed} would take over half of a node's {memory})"
     else:
