@@ -26,8 +26,10 @@ CANZONA = shutil.which("canzona") or "canzona"  # the command's script, as pip i
 #: arguments (fewer steps than their defaults). They run together in one interpreter (the
 #: `examples` fixture).
 EXAMPLES = {
-    # Written into its folder by the fixture (`headline.headline`).
+    # Written into its folder by the fixture (`headline.headline`): the README's, and with a
+    # mistake that fails before any rank starts.
     "headline": (Path("train.py"), []),
+    "headline-misspelt": (Path("train.py"), []),
     "fabric-pretrain": (
         EXAMPLES_DIR / "fabric/pretrain.py",
         ["--steps", 2, "--log-every", 1, "--checkpoint", "runs/pretrain/checkpoint"],
@@ -95,6 +97,7 @@ def examples(tmp_path_factory) -> dict[str, tuple[int, str, Path]]:
 
     folders = {name: tmp_path_factory.mktemp(name) for name in EXAMPLES}
     (folders["headline"] / "train.py").write_text(headline())
+    (folders["headline-misspelt"] / "train.py").write_text(headline(model="Misspelt"))
     runs = {name: (script, folders[name], arguments) for name, (script, arguments) in EXAMPLES.items()}
     results = run_examples_forked(runs)
     return {name: (*result, folders.get(name)) for name, result in results.items()}

@@ -478,10 +478,10 @@ def test_the_headline_trains_the_bundled_model_on_a_mesh_it_can_take(examples) -
     assert "`max_steps=2` reached" in output and not warning_lines(output)
 
 
-def test_a_mistake_in_the_headline_is_one_error_before_any_rank_starts(tmp_path) -> None:
+def test_a_mistake_in_the_headline_is_one_error_before_any_rank_starts(examples) -> None:
     # A misspelt keyword in configure_optimizers, in a user's script; the mesh and checkpoint
     # mistakes are raised the same way (test_mistakes_fail_in_the_launching_process_...).
-    code, output = _run_headline(tmp_path, model="Misspelt")
+    code, output, _ = examples["headline-misspelt"]
     message = "TypeError: Muon() got an unexpected keyword argument 'wieght_decay'. Did you mean"
     assert code == 1
     assert output.count(message) == 1 and output.count("Traceback") == 1, output
