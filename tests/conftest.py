@@ -55,6 +55,8 @@ EXAMPLES = {
         # Settings of `strategy: canzona` as users guess them, the plan's by its fields.
         + ["--trainer.strategy.tensor_parallel_size", 1, "--trainer.strategy.plan.policy", "lpt"],
     ),
+    # A damaged --ckpt_path (written by the fixture: a saved file cut short), refused there.
+    "cli-damaged-ckpt": (CANZONA, ["fit", "--config", CONFIGS_DIR / "tiny.yaml", "--ckpt_path", "cut.ckpt"]),
     # Last: it quietens Lightning's loggers in its process.
     "doctor-quick": (CANZONA, ["doctor", "--quick", "--device", "cpu"]),
 }
@@ -98,6 +100,9 @@ def examples(tmp_path_factory) -> dict[str, tuple[int, str, Path]]:
     folders = {name: tmp_path_factory.mktemp(name) for name in EXAMPLES}
     (folders["headline"] / "train.py").write_text(headline())
     (folders["headline-misspelt"] / "train.py").write_text(headline(model="Misspelt"))
+    saved = folders["cli-damaged-ckpt"] / "saved.ckpt"
+    torch.save({"state_dict": {"weight": torch.zeros(4096)}}, saved)
+    (folders["cli-damaged-ckpt"] / "cut.ckpt").write_bytes(saved.read_bytes()[:-5000])  # no zip directory
     runs = {name: (script, folders[name], arguments) for name, (script, arguments) in EXAMPLES.items()}
     results = run_examples_forked(runs)
     return {name: (*result, folders.get(name)) for name, result in results.items()}

@@ -12,7 +12,6 @@ import functools
 import json
 import pickle
 import shutil
-import subprocess
 import sys
 import time
 import warnings
@@ -392,25 +391,20 @@ def _cli_refuses(path: Path, *arguments: str) -> str:
     return str(refused.value)
 
 
-def test_canzona_fit_refuses_a_damaged_ckpt_path_before_any_rank_starts(saved, tmp_path, monkeypatch) -> None:
+def test_canzona_fit_refuses_a_damaged_ckpt_path_before_any_rank_starts(
+    examples, saved, tmp_path, monkeypatch
+) -> None:
     # LightningCLI reads a single file's hyperparameters in the launching process: before it,
     # the file is checked there, and its damage is the package's error, once.
-    cut = tmp_path / "cut.ckpt"
-    cut.write_bytes(saved["single-file"].read_bytes()[:-5000])  # its zip directory is gone
-    run = subprocess.run(
-        ["canzona", "fit", "--config", str(TINY_CONFIG), "--ckpt_path", str(cut)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-    )
-    printed = run.stdout + run.stderr
-    assert run.returncode == 1 and printed.count("Traceback") == 1, printed[-3000:]
+    code, printed, _ = examples["cli-damaged-ckpt"]
+    assert code == 1 and printed.count("Traceback") == 1, printed[-3000:]
     assert "Initializing distributed" not in printed  # no rank started
     assert (
-        f"CorruptCheckpointError: The checkpoint {cut} is corrupt or incomplete: cut.ckpt is not a "
+        "CorruptCheckpointError: The checkpoint cut.ckpt is corrupt or incomplete: cut.ckpt is not a "
         "whole zip archive, as torch saves one (File is not a zip file). Load another checkpoint."
     ) in printed
+    cut = tmp_path / "cut.ckpt"
+    cut.write_bytes(saved["single-file"].read_bytes()[:-5000])  # a saved checkpoint's, cut alike
     # The same door with other damage, and with verify_checkpoints=False (the read still checked).
     monkeypatch.setattr(sys, "argv", ["canzona"])  # LightningCLI warns of arguments given twice
     start = tmp_path / "start.ckpt"
