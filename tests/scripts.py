@@ -39,7 +39,7 @@ def run_script(
         output, _ = process.communicate()
         raise AssertionError(f"python {arguments} ran past {timeout} s:\n{output[-3000:]}") from None
     finally:
-        _end_session(process)
+        end_session(process)
     return process.returncode, output
 
 
@@ -203,7 +203,7 @@ def run_nodes(
         raise AssertionError(f"the agents of {script.name} ran past {timeout} s:\n{printed}") from None
     finally:
         for agent in agents:
-            _end_session(agent)
+            end_session(agent)
     return [(agent.returncode, log.read_text()) for agent, log in zip(agents, logs, strict=True)]
 
 
@@ -220,7 +220,7 @@ def _finding_this_module() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_TESTS, os.environ.get("PYTHONPATH")]))}
 
 
-def _end_session(process: subprocess.Popen) -> None:
+def end_session(process: subprocess.Popen) -> None:
     """Kill every process of ``process``'s session (it and whatever it started), and reap it."""
     try:
         os.killpg(process.pid, signal.SIGKILL)

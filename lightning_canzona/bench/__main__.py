@@ -113,8 +113,8 @@ def main(argv: list[str] | None = None) -> None:
         problem = check_devices(args.device, args.backend, args.dp * args.tp)
         if problem:
             parser.error(problem)  # before any rank starts
-    if args.command == "step" and step.replicate_problem(args.dp, args.replicate):
-        parser.error(step.replicate_problem(args.dp, args.replicate))
+    if args.command == "step" and (problem := step.replicate_problem(args.dp, args.replicate)):
+        parser.error(problem)
     if args.command == "step" and args.compute_dtype and args.optimizer in ("shampoo", "soap"):
         parser.error(f"--compute-dtype is Muon's and NorMuon's: {args.optimizer} computes in float32")
 

@@ -80,14 +80,23 @@ def compare_replication(
     """HSDP with ``replicas`` replicas among ``scenario``'s data-parallel ranks: canzona's plan
     replicated on each replica (of ``replica_matrices``, laid out on one replica's ranks) and
     spread over all of them, each priced over the links its ranks span (a node holds the device
-    model's ``gpus_per_node``), and the one ``replicas="auto"`` takes."""
+    model's ``gpus_per_node``), and the one ``replicas="auto"`` takes.
+
+    Spread, a matrix that a replica's ranks hold whole (an expert) is held by the same ranks of
+    every replica: replica ``r``'s ranks follow the first's, ``r`` replicas' ranks later.
+    """
     settings = replace(scenario.settings, policy="canzona")
     per_node, tp = scenario.device.gpus_per_node, scenario.tp
     shard = scenario.dp // replicas
+    ranks = shard * tp  # a replica's
+    spread_matrices = [
+        replace(m, holders=tuple(r * ranks + h for r in range(replicas) for h in m.holders))
+        for m in replica_matrices
+    ]
     plans = {
-        "replicated": build_plan(replica_matrices, shard, tp, priced_for(settings, shard * tp > per_node)),
+        "replicated": build_plan(replica_matrices, shard, tp, priced_for(settings, ranks > per_node)),
         "spread": build_plan(
-            scenario.matrices, scenario.dp, tp, priced_for(settings, scenario.dp * tp > per_node)
+            spread_matrices, scenario.dp, tp, priced_for(settings, scenario.dp * tp > per_node)
         ),
     }
     return choose_replication("auto", replicas, plans["replicated"], plans["spread"]), plans

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from scripts import end_session
 
 PREAMBLE = """
 import os, sys, time
@@ -78,14 +79,6 @@ def _start(script: str, *args: str) -> subprocess.Popen:
     )
 
 
-def _kill_session(process: subprocess.Popen) -> None:
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    process.wait()
-
-
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
@@ -99,10 +92,10 @@ def test_forked_ranks_train_after_the_parent_ran_openmp_regions() -> None:
     try:
         output, _ = process.communicate(timeout=240)
     except subprocess.TimeoutExpired:
-        _kill_session(process)
+        end_session(process)
         pytest.fail("the forked ranks hung (fork after a multi-threaded OpenMP region)")
     finally:
-        _kill_session(process)
+        end_session(process)
     assert process.returncode == 0, output[-3000:]
     assert "trained" in output
 
@@ -124,7 +117,7 @@ def test_ranks_do_not_outlive_an_interrupted_or_killed_launch(tmp_path, stop) ->
         alive = [rank for rank in ranks if _alive(rank)]
         launch = process.poll()
     finally:
-        _kill_session(process)
+        end_session(process)
     printed = process.stdout.read() if process.stdout else ""
     assert not alive, f"ranks {alive} outlived their launch (exit code {launch}):\n{printed[-3000:]}"
 

@@ -81,8 +81,8 @@ def test_auto_replicas_are_a_replica_a_node_where_a_node_holds_the_model() -> No
     too_large = auto_replicas(shape, 2, parameters, 2 * BYTES_PER_PARAMETER * parameters - 1)
     assert too_large.replicate_size == 1 and "would take over half of a node's" in too_large.reason
     assert "no parameters yet" in auto_replicas(shape, 2, 0, 10**12).reason
-    spanning = choose_mesh(module, 4, 2, 4, 2, replicate_size="auto")  # TP over 2 of 2 devices: fine
-    assert auto_replicas(spanning, 4, parameters, 10**12).replicate_size == 4
+    within = choose_mesh(module, 4, 2, 4, 2, replicate_size="auto")  # TP over a node's 2 devices
+    assert auto_replicas(within, 4, parameters, 10**12).replicate_size == 4
     across = choose_mesh(module, 1, 2, 2, 1, replicate_size="auto")  # TP across the 2 nodes
     assert "tensor parallelism spans nodes" in auto_replicas(across, 2, parameters, 10**12).reason
     assert auto_replicas(choose_mesh(module, "auto", "auto", 1, 4), 1, parameters, 10**12) == choose_mesh(
