@@ -67,14 +67,22 @@ class SaveWeights(Callback):
                 torch.save(weights, self.folder / f"weights-{trainer.global_step}.pt")
 
 
-def main(folder: Path, num_nodes: int, devices: int, ckpt_path: str = "last", **strategy) -> None:
-    """Train (or resume) in ``folder``; ``strategy``: `CanzonaStrategy`'s keywords."""
+def main(
+    folder: Path,
+    num_nodes: int,
+    devices: int,
+    ckpt_path: str | None = "last",
+    checkpoints: bool = True,
+    **strategy,
+) -> None:
+    """Train (or resume) in ``folder``, saving checkpoints or not (a reference run);
+    ``strategy``: `CanzonaStrategy`'s keywords."""
     folder.mkdir(exist_ok=True)
     L.seed_everything(0)
-    callbacks = [
-        ModelCheckpoint(dirpath=folder / "checkpoints", every_n_train_steps=2, save_top_k=-1, save_last=True),
-        SaveWeights(folder),
-    ]
+    callbacks: list[Callback] = [SaveWeights(folder)]
+    if checkpoints:
+        every_2_steps = {"every_n_train_steps": 2, "save_top_k": -1, "save_last": True}
+        callbacks.append(ModelCheckpoint(dirpath=folder / "checkpoints", **every_2_steps))
     if os.environ.get("LOSE_A_NODE") == "1":
         callbacks.append(LoseNodeOne())
     trainer = L.Trainer(
@@ -88,6 +96,7 @@ def main(folder: Path, num_nodes: int, devices: int, ckpt_path: str = "last", **
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=callbacks,
+        enable_checkpointing=checkpoints,
     )
     model = CausalLanguageModel("tiny")
     trainer.fit(model, ByteTextDataModule(seq_len=32, batch_size=4), ckpt_path=ckpt_path)
