@@ -101,25 +101,38 @@ def test_forked_ranks_train_after_the_parent_ran_openmp_regions() -> None:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
-@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGKILL], ids=["interrupted", "killed"])
-def test_ranks_do_not_outlive_an_interrupted_or_killed_launch(tmp_path, stop) -> None:
-    process = _start(BLOCKED, str(tmp_path))
+def test_ranks_do_not_outlive_an_interrupted_or_killed_launch(tmp_path) -> None:
+    # Both launches start at once (each imports Lightning on one core), then one is interrupted
+    # (Ctrl-C) and the other killed once their ranks run.
+    stops = {"interrupted": signal.SIGINT, "killed": signal.SIGKILL}
+    folders = {how: tmp_path / how for how in stops}
+    launches = {}
     try:
-        deadline = time.monotonic() + 180
-        while len(list(tmp_path.iterdir())) < 2:
-            assert process.poll() is None and time.monotonic() < deadline, "the ranks did not start"
-            time.sleep(0.2)
-        ranks = [int(path.name) for path in tmp_path.iterdir()]
-        os.kill(process.pid, stop)
-        deadline = time.monotonic() + 20
-        while any(map(_alive, ranks)) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        alive = [rank for rank in ranks if _alive(rank)]
-        launch = process.poll()
+        for how, folder in folders.items():
+            folder.mkdir()
+            launches[how] = _start(BLOCKED, str(folder))
+        for how, process in launches.items():
+            deadline = time.monotonic() + 180
+            while len(list(folders[how].iterdir())) < 2:
+                assert process.poll() is None and time.monotonic() < deadline, (
+                    f"{how}: the ranks did not start"
+                )
+                time.sleep(0.2)
+            ranks = [int(path.name) for path in folders[how].iterdir()]
+            os.kill(process.pid, stops[how])
+            deadline = time.monotonic() + 20
+            while any(map(_alive, ranks)) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            alive = [rank for rank in ranks if _alive(rank)]
+            launch = process.poll()
+            end_session(process)
+            printed = process.stdout.read() if process.stdout else ""
+            assert not alive, (
+                f"{how}: ranks {alive} outlived their launch (exit code {launch}):\n{printed[-3000:]}"
+            )
     finally:
-        end_session(process)
-    printed = process.stdout.read() if process.stdout else ""
-    assert not alive, f"ranks {alive} outlived their launch (exit code {launch}):\n{printed[-3000:]}"
+        for process in launches.values():
+            end_session(process)
 
 
 @pytest.mark.parametrize("fabric", [False, True], ids=["trainer", "fabric"])
