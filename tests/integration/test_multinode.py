@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import signal
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -71,32 +72,39 @@ def test_a_job_that_loses_a_node_resumes_by_itself_and_goes_on_with_the_nodes_le
             assert torch.equal(got[name], weight), (step, name)
 
 
-@pytest.mark.parametrize("launcher", ["slurm", "torchrun"])
-def test_a_fabric_loop_on_two_nodes_with_a_replica_each_trains_as_one_process(tmp_path, launcher) -> None:
+def test_a_fabric_loop_on_two_nodes_with_a_replica_each_trains_as_one_process(tmp_path) -> None:
     """``CanzonaFabricStrategy(data_parallel_replicate_size="auto")`` with ``num_nodes=2,
     devices=2``, its 4 ranks started as ``srun`` starts a SLURM job's tasks on 2 nodes
-    (Lightning's ``SLURMEnvironment``), or by two torchrun agents (the Trainer's torchrun job is
+    (Lightning's ``SLURMEnvironment``), and by two torchrun agents (the Trainer's torchrun job is
     above): the tiny model fits a node, so a replica (HSDP) and tensor parallelism within each
     node, so that only the gradients' all-reduce and the optimizer's exchange cross them, and the
-    weights of the same loop in one process."""
-    result = tmp_path / "trained.pt"
-    arguments = (FABRIC_LOOP, result, 2, 2, "auto")
-    if launcher == "slurm":
-        code, output = run_slurm_tasks(*arguments, nodes=2, devices=2, cwd=tmp_path)
-    else:
-        nodes = run_nodes(*arguments, nodes=2, devices=2, cwd=tmp_path)
-        code, output = max(abs(code) for code, _ in nodes), "\n".join(printed for _, printed in nodes)
-    assert code == 0, output[-4000:]
-    assert "device mesh data_parallel 2 (replicate 2 × shard 1) × tensor_parallel 2" in output
-    assert "data_parallel_replicate_size 'auto': 2, a replica a node (the model's" in output
-    assert (
-        "Across nodes: HSDP's all-reduces of gradients (data_parallel_replicate), the optimizer's" in output
-    )
-    assert "; within each node: tensor_parallel." in output
-    assert not warning_lines(output), output[-3000:]  # no slice of the flattened data_parallel
-    trained = torch.load(result)
-    assert trained["meshes"] == [(2, 1, 2)]
-    check_against_one_process(trained, tensor_parallel=True)
+    weights of the same loop in one process. The two jobs run at once (each imports Lightning on
+    one core first)."""
+
+    def launch(launcher: str) -> tuple[int, str, Path]:
+        folder = tmp_path / launcher
+        folder.mkdir()
+        arguments = (FABRIC_LOOP, folder / "trained.pt", 2, 2, "auto")
+        if launcher == "slurm":
+            return *run_slurm_tasks(*arguments, nodes=2, devices=2, cwd=folder), folder
+        nodes = run_nodes(*arguments, nodes=2, devices=2, cwd=folder)
+        return max(abs(code) for code, _ in nodes), "\n".join(printed for _, printed in nodes), folder
+
+    with ThreadPoolExecutor(2) as jobs:
+        launched = list(jobs.map(launch, ["slurm", "torchrun"]))
+    for code, output, folder in launched:
+        assert code == 0, (folder.name, output[-4000:])
+        assert "device mesh data_parallel 2 (replicate 2 × shard 1) × tensor_parallel 2" in output
+        assert "data_parallel_replicate_size 'auto': 2, a replica a node (the model's" in output
+        assert (
+            "Across nodes: HSDP's all-reduces of gradients (data_parallel_replicate), the optimizer's"
+            in output
+        )
+        assert "; within each node: tensor_parallel." in output
+        assert not warning_lines(output), output[-3000:]  # no slice of the flattened data_parallel
+        trained = torch.load(folder / "trained.pt")
+        assert trained["meshes"] == [(2, 1, 2)]
+        check_against_one_process(trained, tensor_parallel=True)
 
 
 ELASTIC = {
