@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -87,8 +88,29 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_forked_ranks_train_after_the_parent_ran_openmp_regions() -> None:
-    process = _start(AFTER_OPENMP)
+#: How the launches whose ranks block are stopped.
+STOPS = {"interrupted": signal.SIGINT, "killed": signal.SIGKILL}
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory) -> Iterator[dict[str, tuple[subprocess.Popen, Path]]]:
+    """The module's launches, started together (each imports Lightning on one core before it
+    forks): by name, the process and its folder. ``"after-openmp"`` trains; the `STOPS`' ranks
+    block in training, each writing its pid in the folder once it runs."""
+    launches = {}
+    try:
+        launches["after-openmp"] = (_start(AFTER_OPENMP), tmp_path_factory.mktemp("after-openmp"))
+        for how in STOPS:
+            folder = tmp_path_factory.mktemp(how)
+            launches[how] = (_start(BLOCKED, str(folder)), folder)
+        yield launches
+    finally:
+        for process, _ in launches.values():
+            end_session(process)
+
+
+def test_forked_ranks_train_after_the_parent_ran_openmp_regions(launches) -> None:
+    process, _ = launches["after-openmp"]
     try:
         output, _ = process.communicate(timeout=240)
     except subprocess.TimeoutExpired:
@@ -101,38 +123,25 @@ def test_forked_ranks_train_after_the_parent_ran_openmp_regions() -> None:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
-def test_ranks_do_not_outlive_an_interrupted_or_killed_launch(tmp_path) -> None:
-    # Both launches start at once (each imports Lightning on one core), then one is interrupted
-    # (Ctrl-C) and the other killed once their ranks run.
-    stops = {"interrupted": signal.SIGINT, "killed": signal.SIGKILL}
-    folders = {how: tmp_path / how for how in stops}
-    launches = {}
+@pytest.mark.parametrize("how", STOPS)
+def test_ranks_do_not_outlive_an_interrupted_or_killed_launch(launches, how) -> None:
+    process, folder = launches[how]
     try:
-        for how, folder in folders.items():
-            folder.mkdir()
-            launches[how] = _start(BLOCKED, str(folder))
-        for how, process in launches.items():
-            deadline = time.monotonic() + 180
-            while len(list(folders[how].iterdir())) < 2:
-                assert process.poll() is None and time.monotonic() < deadline, (
-                    f"{how}: the ranks did not start"
-                )
-                time.sleep(0.2)
-            ranks = [int(path.name) for path in folders[how].iterdir()]
-            os.kill(process.pid, stops[how])
-            deadline = time.monotonic() + 20
-            while any(map(_alive, ranks)) and time.monotonic() < deadline:
-                time.sleep(0.2)
-            alive = [rank for rank in ranks if _alive(rank)]
-            launch = process.poll()
-            end_session(process)
-            printed = process.stdout.read() if process.stdout else ""
-            assert not alive, (
-                f"{how}: ranks {alive} outlived their launch (exit code {launch}):\n{printed[-3000:]}"
-            )
+        deadline = time.monotonic() + 180
+        while len(list(folder.iterdir())) < 2:
+            assert process.poll() is None and time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.2)
+        ranks = [int(path.name) for path in folder.iterdir()]
+        os.kill(process.pid, STOPS[how])
+        deadline = time.monotonic() + 20
+        while any(map(_alive, ranks)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        alive = [rank for rank in ranks if _alive(rank)]
+        launch = process.poll()
     finally:
-        for process in launches.values():
-            end_session(process)
+        end_session(process)
+    printed = process.stdout.read() if process.stdout else ""
+    assert not alive, f"ranks {alive} outlived their launch (exit code {launch}):\n{printed[-3000:]}"
 
 
 @pytest.mark.parametrize("fabric", [False, True], ids=["trainer", "fabric"])
