@@ -69,7 +69,10 @@ trainer().fit(Blocks(preset="tiny"), datamodule=ByteTextDataModule(seq_len=32, b
 
 def _start(script: str, *args: str) -> subprocess.Popen:
     # OMP_NUM_THREADS=2 keeps the ranks' OpenMP regions multi-threaded, where the hazard lives.
-    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    # Without the MASTER_PORT that launches in this process left in its environment: each launch
+    # picks a free port of its own, as a fresh kernel does (the module's run at once).
+    env = {name: value for name, value in os.environ.items() if name != "MASTER_PORT"}
+    env["OMP_NUM_THREADS"] = "2"
     return subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(PREAMBLE + script), *args],
         env=env,
