@@ -232,7 +232,7 @@ def compiled(settings: Settings) -> Result:
     against eager, in the dtype ``compute_dtype="auto"`` takes on the device: the same bits, and
     what compiling costs at the first call and gains after (median of the later calls). The
     standard form; without ``--quick`` also the Gram form with its products by blocks (between
-    them every piece of the four forms), whose graph takes a CPU 15–20 s to compile."""
+    them every piece of the four forms), whose graph takes a CPU 15–30 s to compile."""
     from lightning_canzona.bench.devices import synchronize
     from lightning_canzona.rules.newton_schulz import PRESETS, newton_schulz
 
