@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 import lightning_canzona as lc
+from lightning_canzona.cli import main
 from lightning_canzona.models import CausalLanguageModel
 
 BATCH, SEQ = 4, 32
@@ -80,8 +81,6 @@ def test_the_bundled_model_exported_and_fine_tuned_from_its_export(bundled, tmp_
     folder, trained = bundled
     exported = tmp_path / "tiny.safetensors"
     # The command in this process (the transformers test below runs it as its own process).
-    from lightning_canzona.cli import main
-
     main(["export", str(folder / "trained.ckpt"), str(exported)])
     weights = load_file(exported)
     # Every parameter once, whole: the weights the ranks trained (handed back to this process).
@@ -97,8 +96,6 @@ def test_the_bundled_model_exported_and_fine_tuned_from_its_export(bundled, tmp_
 
 def _export(*arguments: object) -> str:
     """``canzona export`` in this process, expected to fail: the one line it printed."""
-    from lightning_canzona.cli import main
-
     with pytest.raises(SystemExit) as exited, contextlib.redirect_stderr(io.StringIO()) as printed:
         main(["export", *map(str, arguments)])
     assert exited.value.code == 2

@@ -117,7 +117,6 @@ def test_forked_ranks_train_after_the_parent_ran_openmp_regions(launches) -> Non
     try:
         output, _ = process.communicate(timeout=240)
     except subprocess.TimeoutExpired:
-        end_session(process)
         pytest.fail("the forked ranks hung (fork after a multi-threaded OpenMP region)")
     finally:
         end_session(process)

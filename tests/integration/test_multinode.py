@@ -61,7 +61,7 @@ def test_a_job_that_loses_a_node_resumes_by_itself_and_goes_on_with_the_nodes_le
     assert output.count(f"ended at step {STEPS}") == 2
 
     uninterrupted = tmp_path / "uninterrupted"
-    main(uninterrupted, 1, 4, None, checkpoints=False, tensor_parallel_size=2, start_method="fork")
+    main(uninterrupted, 1, 4, ckpt_path=None, checkpoints=False, tensor_parallel_size=2, start_method="fork")
     resharded = tmp_path / "resharded"
     checkpoint = job / "checkpoints" / "epoch=0-step=4.ckpt"
     main(resharded, 1, 2, ckpt_path=str(checkpoint), checkpoints=False, start_method="fork")

@@ -3,7 +3,7 @@ bit for bit the eager iteration, with no graph break and no graph compiled after
 
 Inductor costs a CPU about a second per kernel it compiles: Muon's training steps run compiled by
 inductor, once for the module (a module-scoped fixture) on the smallest shapes; the Gram form by
-blocks (15 kernels, 15–25 s here) is traced by dynamo and run by ``aot_eager``, and compiled by
+blocks (16 kernels, 15–25 s here) is traced by dynamo and run by ``aot_eager``, and compiled by
 inductor where compiling is the default, by ``canzona doctor`` on the GPU.
 """
 
