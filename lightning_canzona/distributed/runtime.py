@@ -36,7 +36,7 @@ from lightning_canzona.distributed.updates import (
     member_prefix,
     prepare_matrices,
 )
-from lightning_canzona.rules.base import MatrixRule, State, state_part, store_state_part
+from lightning_canzona.rules.base import MatrixRule, State, as_matrix, state_part, store_state_part
 from lightning_canzona.rules.kronecker import FAILURES, RETRIES
 
 
@@ -341,15 +341,16 @@ class MicroGroupStep:
     def _direction(self, members: list[int], matrices: list[Tensor]) -> list[Tensor]:
         stats = self.run.stats
         if len(members) > 1:  # one batched call; the rule keeps no matrix state
-            direction = self.run.meter.track(self._rule(members[0]).direction(torch.stack(matrices), {}))
+            stacked = torch.stack([as_matrix(matrix) for matrix in matrices])
+            direction = self.run.meter.track(self._rule(members[0]).direction(stacked, {}))
             stats.matrices_computed += len(members)
-            return list(direction.unbind(0))
+            return [part.view(matrices[0].shape) for part in direction.unbind(0)]
         (m,), (matrix,) = members, matrices
         item = self.run.planned.items[m]
         param_state = self.run.state[self.run.planned.entries[item.entry].param]
         failures = param_state.get(FAILURES, 0)
         if item.member is None:
-            direction = self._rule(m).direction(matrix, param_state)
+            direction = self._rule(m).direction(as_matrix(matrix), param_state).view(matrix.shape)
         else:
             direction = member_direction(self._rule(m), matrix, param_state, item.member)
         stats.matrices_computed += 1

@@ -18,7 +18,14 @@ from torch.distributed.tensor import DTensor
 
 from lightning_canzona.distributed.layout import local_tensor
 from lightning_canzona.rules.adamw import adamw_step, init_adamw_state
-from lightning_canzona.rules.base import FAILURES, MatrixRule, state_part, store_state_part
+from lightning_canzona.rules.base import (
+    FAILURES,
+    MatrixRule,
+    as_matrix,
+    matrix_shape,
+    state_part,
+    store_state_part,
+)
 from lightning_canzona.rules.rounding import StochasticRounding
 
 State = dict[str, Tensor]
@@ -72,7 +79,7 @@ def step_adamw(
             written,
             [local_grad(param) for param in params],
             states,
-            lr=group["lr"],
+            lr=float(group["lr"]),
             betas=group["betas"],
             eps=group["eps"],
             weight_decay=group["weight_decay"],
@@ -101,7 +108,7 @@ def prepare_matrices(
         if not param_state:
             param_state.update(rule.init_elementwise_state(param))
         if holds and param.ndim != 3 and not rule.matrix_state(param_state):
-            param_state.update(rule.init_matrix_state(param.shape, local_tensor(param).device))
+            param_state.update(rule.init_matrix_state(matrix_shape(param.shape), local_tensor(param).device))
         states.append(_local_state(param_state))
     return rule.prepare([local_grad(param) for param in params], states)
 
@@ -125,10 +132,11 @@ def member_direction(rule: MatrixRule, matrix: Tensor, param_state: State, membe
 
 
 def full_direction(rule: MatrixRule, matrix: Tensor, param_state: State) -> Tensor:
-    """``rule``'s direction for a whole parameter: a matrix, or a stack matrix by matrix (each with
-    its own state, as the engine plans them) unless the rule keeps no matrix state."""
+    """``rule``'s direction for a whole parameter: a matrix (a convolution's weight as its
+    `matrix_shape`), or a stack matrix by matrix (each with its own state, as the engine plans
+    them) unless the rule keeps no matrix state."""
     if matrix.ndim != 3 or rule.batches_matrices:
-        return rule.direction(matrix, param_state)
+        return rule.direction(as_matrix(matrix), param_state).view(matrix.shape)
     return torch.stack([member_direction(rule, m, param_state, e) for e, m in enumerate(matrix)])
 
 
@@ -152,6 +160,6 @@ def apply_matrices(
         shard_key(param, name) + ("" if member is None else f"[{member}]")
         for param, name, member in zip(params, names, members)
     ]
-    shapes = [param.shape for param in params]
+    shapes = [matrix_shape(param.shape) for param in params]
     with _written(group, targets, keys) as written:
-        rule.apply(written, updates, lr=group["lr"], weight_decay=group["weight_decay"], shapes=shapes)
+        rule.apply(written, updates, lr=float(group["lr"]), weight_decay=group["weight_decay"], shapes=shapes)

@@ -73,10 +73,16 @@ def auto_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if fast else torch.float32
 
 
-def check_non_negative(**settings: float) -> None:
-    """A `ValueError` naming the first of ``settings`` that is not a finite number >= 0."""
+def check_non_negative(**settings: float | Tensor) -> None:
+    """A `ValueError` naming the first of ``settings`` that is not a finite number >= 0, or a
+    1-element tensor holding one (a learning rate, as ``torch.optim`` takes it)."""
     for name, value in settings.items():
-        if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0.0):
+        if isinstance(value, Tensor):
+            if value.numel() != 1:
+                raise ValueError(f"Tensor {name} must be 1-element, got shape {tuple(value.shape)}")
+            if value.is_complex() or not math.isfinite(value.item()) or value.item() < 0.0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        elif not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0.0):
             raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
 
@@ -132,8 +138,12 @@ class MatrixOptimizer(Optimizer):
     ) -> None:
         if not isinstance(stochastic_rounding, bool):
             raise TypeError(f"stochastic_rounding must be True or False, got {stochastic_rounding!r}")
+        tensors = {"lr": defaults["lr"], "adamw_lr": adamw_lr}  # checked before params, as torch.optim
+        check_non_negative(**{name: lr for name, lr in tensors.items() if isinstance(lr, Tensor)})
+        if adamw_lr is None:  # a tensor of its own: a scheduler writes each group's in place
+            adamw_lr = defaults["lr"].clone() if isinstance(defaults["lr"], Tensor) else defaults["lr"]
         self.adamw_defaults = {
-            "lr": defaults["lr"] if adamw_lr is None else adamw_lr,
+            "lr": adamw_lr,
             "betas": tuple(adamw_betas),
             "eps": adamw_eps,
             "weight_decay": defaults["weight_decay"] if adamw_weight_decay is None else adamw_weight_decay,
@@ -278,10 +288,17 @@ class MatrixOptimizer(Optimizer):
             placements = f", placements {tuple(param.placements)}" if isinstance(param, DTensor) else ""
             name = _param_name(group, index, position)
             described = f"Parameter {name} of shape {tuple(param.shape)}{placements}"
-            if spec is not None and not (matrices and param.ndim >= 2):
+            if param.is_complex():
+                return (
+                    f"{described} is complex ({param.dtype}), and {type(self).__name__} updates real "
+                    "parameters only (torch.optim.Muon refuses complex ones too). Leave it out, or "
+                    "give it to an optimizer for complex numbers (torch.optim.AdamW)."
+                )
+            if spec is not None and not (matrices and param.ndim in (2, 3)):
+                where = "it is in an AdamW group" if not matrices else f"it has {param.ndim} dimensions"
                 return (
                     f"{described} has row_blocks {spec!r}, but row blocks split matrices (2-D "
-                    "weights or stacks of them), and it is in an AdamW group."
+                    f"weights or stacks of them), and {where}."
                 )
             if matrices and param.ndim < 2:
                 return (
@@ -325,6 +342,13 @@ class MatrixOptimizer(Optimizer):
         ]
         if not named:
             return loss
+        sparse = next(((n, p.grad.layout) for n, p in named if p.grad is not None and p.grad.is_sparse), None)
+        if sparse is not None:  # a layout: the same on every rank, read without the device
+            raise RuntimeError(
+                f"{type(self).__name__} does not support sparse gradients: parameter {sparse[0]!r} has a "
+                f"{sparse[1]} gradient (nn.Embedding(sparse=True) makes them). Build it with "
+                "sparse=False, or give it to torch.optim.SparseAdam."
+            )
         for group in self.param_groups:
             if group.get("stochastic_rounding"):  # numbers the step's random bits (`StochasticRounding`)
                 group["rounding_step"] = group.get("rounding_step", 0) + 1
@@ -467,12 +491,45 @@ class MatrixOptimizer(Optimizer):
             )
         return self.engines[mesh]
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Every attribute, for `copy.deepcopy` and pickling (``torch.optim.Optimizer`` keeps its
+        own three and would drop this class's settings); like torch's, without the hooks.
+
+        Raises:
+            TypeError: The optimizer has planned its step over a process group, or QK-clip is
+                attached to a model: a copy would share the plan's process groups or clip the
+                original's weights. Copy its ``state_dict()`` into a new optimizer instead.
+        """
+        bound = "planned its step over a process group" if self.engines else None
+        if self.qk_clip_runtime is not None:
+            bound = "QK-clip attached to a model's attention layers"
+        if bound is not None:
+            name = type(self).__name__
+            raise TypeError(
+                f"A {name} that has {bound} cannot be copied or pickled: the copy would share them. "
+                f"Build a new {name} on the parameters and load this one's state into it "
+                "(new.load_state_dict(optimizer.state_dict()))."
+            )
+        hooks = [name for name in vars(self) if name.startswith("_optimizer_") and name.endswith("_hooks")]
+        return {key: value for key, value in vars(self).items() if key not in hooks}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """torch's, without the ``differentiable`` default it adds, which these optimizers do not
+        take (it would reach every param group loaded or added after)."""
+        declared = "differentiable" in state.get("defaults", getattr(self, "defaults", {}))
+        super().__setstate__(state)
+        if not declared:
+            self.defaults.pop("differentiable", None)
+
     def state_dict(self) -> dict[str, Any]:
         """``torch.optim.Optimizer.state_dict``, with each counter a 0-dim tensor, as checkpoints
         have always held them (the running state holds Python numbers:
         `lightning_canzona.rules.counters`)."""
         state_dict = super().state_dict()
-        state_dict["state"] = {key: counters.saved(state) for key, state in state_dict["state"].items()}
+        state_dict["state"] = {
+            key: counters.saved(state) if isinstance(state, dict) else state
+            for key, state in state_dict["state"].items()
+        }
         return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -487,10 +544,11 @@ class MatrixOptimizer(Optimizer):
         super().load_state_dict(state_dict)
         # Each counter from the state dict's (host) tensor, its parameter found as torch finds
         # it: by the order of the groups' parameters (ids, or names from torch.distributed.checkpoint).
+        by_param = {key: state for key, state in state_dict["state"].items() if isinstance(state, dict)}
         saved_ids = (key for group in state_dict["param_groups"] for key in group["params"])
         params = (param for group in self.param_groups for param in group["params"])
         for key, param in zip(saved_ids, params):
-            for name, saved in state_dict["state"].get(key, {}).items():
+            for name, saved in by_param.get(key, {}).items():
                 if counters.is_counter(name):
                     self.state[param][name] = counters.number(saved)
         for group in self.param_groups:  # a setting added since the save takes its default
@@ -509,7 +567,7 @@ class MatrixOptimizer(Optimizer):
                 custody.keep_loaded_stack_failures_on_one_owner()
         params = (param for group in self.param_groups for param in group["params"])
         for index, param in enumerate(params):
-            for key, saved in state_dict["state"].get(index, {}).items():
+            for key, saved in by_param.get(index, {}).items():
                 loaded = self.state[param].get(key)
                 if isinstance(saved, Tensor) and isinstance(loaded, Tensor) and loaded.dtype != saved.dtype:
                     self.state[param][key] = saved.to(device=loaded.device, copy=True)

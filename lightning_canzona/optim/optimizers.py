@@ -206,7 +206,10 @@ def _muon_settings(group: dict[str, Any]) -> dict[str, Any]:
     check_non_negative(eps=group["eps"])
     adjust_lr_fn = group["adjust_lr_fn"] or "original"
     if adjust_lr_fn not in ADJUST_LR_FNS:
-        raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS} or None, got {adjust_lr_fn!r}")
+        raise ValueError(
+            f"Adjust learning rate function {adjust_lr_fn} is not supported: adjust_lr_fn must be one "
+            f"of {ADJUST_LR_FNS} or None"
+        )
     if group["ns_form"] not in FORMS:
         raise ValueError(f"ns_form must be one of {FORMS}, got {group['ns_form']!r}")
     return dict(

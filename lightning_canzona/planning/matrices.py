@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from lightning_canzona.planning.teams import TEAM_SIZES
-from lightning_canzona.rules.base import MatrixRule, UpdateCost
+from lightning_canzona.rules.base import MatrixRule, UpdateCost, matrix_shape
 
 CostKind = Literal["flops", "numel"]
 COST_KINDS: tuple[str, ...] = ("flops", "numel")
@@ -80,15 +80,17 @@ class MatrixSpec:
 def matrix_spec(
     name: str, shape: Sequence[int], rule: MatrixRule, bucket: str | None = None, holders: Sequence[int] = ()
 ) -> MatrixSpec:
-    """The spec of a matrix of ``shape`` updated by ``rule``, with its team costs."""
+    """The spec of a matrix of ``shape`` updated by ``rule``, with its team costs (a
+    convolution's weight costs what its `matrix_shape` does, and is computed by one rank)."""
     shape = tuple(int(size) for size in shape)
+    teams = tuple(rule.team_cost(shape, size) for size in TEAM_SIZES) if len(shape) <= 3 else ()
     return MatrixSpec(
         name,
         shape,
         block_of(name) if bucket is None else bucket,
-        rule.cost(shape),
+        rule.cost(matrix_shape(shape)),
         tuple(holders),
-        tuple(rule.team_cost(shape, size) for size in TEAM_SIZES),
+        teams,
     )
 
 

@@ -147,6 +147,19 @@ class UpdateCost:
         return self.flops + max(self.member_flops, default=0.0)
 
 
+def matrix_shape(shape: Sequence[int]) -> tuple[int, ...]:
+    """The shape a rule sees of a parameter of ``shape``: a convolution's weight ``(out, in,
+    *kernel)`` is the matrix ``(out, in·∏kernel)``, as the Muon reference flattens it; a matrix,
+    or a 3-D stack of them (experts), is itself."""
+    shape = tuple(int(size) for size in shape)
+    return shape if len(shape) <= 3 else (shape[0], math.prod(shape[1:]))
+
+
+def as_matrix(tensor: Tensor) -> Tensor:
+    """``tensor`` in its `matrix_shape` (a view where it can be)."""
+    return tensor if tensor.ndim <= 3 else tensor.flatten(1)
+
+
 def matrix_dims(shape: Sequence[int]) -> tuple[int, int, int]:
     """``(batch, rows, cols)`` of a matrix or stack of matrices; leading dims are the batch."""
     if len(shape) < 2:

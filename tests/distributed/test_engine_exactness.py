@@ -68,7 +68,8 @@ class MixtureExperts(nn.Module):
 
 
 class Net(nn.Module):
-    """Uneven shapes: 130 and 17 rows over 2 or 4 ranks, and 3 rows over 4 (an empty shard).
+    """Uneven shapes: 130 and 17 rows over 2 or 4 ranks, and 3 rows over 4 (an empty shard); a
+    convolution's weight, updated as the matrix ``6 × (4·3·3)``, 6 rows over 4 ranks.
 
     ``qkv`` is a fused GQA-like projection, updated block by block (`ROW_BLOCKS`): under TP its
     rows are split 11 + 11, across its blocks' boundaries, and its blocks' learning-rate scales
@@ -84,6 +85,7 @@ class Net(nn.Module):
         self.tiny = nn.Linear(5, 3, bias=False)
         self.norm = nn.LayerNorm(70)
         self.experts = MixtureExperts()
+        self.conv = nn.Conv2d(4, 6, 3, bias=False)
 
 
 def _parallelize(model: Net, mesh) -> Net:
@@ -117,9 +119,10 @@ def _gradients(step: int, shapes: dict[str, torch.Size]) -> dict[str, torch.Tens
 
 def _groups(model: Net) -> list[dict]:
     """The model's param groups, two of them with their own learning rate and weight decay (a
-    step applies each group's updates in one call, with that group's settings)."""
-    groups = lc.matrix_param_groups(model, row_blocks=ROW_BLOCKS)
-    groups[0]["weight_decay"] = 0.05
+    step applies each group's updates in one call, with that group's settings); the matrices'
+    learning rate is a tensor, as torch.optim takes it."""
+    groups = lc.matrix_param_groups(model, matrix=["conv.weight"], row_blocks=ROW_BLOCKS)
+    groups[0].update(lr=torch.tensor(1.5e-2), weight_decay=0.05)
     groups[1].update(lr=5e-3, weight_decay=0.2)
     return groups
 

@@ -146,23 +146,6 @@ def test_float32_matrix_state_and_counters_survive_loading_for_bf16_parameters()
     assert type(loaded["step"]) is int and type(fresh.state[bias]["step"]) is float
 
 
-def test_step_evaluates_the_closure_with_gradients_enabled() -> None:
-    model = TinyLM()
-    optimizer = lc.Muon(lc.matrix_param_groups(model))
-    tokens = torch.randint(0, 32, (2, 9))
-
-    def closure() -> torch.Tensor:
-        assert torch.is_grad_enabled()
-        optimizer.zero_grad()
-        loss = _loss(model, tokens)
-        loss.backward()
-        return loss
-
-    with torch.no_grad():
-        loss = optimizer.step(closure)
-    assert math.isfinite(float(loss.detach()))
-
-
 def test_parameters_without_gradients_are_left_alone() -> None:
     model = TinyLM()
     optimizer = lc.Shampoo(lc.matrix_param_groups(model))
