@@ -39,15 +39,25 @@ __version__ = "0.1.0"
 
 ignore_harmless_warnings()
 
-for registry, strategy in ((StrategyRegistry, CanzonaStrategy), (FABRIC_STRATEGIES, CanzonaFabricStrategy)):
-    if "canzona" not in registry:
-        registry.register(
-            "canzona", strategy, description="FSDP2 × TP with exact, non-redundant matrix optimizers"
-        )
-    if "canzona_notebook" not in registry:
-        registry.register(
-            "canzona_notebook",
-            strategy,
-            description=f"{strategy.__name__} that forks its ranks (Jupyter notebooks)",
-            start_method="fork",
-        )
+
+def _register_strategies() -> None:
+    """``strategy="canzona"`` and ``"canzona_notebook"`` for the Trainer and for Fabric (in a function:
+    a loop at module level would leave ``lightning_canzona.strategy`` naming a class, not the module)."""
+    for registry, strategy in (
+        (StrategyRegistry, CanzonaStrategy),
+        (FABRIC_STRATEGIES, CanzonaFabricStrategy),
+    ):
+        if "canzona" not in registry:
+            registry.register(
+                "canzona", strategy, description="FSDP2 × TP with exact, non-redundant matrix optimizers"
+            )
+        if "canzona_notebook" not in registry:
+            registry.register(
+                "canzona_notebook",
+                strategy,
+                description=f"{strategy.__name__} that forks its ranks (Jupyter notebooks)",
+                start_method="fork",
+            )
+
+
+_register_strategies()

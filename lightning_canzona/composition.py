@@ -24,13 +24,16 @@ plan of its own: the model's (and its decoder layers as units) are used
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, Any
 
+import torch
+from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -43,7 +46,10 @@ if TYPE_CHECKING:
 
 
 def compose(
-    module: nn.Module, device_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None
+    module: nn.Module,
+    device_mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    compile_options: Mapping[str, Any] | None = None,
 ) -> None:
     """Parallelize ``module`` in place on a ``(data_parallel, tensor_parallel)`` mesh.
 
@@ -52,6 +58,10 @@ def compose(
         device_mesh: A mesh with ``data_parallel`` and ``tensor_parallel`` dimensions.
         mp_policy: FSDP2's mixed precision for every unit (``None``: compute, all-gather and
             reduce in the parameters' dtype).
+        compile_options: Compile each block's ``forward`` (`_Units.blocks`) with these
+            ``torch.compile`` keywords, after tensor parallelism and before FSDP2, as torchtitan
+            does: one graph serves every block of a class, FSDP2's gathers and TP's hooks run
+            around it, and names and state dicts stay the module's. ``None``: eager.
 
     Raises:
         ValueError: See `check_composable`.
@@ -69,6 +79,9 @@ def compose(
         _tie_again(tied)
     options = {} if mp_policy is None else {"mp_policy": mp_policy}
     units = _choose_units(module)
+    if compile_options is not None:
+        for block in units.blocks():  # its forward only: FSDP2's and TP's hooks stay outside the graph
+            block.forward = torch.compile(block.forward, **compile_options)  # type: ignore[method-assign]
     if len(units.roots) == 1:  # kept gathered from forward to backward (`_Units.reshard_after_forward`)
         ignore_view_warning_of_unresharded_root(type(units.roots[0]))
     for unit in units.modules:
@@ -79,6 +92,35 @@ def compose(
             ignored_params=units.left_plain_in(unit),
             **options,
         )
+
+
+def compile_options(setting: bool | Mapping[str, Any]) -> dict[str, Any] | None:
+    """The ``torch.compile`` keywords of a strategy's ``compile`` setting, checked; ``None``: eager.
+
+    Raises:
+        TypeError: ``setting`` is neither a bool nor a mapping.
+        ValueError: A keyword ``torch.compile`` does not take, named with the ones it does.
+    """
+    if setting is False or setting is True:
+        return {} if setting else None
+    if not isinstance(setting, Mapping):
+        raise TypeError(f"compile must be True, False or a dict of torch.compile's keywords, got {setting!r}")
+    taken = [name for name in inspect.signature(torch.compile).parameters if name != "model"]
+    unknown = [name for name in setting if name not in taken]
+    if unknown:
+        raise ValueError(
+            f"compile={dict(setting)!r}: torch.compile takes no {unknown[0]!r}; it takes {', '.join(taken)}."
+        )
+    return dict(setting)
+
+
+def compile_of_own_composition(setting: str, composer: str) -> ValueError:
+    """The error for a ``compile`` setting (``setting``) on a model that ``composer`` composes."""
+    return ValueError(
+        f"{setting} compiles the blocks of a model the strategy composes, and {composer} composes its "
+        "own: pass compile_options to lightning_canzona.composition.compose there, or compile its "
+        "blocks' forward itself (block.forward = torch.compile(block.forward)); or leave compile unset."
+    )
 
 
 def sharding_mesh(device_mesh: DeviceMesh) -> DeviceMesh:
@@ -103,6 +145,34 @@ def sampler_kwargs(device_mesh: DeviceMesh) -> dict[str, int]:
     """A distributed sampler's ``num_replicas`` and ``rank``: the `data_parallel_mesh`'s."""
     mesh = data_parallel_mesh(device_mesh)
     return {"num_replicas": mesh.size(), "rank": mesh.get_local_rank()}
+
+
+def check_even_batches(dataloader: object, stage: str) -> None:
+    """Refuse a ``dataloader`` whose samples, split over the data-parallel ranks without repeats (as
+    Lightning splits ``predict``'s), give the ranks different numbers of batches: every forward
+    all-gathers FSDP2's shards on every rank, so a rank with fewer batches would leave the others
+    waiting in their last forwards until the process group's timeout.
+
+    Every rank computes every rank's share from the sampler alone, so all raise the same error.
+
+    Raises:
+        ValueError: Naming the samples, the batch size, the ranks' batch counts and what works.
+    """
+    batch_sampler = getattr(dataloader, "batch_sampler", None)  # Lightning's wrapper copies its fields
+    sampler, batch_size = getattr(batch_sampler, "sampler", None), getattr(batch_sampler, "batch_size", None)
+    if not (isinstance(sampler, UnrepeatedDistributedSampler) and batch_size):
+        return
+    samples, ranks = len(sampler.dataset), sampler.num_replicas
+    rounding = math.floor if getattr(batch_sampler, "drop_last", False) else math.ceil
+    counts = [rounding(len(range(rank, samples, ranks)) / batch_size) for rank in range(ranks)]
+    if len(set(counts)) > 1:
+        raise ValueError(
+            f"trainer.{stage} would give the {ranks} data-parallel ranks different numbers of batches "
+            f"({samples} samples in batches of {batch_size}: {', '.join(map(str, counts))}), and each "
+            "forward all-gathers FSDP2's shards on every rank: the ranks with more batches would wait "
+            "for the others until the timeout. Use a number of samples that gives every rank as many "
+            f"batches (any multiple of {ranks * batch_size} = {ranks} ranks × batch_size {batch_size} does)."
+        )
 
 
 def has_tensor_parallel_plan(module: nn.Module) -> bool:
@@ -261,6 +331,13 @@ class _Units:
     left_plain: set[nn.Parameter] = field(default_factory=set)
     #: Units inside no other unit: FSDP2 makes each the root of its own forward and backward.
     roots: list[nn.Module] = field(default_factory=list)
+
+    def blocks(self) -> list[nn.Module]:
+        """The units whose class recurs (a model's transformer blocks), outside every other such
+        unit (a block's experts are compiled as part of their block)."""
+        recurring = [unit for unit in self.modules if sum(type(u) is type(unit) for u in self.modules) > 1]
+        inside = {id(m) for unit in recurring for m in unit.modules() if m is not unit}
+        return [unit for unit in recurring if id(unit) not in inside]
 
     def left_plain_in(self, unit: nn.Module) -> set[nn.Parameter] | None:
         return {p for p in self.holds[id(unit)] if p in self.left_plain} or None

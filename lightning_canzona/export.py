@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import pickle
 from collections.abc import Callable
 from pathlib import Path
@@ -145,6 +146,8 @@ def export_checkpoint(
         )
         own = _weights_of(model, _read_weights(path, model_key), name, path)
         model.save_pretrained(output, state_dict=own)
+        for written in output.glob("*.safetensors"):
+            readable_as_created(written)
         return output
     weights = _read_weights(path, model_key)
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -152,9 +155,19 @@ def export_checkpoint(
         from safetensors.torch import save_file
 
         save_file({key: t.contiguous() for key, t in weights.items()}, output, metadata={"format": "pt"})
+        readable_as_created(output)
     else:
         torch.save(weights, output)
     return output
+
+
+def readable_as_created(path: Path) -> None:
+    """Give a file that safetensors wrote the permissions of one that ``open`` creates (0666 less
+    the umask): safetensors writes its files readable by their owner only (0600), which a team's
+    shared model folder, a serving process of another user or a container could not read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
 
 
 def _the_transformers_model(
@@ -167,7 +180,9 @@ def _the_transformers_model(
             f"Exporting {checkpoint} as a transformers folder needs the module that holds the "
             "transformers model, which the checkpoint does not name: pass --config with its training "
             f"config, or in Python lc.export_checkpoint({str(checkpoint)!r}, {str(output)!r}, "
-            "'transformers', module=model) with the LightningModule or the transformers model."
+            "'transformers', module=model) with the LightningModule or the transformers model. A "
+            "model that is not a transformers model (the bundled Qwen3 among them) has no such folder: "
+            "export it as one file, --format safetensors (the default) or --format torch."
         )
     models = list(huggingface.transformers_models(module))
     if not models:

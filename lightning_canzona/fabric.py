@@ -45,7 +45,13 @@ from lightning_canzona.checkpoint import (
     write_state,
 )
 from lightning_canzona.compat import BackwardSyncControl, PathLike, materialize_distributed_module
-from lightning_canzona.composition import compose, data_parallel_mesh, sampler_kwargs
+from lightning_canzona.composition import (
+    compile_of_own_composition,
+    compile_options,
+    compose,
+    data_parallel_mesh,
+    sampler_kwargs,
+)
 from lightning_canzona.config import PlanConfig
 from lightning_canzona.distributed.clipping import clip_grad_norm_
 from lightning_canzona.elastic import nodes_of_launch
@@ -89,6 +95,10 @@ class CanzonaFabricStrategy(ModelParallelStrategy):
             data_parallel_replicate_size`` devices and all-reduces gradients across the replicas;
             ``"auto"``: a replica a node where one node's devices hold the model
             (`lightning_canzona.CanzonaStrategy`'s).
+        compile: Compile each block of the model the strategy composes with ``torch.compile``,
+            after tensor parallelism and before FSDP2: ``True``, or a dict of its keywords
+            (`lightning_canzona.CanzonaStrategy`'s); not with a ``parallelize_fn`` of your own,
+            which compiles what it builds itself.
     """
 
     def __init__(
@@ -103,7 +113,12 @@ class CanzonaFabricStrategy(ModelParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "fork", "spawn"] = "popen",
         data_parallel_replicate_size: Literal["auto"] | int = 1,
+        compile: bool | dict[str, Any] = False,
     ) -> None:
+        #: ``torch.compile``'s keywords for each block the strategy composes; ``None``: eager.
+        self.compile_options = compile_options(compile)
+        if parallelize_fn is not None and self.compile_options is not None:
+            raise compile_of_own_composition("CanzonaFabricStrategy(compile=...)", "parallelize_fn")
         self.data_parallel_replicate_size = data_parallel_replicate_size
         #: The sizes as given (``"auto"`` or integers); resolved when the model is set up.
         sizes = self._requested_sizes = (data_parallel_size, tensor_parallel_size)
@@ -298,7 +313,7 @@ class CanzonaFabricStrategy(ModelParallelStrategy):
         return rest
 
     def _compose(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
-        compose(module, mesh, mixed_precision_policy(self.precision))
+        compose(module, mesh, mixed_precision_policy(self.precision), self.compile_options)
         return module
 
     def _choose_mesh(self, module: nn.Module | None, composes: bool = True) -> MeshShape:

@@ -273,8 +273,8 @@ def report_failures_briefly(rank: int) -> None:
     A failure that every rank meets (a bad batch, a shape) would otherwise print one traceback per
     rank, interleaved; rank 0 prints its own in full, and a failure of this rank alone is still
     named, with where its traceback is: ``rank<N>.txt`` in a folder of the process that launched
-    the ranks (a script, a notebook's kernel, ``torchrun``), where the rank's next failure
-    overwrites it; the first launch after that process has ended removes the folder
+    the ranks (a script, a notebook's kernel, ``torchrun``; `failure_reports_folder`), where the
+    rank's next failure overwrites it; the first launch after that process has ended removes the folder
     (`prune_failure_reports`, run here). Only the display of an exception that ends the process
     changes: code that catches it sees it unchanged. (torch's ``init_process_group`` installs a
     hook the same way, to prefix the lines with the rank; this one is installed after it.)
@@ -282,7 +282,7 @@ def report_failures_briefly(rank: int) -> None:
     if rank == 0:
         return
     prune_failure_reports()
-    folder = Path(tempfile.gettempdir()) / f"{_REPORTS}{os.getppid()}"
+    folder = failure_reports_folder()
 
     def report(kind: type[BaseException], error: BaseException, trace: TracebackType | None) -> None:
         path = folder / f"rank{rank}.txt"
@@ -300,12 +300,21 @@ def report_failures_briefly(rank: int) -> None:
     sys.excepthook = report
 
 
+def failure_reports_folder() -> Path:
+    """The folder of this rank's failure report: named for the process that launched it (its
+    parent), or for this rank itself where that process has ended and ``init`` (PID 1, which
+    never ends) adopted the rank, so that the folder is removed once the rank has ended too."""
+    parent = os.getppid()
+    return Path(tempfile.gettempdir()) / f"{_REPORTS}{parent if parent != 1 else os.getpid()}"
+
+
 def prune_failure_reports() -> None:
     """Remove the failure reports (`report_failures_briefly`) of launches whose launching process
-    has ended: by then its ranks have ended too, and their one-line messages were printed."""
+    has ended: by then its ranks have ended too, and their one-line messages were printed (and a
+    folder named for ``init``, which earlier versions wrote and never removed)."""
     for folder in Path(tempfile.gettempdir()).glob(f"{_REPORTS}*"):
         pid = folder.name.removeprefix(_REPORTS)
-        if folder.is_dir() and pid.isdigit() and not _alive(int(pid)):
+        if folder.is_dir() and pid.isdigit() and (int(pid) == 1 or not _alive(int(pid))):
             shutil.rmtree(folder, ignore_errors=True)
 
 

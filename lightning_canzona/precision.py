@@ -23,12 +23,20 @@ def check_precision(plugin: Any, strategy: str) -> None:
         ValueError: Naming the precision and the supported ones.
     """
     precision = getattr(plugin, "precision", "32-true")
-    if precision not in SUPPORTED_PRECISION:
-        raise ValueError(
-            f"precision={precision!r} is not supported by {strategy}; use one of "
-            f"{SUPPORTED_PRECISION}. (fp16 needs loss scaling, which FSDP2 sharded gradients "
-            "and owner-computed matrix updates do not implement.)"
+    if precision in SUPPORTED_PRECISION:
+        return
+    if precision == "64-true":
+        why = (
+            "Lightning's model-parallel strategies, which it extends, have no float64 precision; for "
+            "float64 weights, build the model in float64 (model.double()) and use '32-true'"
         )
+    elif precision.startswith("16"):
+        why = "fp16 needs loss scaling, which FSDP2's sharded gradients and owner-computed updates lack"
+    else:
+        why = "it is none of the precisions FSDP2 and the optimizers' updates are built for"
+    raise ValueError(
+        f"precision={precision!r} is not supported by {strategy}: {why}. Use one of {SUPPORTED_PRECISION}."
+    )
 
 
 def mixed_precision_policy(plugin: Precision) -> MixedPrecisionPolicy | None:

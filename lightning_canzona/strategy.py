@@ -67,7 +67,14 @@ from lightning_canzona.compat import (
     optimizers_to_device,
     set_device_mesh,
 )
-from lightning_canzona.composition import compose, data_parallel_mesh, sampler_kwargs
+from lightning_canzona.composition import (
+    check_even_batches,
+    compile_of_own_composition,
+    compile_options,
+    compose,
+    data_parallel_mesh,
+    sampler_kwargs,
+)
 from lightning_canzona.config import PlanConfig
 from lightning_canzona.distributed import deferred
 from lightning_canzona.elastic import nodes_of_launch
@@ -141,6 +148,11 @@ class CanzonaStrategy(ModelParallelStrategy):
             optimizer's exchange cross nodes. 1: FSDP2 shards over every data-parallel device.
             ``"auto"``: a replica a node where one node's devices hold the model (16 bytes a
             parameter in half their memory), else 1 (`lightning_canzona.mesh.auto_replicas`).
+        compile: Compile each block of the model the strategy composes (its transformer blocks:
+            the units whose class recurs) with ``torch.compile``, after tensor parallelism and
+            before FSDP2: ``True`` with its defaults, or a dict of its keywords
+            (``{"mode": "max-autotune"}``). Costs compile time at the first step; a module whose
+            ``configure_model`` composes itself compiles its blocks there.
     """
 
     def __init__(
@@ -158,6 +170,7 @@ class CanzonaStrategy(ModelParallelStrategy):
         return_weights: bool = True,
         gradient_accumulation: Literal["sharded", "unsharded"] = "sharded",
         data_parallel_replicate_size: Literal["auto"] | int = 1,
+        compile: bool | dict[str, Any] = False,
     ) -> None:
         super().__init__(
             data_parallel_size=data_parallel_size,
@@ -179,6 +192,8 @@ class CanzonaStrategy(ModelParallelStrategy):
                 f"gradient_accumulation must be 'sharded' or 'unsharded', got {gradient_accumulation!r}"
             )
         self.gradient_accumulation = gradient_accumulation
+        #: ``torch.compile``'s keywords for each block the strategy composes; ``None``: eager.
+        self.compile_options = compile_options(compile)
         #: The sizes as given (``"auto"`` or integers); `preflight` resolves them for the model.
         self._requested_sizes = (data_parallel_size, tensor_parallel_size)
         self.data_parallel_replicate_size = data_parallel_replicate_size
@@ -223,6 +238,9 @@ class CanzonaStrategy(ModelParallelStrategy):
         """
         module = self.lightning_module
         composes = module is None or not is_overridden("configure_model", module)
+        if not composes and self.compile_options is not None:
+            composer = f"{type(module).__name__}.configure_model"
+            raise compile_of_own_composition("CanzonaStrategy(compile=...)", composer)
         self._mesh_shape = self._choose_mesh(module, composes)
         rank_zero_info(self._mesh_shape.describe())
         check_path_exists(ckpt_path, "ckpt_path")
@@ -261,7 +279,8 @@ class CanzonaStrategy(ModelParallelStrategy):
         already_sharded = any(isinstance(p, DTensor) for p in self.lightning_module.parameters())
         if not is_overridden("configure_model", self.lightning_module) and not already_sharded:
             # Once: validate/test reuse it.
-            compose(self.lightning_module, self.device_mesh, mixed_precision_policy(self.precision_plugin))
+            policy = mixed_precision_policy(self.precision_plugin)
+            compose(self.lightning_module, self.device_mesh, policy, self.compile_options)
             # The module is now sharded like one whose configure_model did the work.
             set_device_mesh(self.lightning_module, self.device_mesh)
         prepare_metrics(self.lightning_module, data_parallel_mesh(self.device_mesh).get_group())
@@ -285,6 +304,12 @@ class CanzonaStrategy(ModelParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """The data split over the data-parallel ranks (HSDP's replicas and shards together)."""
         return sampler_kwargs(self.device_mesh)
+
+    def process_dataloader(self, dataloader: object) -> object:
+        """Refuse a split of ``predict``'s samples that leaves a rank waiting (`check_even_batches`)."""
+        assert self.lightning_module is not None
+        check_even_batches(dataloader, self.lightning_module.trainer.state.fn.value)
+        return super().process_dataloader(dataloader)
 
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         """Synchronise the gradients of the trainable parameters that FSDP2 does not shard.

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import torch
 
 from lightning_canzona.bench import newton_schulz, qk_clip, step, train
 from lightning_canzona.bench.devices import check_devices, default_backend
+from lightning_canzona.commands import HelpFormatter, described
 
 
 def _shape(text: str) -> tuple[int, int]:
@@ -36,32 +38,46 @@ def _add_devices(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="canzona bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="canzona bench", description=described(__doc__), formatter_class=HelpFormatter
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    training = commands.add_parser(
+    command = functools.partial(commands.add_parser, formatter_class=HelpFormatter)
+    training = command(
         "train",
         help="training iterations: AdamW, ModelParallelStrategy + torch.optim.Muon, "
         "canzona (Trainer and Fabric)",
     )
     training.add_argument("--preset", default="tiny", help="Qwen3 preset (see models.qwen3)")
-    training.add_argument("--dp", type=int, default=2)
-    training.add_argument("--tp", type=int, default=2)
+    training.add_argument("--dp", type=int, default=2, help="data-parallel size")
+    training.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
     training.add_argument("--steps", type=int, default=20, help="timed steps per variant")
     training.add_argument("--warmup", type=int, default=5, help="untimed steps before them")
     _add_devices(training)
     training.add_argument("--json", type=Path, default=Path("bench.json"), help="results file")
     training.add_argument("--out", type=Path, default=Path("bench.png"), help="chart file")
-    ns = commands.add_parser(
+    training.add_argument(
+        "--compile", action="store_true", help="add canzona with every block compiled (compile=True)"
+    )
+    ns = command(
         "ns", help="Newton–Schulz forms: time, GFLOP/s against plain matmul, distance from the polar factor"
     )
-    ns.add_argument("--shapes", nargs="+", type=_shape, default=newton_schulz.DEFAULT_SHAPES, metavar="MxN")
-    ns.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float32"])
-    ns.add_argument("--ns-steps", type=int, default=5)
-    ns.add_argument("--repeats", type=int, default=7)
+    shapes = " ".join(f"{rows}x{cols}" for rows, cols in newton_schulz.DEFAULT_SHAPES)
+    ns.add_argument(
+        "--shapes",
+        nargs="+",
+        type=_shape,
+        default=newton_schulz.DEFAULT_SHAPES,
+        metavar="MxN",
+        help=f"matrix shapes (default: {shapes})",
+    )
+    ns.add_argument(
+        "--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float32"], help="dtypes"
+    )
+    ns.add_argument("--ns-steps", type=int, default=5, help="Newton–Schulz steps")
+    ns.add_argument("--repeats", type=int, default=7, help="timed runs of each form (the median is shown)")
     ns.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
     ns.add_argument("--device", default="cpu", help="where the forms run: cpu, cuda, cuda:1…")
-    steps = commands.add_parser(
+    steps = command(
         "step", help="optimizer-step latency on dp×tp ranks (CPU or GPU): canzona vs the alternatives"
     )
     _add_devices(steps)
@@ -71,8 +87,8 @@ def main(argv: list[str] | None = None) -> None:
         default=["tiny", "small"],
         help="Qwen3 presets (see models.qwen3), or wide or square: one large matrix and four small",
     )
-    steps.add_argument("--dp", type=int, default=2)
-    steps.add_argument("--tp", type=int, default=2)
+    steps.add_argument("--dp", type=int, default=2, help="data-parallel size")
+    steps.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
     steps.add_argument(
         "--replicate",
         type=int,
@@ -96,14 +112,14 @@ def main(argv: list[str] | None = None) -> None:
         help="the optimizer of every variant (muon-gram, muon-symmetric: Muon with ns_form='gram', "
         "'standard-symmetric')",
     )
-    clip = commands.add_parser("qk-clip", help="a training iteration with and without QK-clip (one process)")
+    clip = command("qk-clip", help="a training iteration with and without QK-clip (one process)")
     clip.add_argument(
         "--presets", nargs="+", default=["tiny", "small"], help="Qwen3 presets, built without QK-norm"
     )
-    clip.add_argument("--seq-lens", nargs="+", type=int, default=[128, 512])
-    clip.add_argument("--batch-size", type=int, default=4)
-    clip.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    clip.add_argument("--repeats", type=int, default=5)
+    clip.add_argument("--seq-lens", nargs="+", type=int, default=[128, 512], help="sequence lengths")
+    clip.add_argument("--batch-size", type=int, default=4, help="sequences a batch")
+    clip.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weights' dtype")
+    clip.add_argument("--repeats", type=int, default=5, help="timed iterations (the median is shown)")
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv.insert(0, "train")
@@ -129,6 +145,7 @@ def main(argv: list[str] | None = None) -> None:
             args.out,
             device=args.device,
             backend=args.backend,
+            compiled=args.compile,
         )
         return
     if args.command == "step":

@@ -11,7 +11,9 @@ block), from the same initial weights, on the same batches, on the same mesh:
   rank computes every update on DTensors);
 - ``canzona``: ``Trainer.fit`` on `CanzonaStrategy` with `lightning_canzona.Muon`;
 - ``canzona (Fabric)``: the same module, optimizer and data as ``canzona`` in a hand-written
-  Lightning Fabric loop on `CanzonaFabricStrategy` (what the Fabric path costs over the Trainer's).
+  Lightning Fabric loop on `CanzonaFabricStrategy` (what the Fabric path costs over the Trainer's);
+- ``canzona (compiled)``, with ``--compile``: ``canzona`` with ``CanzonaStrategy(compile=True)``,
+  each block compiled by ``torch.compile``; its first iteration holds the compilation.
 
 An iteration is ``on_train_batch_start`` to ``on_train_batch_end`` on rank 0 (forward, backward,
 optimizer step; the ranks meet in collectives every step, so rank 0 waits for the slowest); the
@@ -55,6 +57,8 @@ FABRIC = "canzona (Fabric)"
 #: The variants on Lightning's ``ModelParallelStrategy``, which canzona replaces.
 BASELINES = ("AdamW", "torch.optim.Muon")
 VARIANTS = (*BASELINES, "canzona", FABRIC)
+#: The variant with every block compiled (``--compile``).
+COMPILED = "canzona (compiled)"
 #: Learning rates of the main job (examples/configs/tiny.yaml).
 MATRIX_LR, ADAMW_LR, WEIGHT_DECAY = 0.02, 3e-3, 0.01
 
@@ -70,12 +74,15 @@ class TrainTiming:
         iteration_ms: Forward, backward and optimizer step.
         optimizer_ms: The optimizer step alone.
         final_loss: Training loss at the last step (same data and weights for every variant).
+        first_iteration_ms: The first iteration, not a median: what starting costs (the plan,
+            compiling).
     """
 
     name: str
     iteration_ms: float
     optimizer_ms: float
     final_loss: float
+    first_iteration_ms: float = 0.0
 
 
 class _Setting(NamedTuple):
@@ -148,6 +155,7 @@ class _Clock:
             1e3 * statistics.median(self.iterations[warmup:]),
             1e3 * statistics.median(self.optimizer_steps[warmup:]),
             final_loss,
+            1e3 * self.iterations[0],
         )
 
 
@@ -273,9 +281,13 @@ class _LastMetrics(Logger):
 
 def _strategy(variant: str, setting: _Setting) -> Any:
     sizes = {"data_parallel_size": setting.dp, "tensor_parallel_size": setting.tp}
-    if variant == "canzona":
+    if variant in ("canzona", COMPILED):
         return lc.CanzonaStrategy(
-            **sizes, process_group_backend=setting.backend, start_method=setting.start_method, telemetry=False
+            **sizes,
+            process_group_backend=setting.backend,
+            start_method=setting.start_method,
+            telemetry=False,
+            compile=variant == COMPILED,
         )
     return _InProcessModelParallel(setting.start_method, **sizes, process_group_backend=setting.backend)
 
@@ -359,16 +371,18 @@ def measure(
     seq_len: int = 128,
     device: str = "cpu",
     backend: str | None = None,
+    compiled: bool = False,
 ) -> list[TrainTiming]:
-    """Train every variant for ``warmup + steps`` steps on ``dp × tp`` ranks of ``device`` over
-    ``backend`` (``None``: NCCL on GPUs, gloo on CPUs); medians of the last ``steps``."""
+    """Train every variant (and ``compiled``, `COMPILED`) for ``warmup + steps`` steps on ``dp ×
+    tp`` ranks of ``device`` over ``backend`` (``None``: NCCL on GPUs, gloo on CPUs); medians of
+    the last ``steps``."""
     backend = backend or default_backend(device)
     problem = check_devices(device, backend, dp * tp)
     if problem:
         raise ValueError(problem)
     setting = _Setting(dp, tp, steps, warmup, seq_len, device, backend)
     results = []
-    for variant in VARIANTS:
+    for variant in (*VARIANTS, COMPILED) if compiled else VARIANTS:
         torch.manual_seed(0)  # the same initial weights for every variant
         model = _BaselineModel(preset, variant) if variant in BASELINES else _CanzonaModel(preset=preset)
         fit = _fit_with_fabric if variant == FABRIC else _fit_with_trainer
@@ -377,9 +391,11 @@ def measure(
 
 
 def ratios(results: list[TrainTiming]) -> dict[str, float]:
-    """canzona's iteration time over each baseline's, and the Fabric loop's over the Trainer's."""
+    """canzona's iteration time over each baseline's, and the Fabric loop's and the compiled
+    blocks' over the Trainer's."""
     iteration = {r.name: r.iteration_ms for r in results}
     pairs = [("canzona", name) for name in BASELINES] + [(FABRIC, "canzona")]
+    pairs += [(COMPILED, "canzona")] if COMPILED in iteration else []
     return {f"{mine} / {theirs}": iteration[mine] / iteration[theirs] for mine, theirs in pairs}
 
 
@@ -390,12 +406,14 @@ def _ranks(dp: int, tp: int, device: str) -> str:
 def format_table(preset: str, dp: int, tp: int, results: list[TrainTiming], device: str = "cpu") -> str:
     lines = [
         f"{preset}: training iteration on {_ranks(dp, tp, device)} (dp{dp} × tp{tp}), medians",
-        f"{'variant':>18} {'iteration [ms]':>15} {'optimizer [ms]':>15} {'fwd+bwd [ms]':>13} {'loss':>7}",
+        f"{'variant':>18} {'iteration [ms]':>15} {'optimizer [ms]':>15} {'fwd+bwd [ms]':>13} {'loss':>7}"
+        f" {'first [s]':>10}",
     ]
     for r in results:
         lines.append(
             f"{r.name:>18} {r.iteration_ms:>15.1f} {r.optimizer_ms:>15.1f} "
-            f"{r.iteration_ms - r.optimizer_ms:>13.1f} {r.final_loss:>7.3f}"
+            f"{r.iteration_ms - r.optimizer_ms:>13.1f} {r.final_loss:>7.3f} "
+            f"{r.first_iteration_ms / 1e3:>10.2f}"
         )
     lines.extend(f"{name}: {value:.3f}×" for name, value in ratios(results).items())
     return "\n".join(lines)
@@ -440,9 +458,10 @@ def run(
     echo: Callable[[str], None] = print,
     device: str = "cpu",
     backend: str | None = None,
+    compiled: bool = False,
 ) -> list[TrainTiming]:
     """Measure, print the table, write the JSON and the chart."""
-    results = measure(preset, dp, tp, steps, warmup, device=device, backend=backend)
+    results = measure(preset, dp, tp, steps, warmup, device=device, backend=backend, compiled=compiled)
     echo(format_table(preset, dp, tp, results, device))
     record = {
         "preset": preset,

@@ -35,6 +35,7 @@ from typing import Any, Literal
 
 import torch
 
+from lightning_canzona.commands import HelpFormatter, described
 from lightning_canzona.optim.optimizer import resolve_dtype
 from lightning_canzona.rules.newton_schulz import FORMS
 
@@ -606,7 +607,8 @@ def device(text: str) -> torch.device:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="canzona doctor",
-        description=__doc__.split("\n\n")[0],
+        description=described(__doc__.split("\n\n")[0]),
+        formatter_class=HelpFormatter,
         epilog="A FAIL line names what differs; docs/doctor.md says what each line checks and what to do.",
     )
     parser.add_argument(

@@ -20,7 +20,7 @@ import argparse
 
 import torch
 
-from lightning_canzona.commands import sweep, tables
+from lightning_canzona.commands import HelpFormatter, described, sweep, tables
 from lightning_canzona.commands.analysis import Scenario, analyse, compare_replication
 from lightning_canzona.commands.chart import write_load_chart, write_scale_chart
 from lightning_canzona.commands.model_matrices import (
@@ -39,9 +39,11 @@ from lightning_canzona.simulation.iteration import Workload
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="canzona plan", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="canzona plan", description=described(__doc__), formatter_class=HelpFormatter
+    )
     parser.add_argument("--preset", default="0.6B", choices=list(PRESETS), help="Qwen3 preset")
-    parser.add_argument("--optimizer", default="muon", choices=OPTIMIZERS)
+    parser.add_argument("--optimizer", default="muon", choices=OPTIMIZERS, help="the matrix rule")
     parser.add_argument("--dp", type=int, default=8, help="data-parallel size")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     parser.add_argument(
@@ -68,11 +70,11 @@ def _parser() -> argparse.ArgumentParser:
         "--simulate",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="print projected step and iteration times (default: on)",
+        help="print projected step and iteration times",
     )
     parser.add_argument("--device", default="h100", choices=sorted(DEVICES), help="device model")
     parser.add_argument("--global-batch", type=int, default=Workload.global_batch, help="sequences")
-    parser.add_argument("--seq-len", type=int, default=Workload.seq_len)
+    parser.add_argument("--seq-len", type=int, default=Workload.seq_len, help="tokens a sequence")
     parser.add_argument(
         "--sweep",
         action="store_true",

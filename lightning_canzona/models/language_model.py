@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from lightning import LightningModule
 from lightning.pytorch.cli import OptimizerCallable
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.optim.lr_scheduler import LambdaLR
@@ -33,7 +34,9 @@ class CausalLanguageModel(LightningModule):
             mixture-of-experts preset adds the routers' load-balancing loss to the training loss.
         optimizer: Builds the optimizer from param groups (``matrix_param_groups`` of the decoder);
             ``None`` uses ``lightning_canzona.Muon(lr=0.02, adamw_lr=3e-3, weight_decay=0.01)``.
-        warmup_steps: Linear learning-rate warm-up, then cosine decay to 10% at the last step.
+        warmup_steps: Linear learning-rate warm-up, then cosine decay to 10% at the last step
+            (`WarmupCosine`; a resumed run keeps the schedule of the run it resumes, and says so
+            when its length differs).
         qk_norm: RMS-normalise each head's queries and keys, as Qwen3 does; ``False`` builds the
             attention without (Llama-style), whose logits an optimizer's ``qk_clip`` bounds.
     """
@@ -121,17 +124,47 @@ class CausalLanguageModel(LightningModule):
             optimizer = Muon(groups, lr=0.02, adamw_lr=3e-3, weight_decay=0.01)
         else:
             optimizer = self.optimizer_factory(groups)
-        total = max(1, self.trainer.estimated_stepping_batches)
-        warmup = min(self.hparams.warmup_steps, total)
-
-        def schedule(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / warmup
-            progress = (step - warmup) / max(1, total - warmup)
-            return 0.1 + 0.45 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
+        schedule = WarmupCosine(self.hparams.warmup_steps, self._training_steps())
         scheduler = LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_train_start(self) -> None:
+        """Say so when a resumed run is longer or shorter than the schedule it restored."""
+        scheduler = self.lr_schedulers()
+        schedule = getattr(scheduler, "lr_lambdas", [None])[0]
+        steps = self._training_steps()
+        if isinstance(schedule, WarmupCosine) and schedule.total_steps != steps:
+            rank_zero_warn(
+                f"The learning-rate schedule restored from the checkpoint decays over "
+                f"{schedule.total_steps} steps, and this run trains for {steps} (trainer.max_steps): it "
+                f"keeps the checkpoint's schedule, so after step {schedule.total_steps} the learning "
+                "rate stays at 10% of its peak (CanzonaStrategy(load_optimizer_state=False) would "
+                "start the optimizer afresh, with a new warm-up).",
+                category=UserWarning,
+            )
+
+    def _training_steps(self) -> int:
+        return max(1, int(self.trainer.estimated_stepping_batches))
+
+
+@dataclass
+class WarmupCosine:
+    """The bundled model's learning-rate factor per step: a linear warm-up over ``warmup_steps``,
+    then a cosine decay to 10% at ``total_steps``.
+
+    A callable object rather than a function, so that ``LambdaLR`` saves its fields with its state:
+    a resumed run keeps the schedule it started with.
+    """
+
+    warmup_steps: int
+    total_steps: int
+
+    def __call__(self, step: int) -> float:
+        warmup = min(self.warmup_steps, self.total_steps)
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, self.total_steps - warmup)
+        return 0.1 + 0.45 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
 def _is_matrix_optimizer(factory: Any) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import inspect
+import itertools
 import math
 import warnings
 from abc import abstractmethod
@@ -237,7 +238,12 @@ class MatrixOptimizer(Optimizer):
         return rule if spec is None else RowBlockRule(rule, as_row_blocks(spec))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group; without an ``"algorithm"`` it is split into matrix and AdamW groups."""
+        """Add a group; without an ``"algorithm"`` it is split into matrix and AdamW groups.
+
+        A group without a ``"name"`` is named for its algorithm (``"muon"``, ``"adamw"``, then
+        ``"muon-2"``…), which logs show (Lightning's ``LearningRateMonitor``: ``lr-Muon/adamw``);
+        the parts of a named group that is split take the name and their algorithm.
+        """
         if "algorithm" not in param_group:
             params = param_group["params"]
             params = [params] if isinstance(params, Tensor) else list(params)
@@ -245,9 +251,12 @@ class MatrixOptimizer(Optimizer):
             for entry in params:
                 tensor = entry[1] if isinstance(entry, tuple) else entry
                 by_algorithm[self.algorithm if tensor.ndim >= 2 else ADAMW].append(entry)
-            for algorithm, members in by_algorithm.items():
-                if members:
-                    self.add_param_group({**param_group, "params": members, "algorithm": algorithm})
+            parts = {algorithm: members for algorithm, members in by_algorithm.items() if members}
+            for algorithm, members in parts.items():
+                part = {**param_group, "params": members, "algorithm": algorithm}
+                if "name" in param_group and len(parts) > 1:
+                    part["name"] = f"{param_group['name']}-{algorithm}"
+                self.add_param_group(part)
             return
         algorithm = param_group["algorithm"]
         index = len(self.param_groups)
@@ -276,6 +285,10 @@ class MatrixOptimizer(Optimizer):
             raise ValueError(misplaced)
         if "row_blocks" in group:
             group["row_blocks"] = as_row_blocks(group["row_blocks"])
+        if "name" not in group:
+            taken = {other.get("name") for other in self.param_groups}
+            names = itertools.chain([algorithm], (f"{algorithm}-{n}" for n in itertools.count(2)))
+            group["name"] = next(name for name in names if name not in taken)
 
     def _misplaced_parameter(self, group: dict[str, Any], index: int) -> str | None:
         """Why a parameter of ``group`` cannot be updated by it, or ``None``.
@@ -541,6 +554,7 @@ class MatrixOptimizer(Optimizer):
         tensor but ``"step"`` to the parameter's device, where every read of a counter would wait
         for it.
         """
+        names = [group.get("name") for group in self.param_groups]
         super().load_state_dict(state_dict)
         # Each counter from the state dict's (host) tensor, its parameter found as torch finds
         # it: by the order of the groups' parameters (ids, or names from torch.distributed.checkpoint).
@@ -551,6 +565,9 @@ class MatrixOptimizer(Optimizer):
             for name, saved in by_param.get(key, {}).items():
                 if counters.is_counter(name):
                     self.state[param][name] = counters.number(saved)
+        for group, name in zip(self.param_groups, names):  # a state dict from before names: ours
+            if name is not None:
+                group.setdefault("name", name)
         for group in self.param_groups:  # a setting added since the save takes its default
             defaults = self.adamw_defaults if group.get("algorithm") == ADAMW else self.defaults
             for key, value in defaults.items():

@@ -12,6 +12,7 @@ import contextlib
 import functools
 import io
 import os
+import stat
 import subprocess
 from pathlib import Path
 
@@ -82,6 +83,9 @@ def test_the_bundled_model_exported_and_fine_tuned_from_its_export(bundled, tmp_
     exported = tmp_path / "tiny.safetensors"
     # The command in this process (the transformers test below runs it as its own process).
     main(["export", str(folder / "trained.ckpt"), str(exported)])
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(exported.stat().st_mode) == 0o666 & ~umask  # as any file created (not 0600)
     weights = load_file(exported)
     # Every parameter once, whole: the weights the ranks trained (handed back to this process).
     assert weights.keys() == trained.state_dict().keys()
@@ -110,6 +114,11 @@ def test_the_command_says_in_one_line_what_to_pass(bundled, tmp_path) -> None:
     assert line.startswith(f"canzona export: error: Exporting {checkpoint} as a transformers folder needs ")
     assert "pass --config with its training config, or in Python lc.export_checkpoint(" in line
     assert "module=model) with the LightningModule or the transformers model." in line
+    # And, in the same line, what to do with a model that is none (the bundled one's case).
+    assert line.endswith(
+        "A model that is not a transformers model (the bundled Qwen3 among them) has no such "
+        "folder: export it as one file, --format safetensors (the default) or --format torch."
+    )
     # The bundled model is no transformers model, whichever way it is given.
     line = _export(checkpoint, tmp_path / "hf", "--format", "transformers", "--config", TINY_CONFIG)
     assert line == (
@@ -196,6 +205,9 @@ def test_a_pretrained_transformers_model_fine_tuned_and_exported_for_from_pretra
     assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
     assert load_file(exported / "model.safetensors").keys() == names
     assert load_file(own / "model.safetensors").keys() == names
+    assert stat.S_IMODE((exported / "model.safetensors").stat().st_mode) == stat.S_IMODE(
+        (exported / "config.json").stat().st_mode
+    )  # readable as the config beside it
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(exported)
     assert reloaded.lm_head.weight.data_ptr() == reloaded.model.embed_tokens.weight.data_ptr()  # tied
     with torch.no_grad():

@@ -24,6 +24,7 @@ from fabric_loop import (
 )
 from fabric_resume import train as resume_run
 from lightning.fabric import Fabric
+from lightning.fabric.plugins import DoublePrecision
 from printed import warning_lines
 from safetensors.torch import load_file
 from scripts import run_script
@@ -33,6 +34,7 @@ from lightning_canzona.cli import main
 from lightning_canzona.export import consolidated_weights
 from lightning_canzona.launcher import FabricInProcessLauncher
 from lightning_canzona.models.qwen3 import PRESETS, Qwen3
+from lightning_canzona.precision import check_precision
 from lightning_canzona.telemetry import COMPUTE_MAX_MS, COMPUTE_MS, MATRICES, SENT_MIB, STEP_MS
 
 
@@ -58,6 +60,9 @@ def test_fabric_takes_the_strategy_by_name_and_checks_its_settings_before_any_ra
         Fabric(accelerator="cpu", devices=4, strategy=lc.CanzonaFabricStrategy(data_parallel_size=3))
     with pytest.raises(ValueError, match=r"precision='16-true' is not supported by CanzonaFabricStrategy"):
         Fabric(accelerator="cpu", devices=4, strategy="canzona", precision="16-true")
+    # Lightning refuses 64-true for its model-parallel strategies first; ours says why, and how.
+    with pytest.raises(ValueError, match=r"'64-true' .*: .* no float64 precision; .*\(model\.double\(\)\)"):
+        check_precision(DoublePrecision(), "CanzonaFabricStrategy")
     with pytest.raises(TypeError, match="plan must be a lightning_canzona.PlanConfig"):
         lc.CanzonaFabricStrategy(plan={"policy": "lpt"})
 

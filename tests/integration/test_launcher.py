@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import Iterator
@@ -17,6 +18,8 @@ from pathlib import Path
 
 import pytest
 from scripts import end_session
+
+from lightning_canzona.launcher import failure_reports_folder, prune_failure_reports
 
 PREAMBLE = """
 import os, sys, time
@@ -165,3 +168,34 @@ def test_a_kernel_that_used_cuda_is_told_what_to_do_before_any_rank_is_forked(mo
     with pytest.raises(RuntimeError, match=r"has already used CUDA .* Restart the kernel"):
         launcher.launch(print, "a rank ran")
     assert not multiprocessing.active_children()
+
+
+def _adopted_rank_names_its_folder(write: int) -> None:
+    """In a forked child: fork a rank, end (its launcher ending first), and have the rank, once
+    adopted, write its pid, its new parent's and its report folder's name to ``write``."""
+    launcher = os.getpid()
+    if os.fork():
+        os._exit(0)
+    while os.getppid() == launcher:
+        time.sleep(0.01)
+    os.write(write, f"{os.getpid()} {os.getppid()} {failure_reports_folder().name}".encode())
+    os._exit(0)
+
+
+def test_a_rank_whose_launcher_ended_names_its_report_folder_for_itself() -> None:
+    stale = Path(tempfile.gettempdir()) / "lightning_canzona-1"  # init's: what earlier versions wrote
+    stale.mkdir(exist_ok=True)
+    read, write = os.pipe()
+    launcher = os.fork()  # no interpreter to start: the children only read process ids
+    if launcher == 0:
+        os.close(read)
+        _adopted_rank_names_its_folder(write)
+    os.close(write)
+    os.waitpid(launcher, 0)
+    with os.fdopen(read) as pipe:  # until the rank has written and ended
+        rank, adopter, name = pipe.read().split()
+    # Adopted by init, it names the folder for itself (removed once it has ended); by a
+    # subreaper (a container's), for that process, as for any launching process.
+    assert name == f"lightning_canzona-{rank if adopter == '1' else adopter}"
+    prune_failure_reports()
+    assert not stale.exists()

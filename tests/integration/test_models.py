@@ -94,16 +94,26 @@ def test_the_training_loader_resumes_where_the_checkpoint_stopped_at_any_data_pa
         assert len(set(seen)) == len(seen) == 48, (epoch, seen)
 
 
-def test_language_model_trains_through_a_lightning_trainer() -> None:
-
+def test_language_model_trains_through_a_lightning_trainer_and_resumes_its_schedule(tmp_path) -> None:
     data = ByteTextDataModule(seq_len=32, batch_size=4)
     module = CausalLanguageModel(preset="tiny", warmup_steps=2)
-    trainer = quiet_trainer(devices=1, max_steps=6, limit_val_batches=2, val_check_interval=3)
+    trainer = quiet_trainer(devices=1, max_steps=4, limit_val_batches=2, val_check_interval=2)
     trainer.fit(module, datamodule=data)
     optimizer = trainer.optimizers[0]
     assert isinstance(optimizer, lc.Muon)
     assert [group["algorithm"] for group in optimizer.param_groups] == ["muon", "adamw"]
     assert torch.isfinite(trainer.callback_metrics["val_loss"])
+    trainer.save_checkpoint(tmp_path / "four.ckpt")
+    # Resumed into a longer run: the schedule of the run it resumes (10% after its step 4), said once.
+    longer = quiet_trainer(devices=1, max_steps=6, limit_val_batches=0)
+    with pytest.warns(UserWarning, match=r"decays over 4 steps, and this run trains for 6") as warned:
+        longer.fit(
+            CausalLanguageModel(preset="tiny", warmup_steps=2),
+            datamodule=data,
+            ckpt_path=tmp_path / "four.ckpt",
+        )
+    assert len([w for w in warned if "learning-rate schedule" in str(w.message)]) == 1
+    assert longer.lr_scheduler_configs[0].scheduler.get_last_lr()[0] == pytest.approx(0.02 * 0.1)
 
 
 def test_mixture_of_experts_routes_each_token_to_its_top_k_experts() -> None:

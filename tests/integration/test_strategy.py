@@ -21,6 +21,7 @@ from headline import headline
 from lightning import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import StrategyRegistry
+from omegaconf import OmegaConf
 from printed import warning_lines
 from scripts import run_script
 from torch.distributed.tensor import DTensor
@@ -65,6 +66,10 @@ def test_import_registers_the_strategies_once() -> None:
             r"precision='16-true' is not supported",
         ),
         (lambda: lc.CanzonaStrategy(plan=lc.PlanConfig(policy="greedy")), r"policy must be one of"),
+        (
+            lambda: lc.CanzonaStrategy(compile={"mod": "max-autotune"}),
+            r"compile=\{'mod': 'max-autotune'\}: torch\.compile takes no 'mod'; it takes fullgraph, .*mode",
+        ),
     ],
 )
 def test_bad_settings_fail_before_any_process_starts(build, message) -> None:
@@ -207,6 +212,11 @@ class MissingModulePlan(CausalLanguageModel):
         return {**super().tensor_parallel_plan(), "model.layers.0.mlp.fc9": None}
 
 
+class ComposesItself(CausalLanguageModel):
+    def configure_model(self) -> None:
+        lc.composition.compose(self, self.device_mesh)
+
+
 @pytest.mark.parametrize(
     "module, strategy, fit_kwargs, error, message",
     [
@@ -231,8 +241,15 @@ class MissingModulePlan(CausalLanguageModel):
             FileNotFoundError,
             r"ckpt_path='missing.ckpt' does not",
         ),
+        (
+            ComposesItself,
+            {"compile": True},
+            {},
+            ValueError,
+            r"ComposesItself\.configure_model composes its own: pass compile_options to .*compose there",
+        ),
     ],
-    ids=["tp-vs-kv-heads", "plan-names-a-missing-module", "missing-ckpt_path"],
+    ids=["tp-vs-kv-heads", "plan-names-a-missing-module", "missing-ckpt_path", "compile-own-composition"],
 )
 def test_mistakes_fail_in_the_launching_process_before_any_rank_starts(
     module, strategy, fit_kwargs, error, message
@@ -279,6 +296,13 @@ def test_cli_runs_the_main_job_config_quietly_on_the_mesh_auto_chose(tmp_path) -
     assert "lightning_canzona plan on mesh (2, 2)" in output and "policy canzona" in output
     assert "`max_steps=3` reached" in output
     assert not warning_lines(output), output
+
+
+@pytest.mark.parametrize("config", ["tiny.yaml", "tiny-moe.yaml"])
+def test_the_main_jobs_validate_at_their_last_step(config) -> None:
+    # Steps counted across epochs (an epoch is 216 batches): validation at 100, 200 and 300, the end.
+    trainer = OmegaConf.load(TINY_CONFIG.parent / config).trainer
+    assert trainer.check_val_every_n_epoch is None and trainer.max_steps % trainer.val_check_interval == 0
 
 
 def test_cli_runs_the_mixture_of_experts_config_with_experts_updated_where_they_lie(examples) -> None:

@@ -2,21 +2,30 @@
 
 from __future__ import annotations
 
+import csv
 import functools
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torchmetrics
-from lightning import Callback
+from lightning import Callback, Trainer
+from lightning.pytorch.callbacks import LearningRateMonitor
+from lightning.pytorch.loggers import CSVLogger
 from multiprocess import DEVICE, run_on_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
+from torch.utils.data import DataLoader, Subset
 from trainers import quiet_trainer
 
 import lightning_canzona as lc
-from lightning_canzona.data import ByteTextDataModule
+from lightning_canzona.data import ByteChunks, ByteTextDataModule, load_corpus
 from lightning_canzona.distributed.clipping import clip_grad_norm_, total_grad_norm
 from lightning_canzona.models import CausalLanguageModel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+from predict import SavePredictions, gather_predictions  # noqa: E402  (an example, not a package)
 
 
 def _norm_across_meshes(rank: int, world_size: int) -> None:
@@ -51,6 +60,7 @@ def _fit(
     model_class=CausalLanguageModel,
     batch_size=4,
     gradient_accumulation="sharded",
+    compile=False,
     **trainer_kwargs,
 ):
     strategy = lc.CanzonaStrategy(
@@ -58,6 +68,7 @@ def _fit(
         tensor_parallel_size=2,
         start_method="fork",
         gradient_accumulation=gradient_accumulation,
+        compile=compile,
     )
     trainer = quiet_trainer(
         **{"max_steps": 3, "limit_val_batches": 0, **trainer_kwargs},
@@ -87,9 +98,20 @@ class CheckClipped(Callback):
         assert float(total_grad_norm(pl_module.parameters())) <= 0.05 * (1 + 1e-4)
 
 
-def test_clipping_by_norm_works_on_dp_and_dp_tp_meshes(tmp_path) -> None:
-    trainer, saved = _fit(tmp_path, "clipped", callbacks=[CheckClipped()], gradient_clip_val=0.05)
+def test_clipping_by_norm_works_on_dp_and_dp_tp_meshes_and_learning_rates_log_by_group(tmp_path) -> None:
+    logger = CSVLogger(tmp_path, name="logs", version=0)
+    trainer, saved = _fit(
+        tmp_path,
+        "clipped",
+        callbacks=[CheckClipped(), LearningRateMonitor()],
+        gradient_clip_val=0.05,
+        logger=logger,
+        log_every_n_steps=1,
+    )
     assert saved["steps"] == 3
+    with open(tmp_path / "logs" / "version_0" / "metrics.csv") as metrics:
+        logged = {name for name in next(csv.reader(metrics)) if name.startswith("lr-")}
+    assert logged == {"lr-Muon/muon", "lr-Muon/adamw"}  # the groups by name, not lr-Muon/pg1
 
 
 class CheckAccumulation(Callback):
@@ -119,6 +141,29 @@ def test_accumulation_equals_a_large_batch_and_steps_once_per_window(tmp_path, l
         assert accumulated["steps"] == large["steps"] == 3
         for name, expected in large["weights"].items():
             torch.testing.assert_close(accumulated["weights"][name], expected, rtol=1e-4, atol=1e-5)
+
+
+class CheckCompiled(Callback):
+    """Each block's forward is compiled, and one graph serves them all."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        torch._dynamo.utils.counters.clear()  # the ranks' own compiles, not the test process's
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        blocks = pl_module.model.layers
+        assert all(hasattr(block.forward, "_torchdynamo_orig_callable") for block in blocks)
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_a_compiled_fit_equals_the_eager_one(tmp_path, large_batches) -> None:
+    # Every block's forward compiled whole (fullgraph: FSDP2's gathers and TP's hooks stay outside
+    # it), traced by dynamo and AOTAutograd and run as their ATen graph (inductor's code generation
+    # is the benchmark's: docs/strategy.md#compiling).
+    options = {"backend": "aot_eager", "fullgraph": True}
+    _, compiled = _fit(tmp_path, "compiled", [CheckCompiled()], batch_size=8, compile=options)
+    assert compiled["steps"] == large_batches["steps"] == 3
+    for name, expected in large_batches["weights"].items():
+        torch.testing.assert_close(compiled["weights"][name], expected, rtol=1e-5, atol=1e-6)
 
 
 class ManualOptimization(CausalLanguageModel):
@@ -177,3 +222,24 @@ def test_bf16_precisions_train_and_metrics_reduce_over_data_parallel(tmp_path, p
     assert saved["steps"] == 3
     # 3 steps × 4 samples × 2 data-parallel ranks: the 2 tensor-parallel replicas count once.
     assert float(trainer.callback_metrics["samples"]) == 24
+
+
+def test_every_ranks_predictions_gathered_equal_one_process_and_an_uneven_split_is_refused(tmp_path) -> None:
+    # examples/predict.py's writer and gathering, as docs/strategy.md shows them.
+    samples = Subset(ByteChunks(load_corpus(), 32), range(12))
+    torch.manual_seed(0)
+    module = CausalLanguageModel(preset="tiny")
+    with torch.no_grad():
+        expected = module(torch.stack([samples[index] for index in range(12)]))
+
+    def trainer(**settings) -> Trainer:
+        strategy = lc.CanzonaStrategy(data_parallel_size=2, tensor_parallel_size=2, start_method="fork")
+        return quiet_trainer(strategy=strategy, **settings)
+
+    loader = DataLoader(samples, batch_size=2)
+    trainer(callbacks=[SavePredictions(tmp_path)]).predict(module, loader, return_predictions=False)
+    torch.testing.assert_close(torch.stack(gather_predictions(tmp_path)), expected, rtol=1e-5, atol=1e-5)
+    # 9 samples: 5 and 4 per data-parallel rank, 3 and 2 batches; the rank with 3 would wait.
+    uneven = DataLoader(Subset(samples, range(9)), batch_size=2)
+    with pytest.raises(Exception, match=r"different numbers of batches \(9 samples in batches of 2: 3, 2\)"):
+        trainer().predict(module, uneven, return_predictions=False)

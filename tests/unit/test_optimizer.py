@@ -104,26 +104,6 @@ def test_plain_parameters_are_split_by_dimensionality() -> None:
     assert adamw["lr"] == matrix["lr"] and adamw["eps"] == 1e-8 and adamw["betas"] == (0.9, 0.95)
 
 
-@pytest.mark.parametrize("optimizer_class, kwargs", OPTIMIZERS)
-def test_state_dict_round_trip_continues_identically(optimizer_class, kwargs) -> None:
-    batches = [torch.randint(0, 32, (8, 17)) for _ in range(8)]
-    model = TinyLM()
-    optimizer = optimizer_class(lc.matrix_param_groups(model), **kwargs)
-    _train(model, optimizer, batches[:3])
-
-    saved_model = copy.deepcopy(model.state_dict())
-    saved_optimizer = copy.deepcopy(optimizer.state_dict())
-    uninterrupted = _train(model, optimizer, batches[3:])
-
-    restored = TinyLM()
-    restored.load_state_dict(saved_model)
-    restored_optimizer = optimizer_class(lc.matrix_param_groups(restored), **kwargs)
-    restored_optimizer.load_state_dict(saved_optimizer)
-    assert _train(restored, restored_optimizer, batches[3:]) == uninterrupted
-    for mine, expected in zip(restored.parameters(), model.parameters()):
-        assert torch.equal(mine, expected)
-
-
 def test_float32_matrix_state_and_counters_survive_loading_for_bf16_parameters() -> None:
     param = nn.Parameter(torch.randn(16, 24, dtype=torch.bfloat16))
     bias = nn.Parameter(torch.zeros(24, dtype=torch.bfloat16))

@@ -221,3 +221,21 @@ def test_a_mixture_of_experts_preset_is_planned_expert_by_expert_where_experts_l
     assert "Qwen3 tiny-moe: 80 matrices" in out
     saved = re.search(r"locality: 64 matrices lie whole on some rank .* ([\d.]+)× less", out)
     assert saved is not None and float(saved.group(1)) > 5  # measured 6.6
+
+
+@pytest.mark.parametrize(
+    "command, default",
+    [
+        (["plan"], "Qwen3 preset (default: 0.6B)"),
+        (["bench"], "{train,ns,step,qk-clip}"),
+        (["bench", "step"], "timed steps per variant (default: 10)"),
+        (["bench", "ns"], "matrix shapes (default: 256x256 512x512"),
+        (["doctor"], "--quick"),
+    ],
+)
+def test_a_commands_help_is_plain_text_with_its_defaults(capsys, command, default) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main([*command, "--help"])
+    printed = " ".join(capsys.readouterr().out.split())  # argparse wraps lines at the terminal's width
+    assert exited.value.code == 0 and default in printed
+    assert "``" not in printed and "(default: None)" not in printed, printed
