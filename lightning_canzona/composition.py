@@ -24,13 +24,12 @@ plan of its own: the model's (and its decoder layers as units) are used
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
@@ -94,18 +93,30 @@ def compose(
         )
 
 
+class CompileOptions(TypedDict, total=False):
+    """The ``torch.compile`` keywords that the strategies' ``compile`` setting takes (a config's
+    misspelt key is refused when it is read)."""
+
+    fullgraph: bool
+    dynamic: bool | None
+    backend: str
+    mode: str | None
+    options: dict[str, Any] | None
+    disable: bool
+
+
 def compile_options(setting: bool | Mapping[str, Any]) -> dict[str, Any] | None:
     """The ``torch.compile`` keywords of a strategy's ``compile`` setting, checked; ``None``: eager.
 
     Raises:
         TypeError: ``setting`` is neither a bool nor a mapping.
-        ValueError: A keyword ``torch.compile`` does not take, named with the ones it does.
+        ValueError: A keyword that is not one of `CompileOptions`, named with the ones that are.
     """
     if setting is False or setting is True:
         return {} if setting else None
     if not isinstance(setting, Mapping):
         raise TypeError(f"compile must be True, False or a dict of torch.compile's keywords, got {setting!r}")
-    taken = [name for name in inspect.signature(torch.compile).parameters if name != "model"]
+    taken = list(CompileOptions.__annotations__)
     unknown = [name for name in setting if name not in taken]
     if unknown:
         raise ValueError(

@@ -46,6 +46,7 @@ from lightning_canzona.checkpoint import (
 )
 from lightning_canzona.compat import BackwardSyncControl, PathLike, materialize_distributed_module
 from lightning_canzona.composition import (
+    CompileOptions,
     compile_of_own_composition,
     compile_options,
     compose,
@@ -113,7 +114,7 @@ class CanzonaFabricStrategy(ModelParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "fork", "spawn"] = "popen",
         data_parallel_replicate_size: Literal["auto"] | int = 1,
-        compile: bool | dict[str, Any] = False,
+        compile: bool | CompileOptions = False,
     ) -> None:
         #: ``torch.compile``'s keywords for each block the strategy composes; ``None``: eager.
         self.compile_options = compile_options(compile)

@@ -68,6 +68,7 @@ from lightning_canzona.compat import (
     set_device_mesh,
 )
 from lightning_canzona.composition import (
+    CompileOptions,
     check_even_batches,
     compile_of_own_composition,
     compile_options,
@@ -170,7 +171,7 @@ class CanzonaStrategy(ModelParallelStrategy):
         return_weights: bool = True,
         gradient_accumulation: Literal["sharded", "unsharded"] = "sharded",
         data_parallel_replicate_size: Literal["auto"] | int = 1,
-        compile: bool | dict[str, Any] = False,
+        compile: bool | CompileOptions = False,
     ) -> None:
         super().__init__(
             data_parallel_size=data_parallel_size,
