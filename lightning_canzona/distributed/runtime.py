@@ -344,13 +344,13 @@ class MicroGroupStep:
             stacked = torch.stack([as_matrix(matrix) for matrix in matrices])
             direction = self.run.meter.track(self._rule(members[0]).direction(stacked, {}))
             stats.matrices_computed += len(members)
-            return [part.view(matrices[0].shape) for part in direction.unbind(0)]
+            return [part.reshape(matrices[0].shape) for part in direction.unbind(0)]
         (m,), (matrix,) = members, matrices
         item = self.run.planned.items[m]
         param_state = self.run.state[self.run.planned.entries[item.entry].param]
         failures = param_state.get(FAILURES, 0)
         if item.member is None:
-            direction = self._rule(m).direction(as_matrix(matrix), param_state).view(matrix.shape)
+            direction = self._rule(m).direction(as_matrix(matrix), param_state).reshape(matrix.shape)
         else:
             direction = member_direction(self._rule(m), matrix, param_state, item.member)
         stats.matrices_computed += 1

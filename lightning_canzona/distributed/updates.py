@@ -136,7 +136,7 @@ def full_direction(rule: MatrixRule, matrix: Tensor, param_state: State) -> Tens
     `matrix_shape`), or a stack matrix by matrix (each with its own state, as the engine plans
     them) unless the rule keeps no matrix state."""
     if matrix.ndim != 3 or rule.batches_matrices:
-        return rule.direction(as_matrix(matrix), param_state).view(matrix.shape)
+        return rule.direction(as_matrix(matrix), param_state).reshape(matrix.shape)
     return torch.stack([member_direction(rule, m, param_state, e) for e, m in enumerate(matrix)])
 
 

@@ -139,8 +139,8 @@ class MatrixOptimizer(Optimizer):
     ) -> None:
         if not isinstance(stochastic_rounding, bool):
             raise TypeError(f"stochastic_rounding must be True or False, got {stochastic_rounding!r}")
-        tensors = {"lr": defaults["lr"], "adamw_lr": adamw_lr}  # checked before params, as torch.optim
-        check_non_negative(**{name: lr for name, lr in tensors.items() if isinstance(lr, Tensor)})
+        rates = {"lr": defaults["lr"], "adamw_lr": adamw_lr}  # a tensor's shape before params, as torch.optim
+        check_non_negative(**{name: rate for name, rate in rates.items() if isinstance(rate, Tensor)})
         if adamw_lr is None:  # a tensor of its own: a scheduler writes each group's in place
             adamw_lr = defaults["lr"].clone() if isinstance(defaults["lr"], Tensor) else defaults["lr"]
         self.adamw_defaults = {
@@ -565,7 +565,9 @@ class MatrixOptimizer(Optimizer):
             for name, saved in by_param.get(key, {}).items():
                 if counters.is_counter(name):
                     self.state[param][name] = counters.number(saved)
-        for group, name in zip(self.param_groups, names):  # a state dict from before names: ours
+        for group, name in zip(
+            self.param_groups, names
+        ):  # saved without names: keep ours, as torch keeps param_names
             if name is not None:
                 group.setdefault("name", name)
         for group in self.param_groups:  # a setting added since the save takes its default

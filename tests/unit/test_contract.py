@@ -183,7 +183,7 @@ def test_complex_parameters_and_sparse_gradients_are_refused_naming_the_paramete
     assert torch.equal(embedding.weight, before)
 
 
-@pytest.mark.parametrize("shape", [(16, 3, 3, 3), (4, 8, 3, 1)])
+@pytest.mark.parametrize("shape", [(16, 3, 3, 3), (64, 3, 3, 3), (4, 8, 3, 1)])  # wide, tall
 def test_a_conv_weight_is_updated_as_the_matrix_out_by_in_times_kernel(shape) -> None:
     """As the Muon reference treats it: torch.optim.Muon on the flattened weight is the update."""
     conv = nn.Parameter(torch.randn(shape))
