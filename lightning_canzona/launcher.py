@@ -302,8 +302,9 @@ def report_failures_briefly(rank: int) -> None:
 
 def failure_reports_folder() -> Path:
     """The folder of this rank's failure report: named for the process that launched it (its
-    parent), or for this rank itself where that process has ended and ``init`` (PID 1, which
-    never ends) adopted the rank, so that the folder is removed once the rank has ended too."""
+    parent), or for this rank itself where the parent is PID 1 — ``init``, which adopted the rank
+    after its launcher ended, or a container's first process — which outlives every launch, so
+    that the folder is removed once the rank has ended."""
     parent = os.getppid()
     return Path(tempfile.gettempdir()) / f"{_REPORTS}{parent if parent != 1 else os.getpid()}"
 

@@ -194,8 +194,8 @@ def test_a_rank_whose_launcher_ended_names_its_report_folder_for_itself() -> Non
     os.waitpid(launcher, 0)
     with os.fdopen(read) as pipe:  # until the rank has written and ended
         rank, adopter, name = pipe.read().split()
-    # Adopted by init, it names the folder for itself (removed once it has ended); by a
-    # subreaper (a container's), for that process, as for any launching process.
+    # Adopted by init (PID 1, as a container's first process is), it names the folder for itself,
+    # removed once it has ended; by a subreaper, for that process, as for any launching process.
     assert name == f"lightning_canzona-{rank if adopter == '1' else adopter}"
     prune_failure_reports()
     assert not stale.exists()

@@ -165,6 +165,19 @@ def test_a_closure_is_evaluated_with_gradients_and_zero_or_absent_gradients_chan
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
+def test_the_inputs_torch_optim_refuses_are_refused_alike(name) -> None:
+    matrix, wide, _ = _params()
+    with pytest.raises(TypeError, match="params argument given to the optimizer should be an iterable"):
+        _build(name, matrix)
+    with pytest.warns(UserWarning, match="a parameter group with duplicate parameters"):
+        _build(name, [matrix, matrix])
+    with pytest.raises(ValueError, match="some parameters appear in more than one parameter group"):
+        _build(name, [{"params": [matrix]}, {"params": [matrix]}])
+    with pytest.raises(ValueError, match="all optimizer params should be with/without names"):
+        _build(name, [("matrix", matrix), wide])
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
 def test_complex_parameters_and_sparse_gradients_are_refused_naming_the_parameter(name) -> None:
     cls = OPTIMIZERS[name][0].__name__
     weights = nn.Parameter(torch.randn(4, 3, dtype=torch.complex64))
