@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, Any, TypedDict
 
-import torch
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -57,10 +56,11 @@ def compose(
         device_mesh: A mesh with ``data_parallel`` and ``tensor_parallel`` dimensions.
         mp_policy: FSDP2's mixed precision for every unit (``None``: compute, all-gather and
             reduce in the parameters' dtype).
-        compile_options: Compile each block's ``forward`` (`_Units.blocks`) with these
-            ``torch.compile`` keywords, after tensor parallelism and before FSDP2, as torchtitan
-            does: one graph serves every block of a class, FSDP2's gathers and TP's hooks run
-            around it, and names and state dicts stay the module's. ``None``: eager.
+        compile_options: Compile each block (`_Units.blocks`) in place with these
+            ``torch.compile`` keywords (``nn.Module.compile``), after tensor parallelism and
+            before FSDP2, as torchtitan does: dynamo traces the block's ``forward``, one graph
+            serves every block of a class, FSDP2's gathers and TP's hooks run outside it, names
+            and state dicts stay the module's, and a copy of the model is eager. ``None``: eager.
 
     Raises:
         ValueError: See `check_composable`.
@@ -79,8 +79,8 @@ def compose(
     options = {} if mp_policy is None else {"mp_policy": mp_policy}
     units = _choose_units(module)
     if compile_options is not None:
-        for block in units.blocks():  # its forward only: FSDP2's and TP's hooks stay outside the graph
-            block.forward = torch.compile(block.forward, **compile_options)  # type: ignore[method-assign]
+        for block in units.blocks():
+            block.compile(**compile_options)
     if len(units.roots) == 1:  # kept gathered from forward to backward (`_Units.reshard_after_forward`)
         ignore_view_warning_of_unresharded_root(type(units.roots[0]))
     for unit in units.modules:
@@ -130,7 +130,7 @@ def compile_of_own_composition(setting: str, composer: str) -> ValueError:
     return ValueError(
         f"{setting} compiles the blocks of a model the strategy composes, and {composer} composes its "
         "own: pass compile_options to lightning_canzona.composition.compose there, or compile its "
-        "blocks' forward itself (block.forward = torch.compile(block.forward)); or leave compile unset."
+        "blocks itself (block.compile()); or leave compile unset."
     )
 
 

@@ -144,21 +144,21 @@ def test_accumulation_equals_a_large_batch_and_steps_once_per_window(tmp_path, l
 
 
 class CheckCompiled(Callback):
-    """Each block's forward is compiled, and one graph serves them all."""
+    """Each block is compiled, and one graph serves them all."""
 
     def on_train_start(self, trainer, pl_module) -> None:
         torch._dynamo.utils.counters.clear()  # the ranks' own compiles, not the test process's
 
     def on_train_end(self, trainer, pl_module) -> None:
         blocks = pl_module.model.layers
-        assert all(hasattr(block.forward, "_torchdynamo_orig_callable") for block in blocks)
+        assert all(block._compiled_call_impl is not None for block in blocks)  # nn.Module.compile's
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
 def test_a_compiled_fit_equals_the_eager_one(tmp_path, large_batches) -> None:
-    # Every block's forward compiled whole (fullgraph: FSDP2's gathers and TP's hooks stay outside
-    # it), traced by dynamo and AOTAutograd and run as their ATen graph (inductor's code generation
-    # is the benchmark's: docs/strategy.md#compiling).
+    # Every block compiled in place, its forward one graph (fullgraph: FSDP2's gathers and TP's
+    # hooks run outside it), traced by dynamo and AOTAutograd and run as their ATen graph
+    # (inductor's code generation is the benchmark's: docs/strategy.md#compiling).
     options = {"backend": "aot_eager", "fullgraph": True}
     _, compiled = _fit(tmp_path, "compiled", [CheckCompiled()], batch_size=8, compile=options)
     assert compiled["steps"] == large_batches["steps"] == 3
