@@ -112,7 +112,7 @@ def compile_options(setting: bool | Mapping[str, Any]) -> dict[str, Any] | None:
         TypeError: ``setting`` is neither a bool nor a mapping.
         ValueError: A keyword that is not one of `CompileOptions`, named with the ones that are.
     """
-    if setting is False or setting is True:
+    if isinstance(setting, bool):
         return {} if setting else None
     if not isinstance(setting, Mapping):
         raise TypeError(f"compile must be True, False or a dict of torch.compile's keywords, got {setting!r}")

@@ -78,12 +78,10 @@ def check_non_negative(**settings: float | Tensor) -> None:
     """A `ValueError` naming the first of ``settings`` that is not a finite number >= 0, or a
     1-element tensor holding one (a learning rate, as ``torch.optim`` takes it)."""
     for name, value in settings.items():
-        if isinstance(value, Tensor):
-            if value.numel() != 1:
-                raise ValueError(f"Tensor {name} must be 1-element, got shape {tuple(value.shape)}")
-            if value.is_complex() or not math.isfinite(value.item()) or value.item() < 0.0:
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-        elif not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0.0):
+        if isinstance(value, Tensor) and value.numel() != 1:
+            raise ValueError(f"Tensor {name} must be 1-element, got shape {tuple(value.shape)}")
+        number = value.item() if isinstance(value, Tensor) else value
+        if not (isinstance(number, (int, float)) and math.isfinite(number) and number >= 0.0):
             raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
 
@@ -355,7 +353,10 @@ class MatrixOptimizer(Optimizer):
         ]
         if not named:
             return loss
-        sparse = next(((n, p.grad.layout) for n, p in named if p.grad is not None and p.grad.is_sparse), None)
+        sparse = next(
+            ((n, p.grad.layout) for n, p in named if p.grad is not None and p.grad.layout != torch.strided),
+            None,
+        )
         if sparse is not None:  # a layout: the same on every rank, read without the device
             raise RuntimeError(
                 f"{type(self).__name__} does not support sparse gradients: parameter {sparse[0]!r} has a "

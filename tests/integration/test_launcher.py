@@ -173,13 +173,15 @@ def test_a_kernel_that_used_cuda_is_told_what_to_do_before_any_rank_is_forked(mo
 def _adopted_rank_names_its_folder(write: int) -> None:
     """In a forked child: fork a rank, end (its launcher ending first), and have the rank, once
     adopted, write its pid, its new parent's and its report folder's name to ``write``."""
-    launcher = os.getpid()
-    if os.fork():
+    try:  # whatever happens, the child never returns into pytest
+        launcher = os.getpid()
+        if os.fork():
+            os._exit(0)
+        while os.getppid() == launcher:
+            time.sleep(0.01)
+        os.write(write, f"{os.getpid()} {os.getppid()} {failure_reports_folder().name}".encode())
+    finally:
         os._exit(0)
-    while os.getppid() == launcher:
-        time.sleep(0.01)
-    os.write(write, f"{os.getpid()} {os.getppid()} {failure_reports_folder().name}".encode())
-    os._exit(0)
 
 
 def test_a_rank_whose_launcher_ended_names_its_report_folder_for_itself() -> None:
