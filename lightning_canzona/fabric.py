@@ -54,11 +54,10 @@ from lightning_canzona.composition import (
     sampler_kwargs,
 )
 from lightning_canzona.config import PlanConfig
-from lightning_canzona.distributed.clipping import clip_grad_norm_
+from lightning_canzona.distributed.clipping import agreement_of, clip_grad_norm_
 from lightning_canzona.elastic import nodes_of_launch
 from lightning_canzona.launcher import FabricInProcessLauncher, report_failures_briefly
 from lightning_canzona.mesh import MeshShape, choose_mesh
-from lightning_canzona.optim import MatrixOptimizer
 from lightning_canzona.precision import check_precision, mixed_precision_policy
 
 #: Builds the parallel model from the module and the ``(data_parallel, tensor_parallel)`` mesh.
@@ -134,7 +133,7 @@ class CanzonaFabricStrategy(ModelParallelStrategy):
         self._module: nn.Module | None = None
         #: Trainable parameters whose gradients the strategy synchronises (`unsharded_parameters`).
         self._plain_parameters: list[tuple[str, nn.Parameter]] = []
-        self._read_checks_now = False
+        self._optimizers: list[Optimizer] = []
         self._gradient_sync_blocked = False
         self._backward_sync_control = _NoBackwardSync(self)
 
@@ -222,8 +221,7 @@ class CanzonaFabricStrategy(ModelParallelStrategy):
         bound = preparation.bind_and_describe(
             optimizer, self._module, self.plan_config, schedulers, type(self).__name__, self.num_processes
         )
-        # Another optimizer's step would not read the checks that wait for a step (`deferred`).
-        self._read_checks_now |= not isinstance(bound, MatrixOptimizer)
+        self._optimizers.append(bound)
         return bound
 
     def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
@@ -234,7 +232,7 @@ class CanzonaFabricStrategy(ModelParallelStrategy):
             preparation.synchronise_unsharded(
                 self._plain_parameters,
                 data_parallel_mesh(self.device_mesh).get_group(),
-                self._read_checks_now,
+                preparation.step_agreement(self._optimizers),
             )
 
     def clip_gradients_norm(
@@ -248,7 +246,9 @@ class CanzonaFabricStrategy(ModelParallelStrategy):
         """Clip by the norm of every gradient together, across meshes; return that norm."""
         self.precision.unscale_gradients(optimizer)
         parameters = list(self.precision.main_params(optimizer))
-        return clip_grad_norm_(parameters, float(max_norm), float(norm_type), error_if_nonfinite)
+        return clip_grad_norm_(
+            parameters, float(max_norm), float(norm_type), error_if_nonfinite, agreement_of(optimizer)
+        )
 
     def save_checkpoint(
         self,

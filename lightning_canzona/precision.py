@@ -10,7 +10,7 @@ from lightning.pytorch.plugins.precision import Precision
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.optim import Optimizer
 
-from lightning_canzona.distributed.clipping import clip_grad_norm_
+from lightning_canzona.distributed.clipping import agreement_of, clip_grad_norm_
 
 #: The precisions of the Trainer's and Fabric's strategies.
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
@@ -61,6 +61,6 @@ def clip_across_meshes(plugin: Precision) -> None:
     """
 
     def clip_grad_by_norm(optimizer: Optimizer, clip_val: float) -> None:
-        clip_grad_norm_(plugin.main_params(optimizer), clip_val)
+        clip_grad_norm_(plugin.main_params(optimizer), clip_val, agreement=agreement_of(optimizer))
 
     plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]

@@ -22,7 +22,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from lightning_canzona.compat import flatten_mesh
 from lightning_canzona.composition import sharding_mesh
 from lightning_canzona.config import PlanConfig
-from lightning_canzona.distributed import deferred
+from lightning_canzona.distributed.agreement import GradientAgreement
 from lightning_canzona.distributed.replicas import average_gradients, check_gradients_agree
 from lightning_canzona.mesh import MeshShape, Size, auto_replicas
 from lightning_canzona.optim import MatrixOptimizer
@@ -115,17 +115,29 @@ def unsharded_parameters(module: nn.Module, data_parallel: DeviceMesh, world_siz
     return named
 
 
-def synchronise_unsharded(named: NamedParameters, group: dist.ProcessGroup, read_now: bool = False) -> None:
+def synchronise_unsharded(
+    named: NamedParameters, group: dist.ProcessGroup, agreement: GradientAgreement | None
+) -> None:
     """Average the gradients of ``named`` over the data-parallel ``group`` and check that they
     agree on every rank (`lightning_canzona.distributed.replicas`).
 
-    What the device knows of them waits for the optimizer step's agreement on gradients, unless
-    ``read_now``: where the step is not a lightning_canzona optimizer's, which would not read it.
+    What the device knows of them waits for ``agreement`` (`step_agreement`), the next step's;
+    without one it is read now.
     """
-    average_gradients([param for _, param in named], group)
-    check_gradients_agree(named)
-    if read_now:
-        deferred.settle()
+    checks = GradientAgreement() if agreement is None else agreement
+    average_gradients([param for _, param in named], group, checks)
+    check_gradients_agree(named, checks)
+    if agreement is None:
+        checks.settle()
+
+
+def step_agreement(optimizers: Sequence[Optimizer]) -> GradientAgreement | None:
+    """The agreement of the optimizer whose step reads the checks of every backward: the only
+    optimizer, where it is a `MatrixOptimizer`; ``None`` where there are several (a step of one
+    would read checks about another's gradients) or the one has none."""
+    if len(optimizers) == 1 and isinstance(optimizers[0], MatrixOptimizer):
+        return optimizers[0].agreement
+    return None
 
 
 @contextmanager

@@ -77,7 +77,6 @@ from lightning_canzona.composition import (
     sampler_kwargs,
 )
 from lightning_canzona.config import PlanConfig
-from lightning_canzona.distributed import deferred
 from lightning_canzona.elastic import nodes_of_launch
 from lightning_canzona.launcher import InProcessLauncher, ScriptLauncher, report_failures_briefly
 from lightning_canzona.mesh import MeshShape, choose_mesh
@@ -91,6 +90,7 @@ from lightning_canzona.preparation import (
     check_not_fsdp1,
     decide_replicas,
     share_cpu_cores,
+    step_agreement,
     synchronise_unsharded,
     unsharded_parameters,
     without_gradient_sync,
@@ -321,16 +321,19 @@ class CanzonaStrategy(ModelParallelStrategy):
         super().post_backward(closure_loss)
         if not self._plain_parameters or self.world_size == 1 or self._gradient_sync_blocked:
             return
-        read_now = not all(isinstance(optimizer, MatrixOptimizer) for optimizer in self.optimizers)
         synchronise_unsharded(
-            self._plain_parameters, data_parallel_mesh(self.device_mesh).get_group(), read_now
+            self._plain_parameters,
+            data_parallel_mesh(self.device_mesh).get_group(),
+            step_agreement(self.optimizers),
         )
 
     def on_train_end(self) -> None:
         """A failure of the last optimizer step, which no next step will raise, is raised here on
-        every rank (`lightning_canzona.distributed.deferred`)."""
+        every rank (`lightning_canzona.distributed.agreement.GradientAgreement.settle`)."""
         super().on_train_end()
-        deferred.settle()
+        for optimizer in self.optimizers:
+            if isinstance(optimizer, MatrixOptimizer):
+                optimizer.agreement.settle()
 
     def setup_precision_plugin(self) -> None:
         super().setup_precision_plugin()

@@ -426,7 +426,6 @@ def _count_host_syncs(rank: int, ranks: int, rendezvous: str, gpus: list[int], q
 
     import lightning_canzona as lc
     from lightning_canzona.bench.host_syncs import HostSyncs
-    from lightning_canzona.distributed import deferred
 
     torch.set_num_threads(1)
     device = torch.device("cuda", gpus[rank]) if gpus else torch.device("cpu")
@@ -446,7 +445,7 @@ def _count_host_syncs(rank: int, ranks: int, rendezvous: str, gpus: list[int], q
             param.grad = torch.ones_like(param)
         with HostSyncs() as syncs:
             optimizer.step()
-    deferred.settle()  # a failure of the last step, which no step follows, raises here
+    optimizer.agreement.settle()  # a failure of the last step, which no step follows, raises here
     gathered: list[Any] = [None] * ranks
     dist.all_gather_object(gathered, syncs.where)
     if rank == 0:

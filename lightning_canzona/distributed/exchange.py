@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_canzona.distributed.inflight import InFlight
+from lightning_canzona.distributed.agreement import InFlight
 from lightning_canzona.distributed.layout import Block, LocalShard, MatrixLayout, Piece
 from lightning_canzona.distributed.memory import BufferMeter
 from lightning_canzona.geometry import member_blocks

@@ -12,7 +12,7 @@ on a maximum over all ranks checks that every rank now holds the same gradient, 
 plain parameter whose gradient tensor parallelism splits across ranks. Neither reads the device:
 what the device knows (which parameters had a gradient, which differ) waits for the next
 agreement on gradients, at the latest the optimizer step's, which reads it with its own flags
-before anything uses the gradients (`deferred`).
+before anything uses the gradients (`agreement.GradientAgreement.defer`).
 """
 
 from __future__ import annotations
@@ -25,27 +25,30 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lightning_canzona.distributed import deferred
-from lightning_canzona.distributed.agreement import agree_on_maximum
-from lightning_canzona.distributed.inflight import wait_for
+from lightning_canzona.distributed.agreement import GradientAgreement, agree_on_maximum, wait_for
+from lightning_canzona.distributed.layout import local_tensor
 
 #: How far two ranks' gradient checksums may differ, relative to their size, and still count as
 #: the same gradient (reductions in another order differ in the last bits).
 RELATIVE_TOLERANCE = 1e-4
 
 
-def average_gradients(params: Sequence[Tensor], group: dist.ProcessGroup) -> None:
+def average_gradients(
+    params: Sequence[Tensor], group: dist.ProcessGroup, agreement: GradientAgreement
+) -> None:
     """Average the gradients of ``params`` over ``group`` with one ``all_reduce``, a DTensor's by parts.
 
     A rank without a gradient adds zeros, as under FSDP2. Every rank gets the average, and a
     parameter without a gradient on every rank of ``group`` drops it again (``None``) once the
-    device says so: at the next agreement on gradients (`deferred`), which reads it with its own
-    flags, before anything reads the gradient.
+    device says so: at ``agreement``'s next agreement, which reads it with its own flags, before
+    anything reads the gradient.
     """
     if not params:
         return
     device = params[0].device
-    pieces = [_local(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().float() for p in params]
+    pieces = [
+        local_tensor(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().float() for p in params
+    ]
     held = [p.grad is not None for p in params]
     presence = torch.ones(len(params), device=device) if all(held) else torch.tensor(held, device=device)
     flat = torch.cat([*pieces, presence.float()])
@@ -54,7 +57,7 @@ def average_gradients(params: Sequence[Tensor], group: dist.ProcessGroup) -> Non
     averaged = flat[: -len(params)].split([piece.numel() for piece in pieces])
     for param, value in zip(params, averaged):
         param.grad = _as_gradient_of(param, value)
-    deferred.defer(flat[-len(params) :], functools.partial(_drop_absent, list(params)))
+    agreement.defer(flat[-len(params) :], functools.partial(_drop_absent, list(params)))
 
 
 def _drop_absent(params: list[Tensor], presence: list[float]) -> None:
@@ -63,17 +66,11 @@ def _drop_absent(params: list[Tensor], presence: list[float]) -> None:
             param.grad = None
 
 
-def _local(tensor: Tensor) -> Tensor:
-    """This rank's part of a DTensor (which the ranks that hold its replicas hold too); a plain
-    tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def _as_gradient_of(param: Tensor, values: Tensor) -> Tensor:
     """``values``, this rank's part flattened, as ``param``'s gradient: shaped, typed and laid out
     as its gradient is (as ``param`` is, where it has none)."""
     like = param.grad if param.grad is not None else param
-    local = values.view_as(_local(like)).to(param.dtype)
+    local = values.view_as(local_tensor(like)).to(param.dtype)
     if not isinstance(like, DTensor):
         return local
     return DTensor.from_local(
@@ -81,9 +78,9 @@ def _as_gradient_of(param: Tensor, values: Tensor) -> Tensor:
     )
 
 
-def check_gradients_agree(named: Sequence[tuple[str, Tensor]]) -> None:
-    """Raise on every rank, naming them, when ranks hold different gradients of ``named``, at the
-    next agreement on gradients (`deferred`: the check reads nothing itself).
+def check_gradients_agree(named: Sequence[tuple[str, Tensor]], agreement: GradientAgreement) -> None:
+    """Raise on every rank, naming them, when ranks hold different gradients of ``named``, at
+    ``agreement``'s next agreement (the check reads nothing itself).
 
     One agreement on the maximum (`agreement.agree_on_maximum`) over all ranks of each
     gradient's presence, sum and sum of absolute values, and of their negatives. Sums may
@@ -108,7 +105,7 @@ def check_gradients_agree(named: Sequence[tuple[str, Tensor]]) -> None:
     spread = largest - smallest
     scale = largest[:, 2:3]
     differ = (spread[:, 0] > 0) | (spread[:, 1:] > RELATIVE_TOLERANCE * scale).any(dim=1)
-    deferred.defer(differ, functools.partial(_raise_if_differ, [name for name, _ in named]))
+    agreement.defer(differ, functools.partial(_raise_if_differ, [name for name, _ in named]))
 
 
 def _raise_if_differ(names: list[str], differ: list[float]) -> None:

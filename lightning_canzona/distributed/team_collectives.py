@@ -26,8 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_canzona.distributed.agreement import Reduction
-from lightning_canzona.distributed.inflight import InFlight
+from lightning_canzona.distributed.agreement import InFlight, Reduction
 from lightning_canzona.geometry import long_dim, member_blocks
 from lightning_canzona.rules.base import (
     FAILURES,

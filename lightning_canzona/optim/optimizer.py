@@ -28,11 +28,9 @@ from torch.optim import Optimizer
 
 from lightning_canzona.compat import cpu_multiplies_bfloat16
 from lightning_canzona.config import PlanConfig
-from lightning_canzona.distributed import deferred
+from lightning_canzona.distributed.agreement import GradientAgreement
 from lightning_canzona.distributed.custody import MatrixStateCustody
 from lightning_canzona.distributed.engine import MeshEngine, mesh_process_group
-from lightning_canzona.distributed.failures import raise_on_every_rank
-from lightning_canzona.distributed.gradients import agree_on_gradients
 from lightning_canzona.distributed.items import Entry, entry_rules
 from lightning_canzona.distributed.layout import local_tensor, planning_mesh
 from lightning_canzona.distributed.prices import flops_weights, priced
@@ -166,6 +164,8 @@ class MatrixOptimizer(Optimizer):
         #: `lightning_canzona.qk_clip_runtime.attach_qk_clip` has attached it to the model, its runtime.
         self.qk_clip: QKClip | None = None
         self.qk_clip_runtime: Any = None
+        #: The ranks' agreement on this optimizer's gradients, and the checks that wait for it.
+        self.agreement = GradientAgreement()
         super().__init__(params, defaults)
 
     @classmethod
@@ -329,12 +329,11 @@ class MatrixOptimizer(Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimization step; ``closure`` re-evaluates the loss with gradients enabled.
 
-        Every gradient is checked on every rank before any parameter changes (see
-        `lightning_canzona.distributed.gradients`): the step's one read of the device. An error
-        in the step's own work on some rank lets the step's collectives finish and is raised on
-        every rank by the next agreement on gradients, before the next step (or clipping)
-        changes anything, or before a checkpoint is written (`lightning_canzona.distributed.failures`);
-        in a single process, at once.
+        Every gradient is checked on every rank before any parameter changes (`agreement`): the
+        step's one read of the device. An error in the step's own work on some rank lets the
+        step's collectives finish and is raised on every rank by the next agreement, before the
+        next step (or clipping) changes anything, or before a checkpoint is written; in a single
+        process, at once.
         """
         if self.qk_clip is not None and self.qk_clip_runtime is None:  # the same on every rank
             raise RuntimeError(
@@ -366,7 +365,7 @@ class MatrixOptimizer(Optimizer):
         for group in self.param_groups:
             if group.get("stochastic_rounding"):  # numbers the step's random bits (`StochasticRounding`)
                 group["rounding_step"] = group.get("rounding_step", 0) + 1
-        present = agree_on_gradients(named, self.check_finite)
+        present = self.agreement.agree_for_step(named, self.check_finite)
         has_grad = {id(param): flag for (_, param), flag in zip(named, present)}
         failure: Exception | None = None
         try:
@@ -378,7 +377,7 @@ class MatrixOptimizer(Optimizer):
             engine.step(entries, [has_grad[id(e.param)] for e in entries], self.state, self.rule_of)
             failure = failure or engine.failure
         device = local_tensor(named[0][1]).device
-        raise_on_every_rank(failure, device, f"{type(self).__name__}.step")
+        self.agreement.raise_on_every_rank(failure, device, f"{type(self).__name__}.step")
         return loss
 
     def _step_plain_tensors(self, has_grad: dict[int, bool], names: dict[int, str]) -> None:
@@ -431,9 +430,9 @@ class MatrixOptimizer(Optimizer):
 
         Collective: every rank must enter and leave it together (saving and loading a
         checkpoint do). A failure of the latest step, which the next step would raise, is raised
-        first: a checkpoint never holds a failed step's state (`deferred.settle`).
+        first: a checkpoint never holds a failed step's state (`GradientAgreement.settle`).
         """
-        deferred.settle()
+        self.agreement.settle()
         self.gather_team_state()
         try:
             yield

@@ -19,8 +19,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 import lightning_canzona as lc
+from lightning_canzona.distributed.agreement import GradientAgreement
 from lightning_canzona.distributed.clipping import total_grad_norm
-from lightning_canzona.distributed.gradients import agree_on_gradients
 from lightning_canzona.distributed.replicas import average_gradients, check_gradients_agree
 from lightning_canzona.preparation import unsharded_parameters
 from lightning_canzona.rules.muon import MuonRule
@@ -85,6 +85,16 @@ def _one_rank_fails(rank: int, world_size: int) -> None:
         optimizer.step()
     finally:
         MuonRule.direction = direction
+    # A second optimizer in the same process (a GAN's other model) keeps an agreement of its own:
+    # the first one's failure neither reaches its step nor stops it, and it steps as it would alone.
+    full = torch.randn(2 * world_size + 1, 3, device=DEVICE)
+    other_weight, alone = _sharded(full, mesh, [Shard(0)]), nn.Parameter(full.clone())
+    other, reference = lc.Muon([("other", other_weight)], **MUON), lc.Muon([("other", alone)], **MUON)
+    for _ in range(2):
+        other_weight.grad, alone.grad = torch.ones_like(other_weight), torch.ones_like(alone)
+        other.step()
+        reference.step()
+    torch.testing.assert_close(other_weight.full_tensor(), alone.detach(), rtol=1e-6, atol=1e-6)
     before = _snapshot(params)
     raised = _expect_everywhere(
         RuntimeError,
@@ -166,7 +176,7 @@ def _a_tensor_parallel_weight_left_out_of_fsdp2(rank: int, world_size: int) -> N
     # Averaged part by part, laid out as before; rank 0, without a gradient, adds zeros.
     local = torch.full((4, 3), float(rank))
     tied.grad = None if rank == 0 else DTensor.from_local(local, mesh["tensor_parallel"], [Shard(0)])
-    average_gradients([tied], mesh["data_parallel"].get_group())
+    average_gradients([tied], mesh["data_parallel"].get_group(), GradientAgreement())
     assert isinstance(tied.grad, DTensor) and tied.grad.placements == (Shard(0),)
     assert torch.equal(tied.grad.to_local(), torch.full((4, 3), (world_size - 1) / 2))
 
@@ -180,19 +190,20 @@ def _plain_gradients_across_ranks(rank: int, world_size: int) -> None:
     grads = (torch.randn(3, 2, device=DEVICE), torch.randn(3, 2, device=DEVICE), None)
     for (_, param), grad in zip(named, grads):
         param.grad = grad
-    average_gradients([param for _, param in named], dist.group.WORLD)
-    check_gradients_agree(named)  # averaged: every rank agrees
+    agreement = GradientAgreement()
+    average_gradients([param for _, param in named], dist.group.WORLD, agreement)
+    check_gradients_agree(named, agreement)  # averaged: every rank agrees
     # Both read nothing: the next agreement on gradients reads their verdicts.
     assert named[2][1].grad is not None
-    agree_on_gradients(named)
+    agreement.agree_for_step(named)
     assert named[2][1].grad is None
     # A gradient that tensor parallelism leaves different per rank is named on every rank.
     named[1][1].grad += rank
-    check_gradients_agree(named)
+    check_gradients_agree(named, agreement)
     _expect_everywhere(
         RuntimeError,
         r"plain \(non-DTensor\) parameters \['norm'\] differ",
-        lambda: agree_on_gradients(named),
+        lambda: agreement.agree_for_step(named),
     )
 
 

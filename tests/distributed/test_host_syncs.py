@@ -24,7 +24,6 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import lightning_canzona as lc
 from lightning_canzona.bench.host_syncs import HostSyncs
-from lightning_canzona.distributed import deferred
 from lightning_canzona.distributed.clipping import clip_grad_norm_
 from lightning_canzona.preparation import synchronise_unsharded
 
@@ -85,10 +84,11 @@ def _count_steps(rank: int, world_size: int, results: str) -> None:
                 _gradients(step, named)
                 clipping = HostSyncs()
                 with HostSyncs() as syncs:
-                    synchronise_unsharded([("plain", plain)], dp)  # as the strategies after backward
+                    # as the strategies after backward
+                    synchronise_unsharded([("plain", plain)], dp, optimizer.agreement)
                     if clip:
                         with clipping:
-                            clip_grad_norm_(params, 1.0)
+                            clip_grad_norm_(params, 1.0, agreement=optimizer.agreement)
                     optimizer.step()
                 for label, at in counted.items():
                     if step == at:
@@ -98,7 +98,7 @@ def _count_steps(rank: int, world_size: int, results: str) -> None:
                             "clipping": clipping.where,
                             "list indexing": syncs.list_indexing,
                         }
-    deferred.settle()  # a failure of the last step, which no step follows, raises here
+            optimizer.agreement.settle()  # a failure of the last step, which no step follows, raises here
     gathered: list = [None] * world_size
     dist.all_gather_object(gathered, counts)
     if rank == 0:
@@ -143,7 +143,7 @@ def test_a_step_reads_the_device_at_most_once(tmp_path: Path) -> None:
             decomposing |= bool(decompositions)
             # One read: the agreement on gradients, which clipping makes when it comes first.
             assert len(counts["step"]) - len(decompositions) <= 1, line
-            assert all("distributed/gradients.py" in where for where in counts["clipping"]), line
+            assert all("distributed/agreement.py" in where for where in counts["clipping"]), line
             assert not counts["list indexing"], (line, counts["list indexing"])
         # A decomposition step adds one read per decomposition (its finiteness check), none else.
         assert decomposing == ("decomposition" in key), key

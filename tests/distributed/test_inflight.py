@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from multiprocess import gloo_only, run_on_ranks
 
-from lightning_canzona.distributed import inflight
-from lightning_canzona.distributed.inflight import InFlight
+from lightning_canzona.distributed import agreement
+from lightning_canzona.distributed.agreement import InFlight
 
 
 def _free_after_wait(rank: int, world_size: int) -> None:
@@ -47,7 +47,7 @@ def _warn_when_the_backend_keeps_a_tensor(rank: int, world_size: int) -> None:
         kept.append(torch.zeros(4, requires_grad=True) * tensor)
         return dist.all_reduce(tensor, **kwargs)
 
-    inflight.PATIENCE_SECONDS = 0.2
+    agreement.PATIENCE_SECONDS = 0.2
     tensor = torch.ones(4)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -36,8 +36,7 @@ from lightning_canzona.checkpoint import (
 )
 from lightning_canzona.checkpoint.reading import safe_load
 from lightning_canzona.cli import CanzonaCLI, main
-from lightning_canzona.distributed import deferred
-from lightning_canzona.distributed.failures import raise_on_every_rank
+from lightning_canzona.distributed.agreement import GradientAgreement
 from lightning_canzona.launcher import refuse_fork_after_cuda
 from lightning_canzona.mesh import choose_mesh
 from lightning_canzona.models import CausalLanguageModel
@@ -163,8 +162,9 @@ def _non_finite() -> None:
 def _failed_on_a_rank(rank: int, world_size: int, messages: dict) -> None:
     try:
         failure = ValueError("shapes do not match") if rank == 1 else None
-        raise_on_every_rank(failure, torch.device(DEVICE), "The optimizer step")
-        deferred.settle()  # where the next step, a save or the end of training raises it
+        agreement = GradientAgreement()
+        agreement.raise_on_every_rank(failure, torch.device(DEVICE), "The optimizer step")
+        agreement.settle()  # where the next step, a save or the end of training raises it
     except RuntimeError as error:
         if rank == 0:
             Path(messages["path"]).write_text(_message(error))
