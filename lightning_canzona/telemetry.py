@@ -58,7 +58,7 @@ class StepTelemetry:
     """The cost of every `lightning_canzona` optimizer step, per rank and over the mesh.
 
     After each optimizer step, `update` keeps every rank's own figures (timed on the device, see
-    `lightning_canzona.distributed.clock`); `compute` gathers every rank's figures over the steps
+    `lightning_canzona.distributed.runtime.Clock`); `compute` gathers every rank's figures over the steps
     since the last `compute` with a torchmetrics `CatMetric` (a collective: every rank calls it)
     and returns these, means per step:
 

@@ -38,7 +38,8 @@ leaves three of four ranks waiting for the owner of that one matrix.
 A step's latency is the slowest rank's. Busy time is the time each rank spends in full-matrix
 updates; its max/mean across ranks measures the balance actually achieved. Peak buffers are the
 most bytes of the step's own transient buffers alive at once on the busiest rank
-(`lightning_canzona.distributed.memory`), also as a multiple of the model's matrix bytes per rank.
+(`lightning_canzona.distributed.runtime.BufferMeter`), also as a multiple of the model's matrix
+bytes per rank.
 Sent is what the busiest rank sent to other ranks in one step's all-to-alls. CPU is the processor
 time of one step summed over the ranks (their collectives' threads included): with more ranks
 than cores it is what the step costs the machine, and it varies less from run to run than the

@@ -1,7 +1,6 @@
 """The distributed engine: DTensor layouts, packed all-to-all exchanges, the micro-group pipeline."""
 
 from lightning_canzona.distributed.engine import MeshEngine
-from lightning_canzona.distributed.items import Entry
-from lightning_canzona.distributed.runtime import StepStats
+from lightning_canzona.distributed.runtime import Entry, StepStats
 
 __all__ = ["Entry", "MeshEngine", "StepStats"]

@@ -19,9 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_canzona.distributed.items import PlannedMatrices
+from lightning_canzona.distributed.runtime import PlannedMatrices, member_prefix
 from lightning_canzona.distributed.team_collectives import joined_state, member_state
-from lightning_canzona.distributed.updates import member_prefix
 from lightning_canzona.geometry import long_dim
 from lightning_canzona.rules import counters
 from lightning_canzona.rules.base import MatrixRule, State

@@ -13,7 +13,7 @@ Elementwise state (momentum, Adam moments) is a DTensor sharded like its paramet
 lives with each matrix's owner (`lightning_canzona.distributed.custody`). The plan is built once
 and rebuilt only when the parameter set changes; matrix state whose owner changes then moves to
 the new owner (or team). This module holds that lifecycle; what it plans is
-`lightning_canzona.distributed.items.PlannedMatrices`.
+`lightning_canzona.distributed.runtime.PlannedMatrices`.
 """
 
 from __future__ import annotations
@@ -21,35 +21,41 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_canzona.distributed.clock import Clock
+from lightning_canzona.config import PlanConfig
 from lightning_canzona.distributed.custody import MatrixStateCustody
-from lightning_canzona.distributed.exchange import MicroGroupExchange
-from lightning_canzona.distributed.items import Entry, Item, PlannedMatrices, build_items, entry_rules
 from lightning_canzona.distributed.layout import Block, MatrixLayout, exchange_layouts, holders
-from lightning_canzona.distributed.memory import BufferMeter
-from lightning_canzona.distributed.runtime import StepRun, StepStats
+from lightning_canzona.distributed.prices import flops_weights, priced
+from lightning_canzona.distributed.runtime import (
+    BufferMeter,
+    Clock,
+    Entry,
+    Item,
+    MicroGroupExchange,
+    PlannedMatrices,
+    StepRun,
+    StepStats,
+    build_items,
+    step_adamw,
+)
 from lightning_canzona.distributed.team_collectives import TeamGroup
-from lightning_canzona.distributed.updates import step_adamw
 from lightning_canzona.geometry import member_blocks
 from lightning_canzona.planning import Plan, PlanSettings, block_of, build_plan
 from lightning_canzona.planning.matrices import matrix_spec
 from lightning_canzona.planning.replication import (
-    Replication,
     ReplicationChoice,
     choose_replication,
     priced_for,
 )
 from lightning_canzona.planning.teams import local_members
-from lightning_canzona.rules.adamw import ALGORITHM as ADAMW
 from lightning_canzona.rules.base import MatrixRule, State
 
 
@@ -96,44 +102,50 @@ def mesh_sizes(mesh: DeviceMesh) -> tuple[int, int]:
 class MeshEngine:
     """Runs the optimizer step for all DTensor parameters that live on one device mesh.
 
+    It builds itself from the mesh, the plan's configuration and the rules: its process groups,
+    the prices it plans with (`distributed.prices`), and, at the first step or `prepare`, the
+    plan. It holds the matrix state's custody across plans and for checkpoints.
+
     Args:
         mesh: The parameters' device mesh.
-        settings: How to plan.
-        overlap: Pipeline the micro-groups.
+        config: The plan's configuration.
+        rules: The rules of the optimizer's matrix groups (their matmul dtypes weigh FLOPs).
+        settings: How to plan; ``None``: ``config.settings()``.
         batch_matrices: Update an owner's same-shape matrices of a micro-group in one call of
             their rule where it allows (`MatrixRule.batches_matrices`); ``False`` calls it once per
             matrix (the baseline that ``canzona bench step`` compares with).
-        flops_weights: What a FLOP of each matmul dtype costs in FLOPs of the plan's unit
-            (`distributed.prices.flops_weights`): each matrix's FLOPs are weighted by its rule's
-            dtype, so that one plan balances rules that multiply in different dtypes by time.
-        replicas: On a mesh with HSDP replicas (a dimension named ``*replicate*``): replicate
-            the plan on each replica, spread it over all of them, or choose by the estimated
-            step (`planning.replication`; the first plan's choice stays).
         devices_per_node: Ranks per node (consecutive global ranks share one), for the price of
             a plan's gathers and scatters; ``None``: torchrun's ``LOCAL_WORLD_SIZE``, else one
             node.
+        owner: The optimizer's name, for messages.
     """
 
     def __init__(
         self,
         mesh: DeviceMesh,
-        settings: PlanSettings,
-        overlap: bool,
+        config: PlanConfig,
+        rules: Sequence[MatrixRule],
+        settings: PlanSettings | None = None,
         batch_matrices: bool = True,
-        flops_weights: dict[torch.dtype, float] | None = None,
-        replicas: Replication = "auto",
         devices_per_node: int | None = None,
+        owner: str = "optimizer",
     ) -> None:
-        self.mesh, self.settings, self.overlap = mesh, settings, overlap
-        self.batch_matrices = batch_matrices
-        self.flops_weights = flops_weights or {}
+        self.mesh, self.overlap, self.batch_matrices = mesh, config.overlap, batch_matrices
         self.group = mesh_process_group(mesh)
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
+        dtypes = list(dict.fromkeys(rule.matmul_dtype() for rule in rules)) or [torch.float32]
+        weights = flops_weights(config.team_prices, self.group, mesh.device_type, dtypes)
+        if weights is None and self.rank == 0:  # every rank would say the same
+            _warn_unweighted(owner, dtypes)
+        #: What a FLOP of each matmul dtype costs in FLOPs of the first's (`prices.flops_weights`).
+        self.flops_weights = weights or {}
+        settings = config.settings() if settings is None else settings
+        self.settings = priced(settings, config.team_prices, self.group, mesh.device_type, dtypes[0])
         if self.world < dist.get_world_size():
             # Every rank of the job creates every team's process group (dist.new_group): a mesh
             # on a slice of the job cannot ask the other ranks to, so its matrices stay whole.
-            self.settings = replace(settings, max_team=1)
+            self.settings = replace(self.settings, max_team=1)
         #: The matrices as planned (``None`` before the first step or `prepare`).
         self.planned: PlannedMatrices | None = None
         self._key: tuple | None = None
@@ -151,7 +163,7 @@ class MeshEngine:
         self._groups: dict[frozenset[int], dist.ProcessGroup] = {}  # every team's, every copy's
         #: Each HSDP replica's global ranks (``None``: the mesh has no replicas).
         self.replicas = replica_ranks(mesh)
-        self.replication_setting, self.devices_per_node = replicas, devices_per_node
+        self.replication_setting, self.devices_per_node = config.replicas, devices_per_node
         #: How the plan uses the replicas (``None`` before the first plan, or without replicas).
         self.replication: ReplicationChoice | None = None
         self._replica_groups: dist.ProcessGroup | None = None
@@ -166,72 +178,95 @@ class MeshEngine:
         """The matrix entries planned (empty before the first plan)."""
         return [] if self.planned is None else self.planned.entries
 
-    def custody(self, state: dict[Tensor, State], rules: Sequence[MatrixRule]) -> MatrixStateCustody:
+    def custody(self, state: dict[Tensor, State]) -> MatrixStateCustody:
         """The custody of the matrix state in ``state`` under the current plan."""
         assert self.planned is not None, "no plan yet"
-        return MatrixStateCustody(self.planned, rules, state)
+        return MatrixStateCustody(self.planned, [entry.rule for entry in self.planned.entries], state)
 
-    def step(
-        self,
-        entries: Sequence[Entry],
-        has_grad: Sequence[bool],
-        state: dict[Tensor, State],
-        rule_of: Callable[[dict[str, Any]], MatrixRule],
-    ) -> None:
+    def step(self, entries: Sequence[Entry], has_grad: Sequence[bool], state: dict[Tensor, State]) -> None:
         """One optimizer step of ``entries`` (all on this engine's mesh).
 
-        ``has_grad`` tells, per entry, whether it has a gradient (on every rank, see
-        `lightning_canzona.distributed.gradients.agree_on_gradients`). An exception of this
-        rank's own work ends up in `failure` instead of being raised.
+        ``has_grad`` tells, per entry, whether it has a gradient on every rank (the optimizer's
+        `agreement`). An exception of this rank's own work ends up in `failure` instead of being
+        raised.
         """
         self.meter.restart()
         start = self.clock.mark()
-        matrices = [entry for entry in entries if entry.algorithm != ADAMW]
-        rules = entry_rules(matrices, rule_of)
-        self._ensure_plan(matrices, rules, state)
+        matrices = [entry for entry in entries if entry.rule is not None]
+        self._ensure_plan(matrices, state)
         assert self.planned is not None
+        rules = [entry.rule for entry in matrices]
         run = StepRun(
             self.planned, rules, state, self.team_groups, self.batch_matrices, self.clock, self.meter
         )
         adamw: dict[int, list[Entry]] = {}  # by param group: one foreach step each
         for entry, stepped in zip(entries, has_grad):
-            if entry.algorithm == ADAMW and stepped:
+            if entry.rule is None and stepped:
                 adamw.setdefault(id(entry.group), []).append(entry)
         for group in adamw.values():
             params, names = [entry.param for entry in group], [entry.name for entry in group]
             run.attempt(functools.partial(step_adamw, params, names, state, group[0].group))
-        stepped = [flag for entry, flag in zip(entries, has_grad) if entry.algorithm != ADAMW]
+        stepped = [flag for entry, flag in zip(entries, has_grad) if entry.rule is not None]
         run.matrices(stepped, self.exchanges, self.exchange_dtypes, self.overlap)
         run.stats.step.add(start, self.clock.mark())
         run.stats.peak_buffer_bytes = self.meter.peak
         self.stats, self.failure = run.stats, run.failure
 
-    def prepare(
-        self,
-        entries: Sequence[Entry],
-        state: dict[Tensor, State],
-        rule_of: Callable[[dict[str, Any]], MatrixRule],
-    ) -> Plan:
+    def prepare(self, entries: Sequence[Entry], state: dict[Tensor, State]) -> Plan:
         """Build the plan (sharing the layouts once) if the matrices changed, and return it.
 
         Collective on the first call and whenever the parameter set changed.
         """
-        matrices = [entry for entry in entries if entry.algorithm != ADAMW]
-        self._ensure_plan(matrices, entry_rules(matrices, rule_of), state)
+        self._ensure_plan([entry for entry in entries if entry.rule is not None], state)
         assert self.planned is not None
         return self.planned.plan
 
-    def _ensure_plan(
-        self, matrices: list[Entry], rules: list[MatrixRule], state: dict[Tensor, State]
-    ) -> None:
-        key = tuple((id(entry.param), tuple(entry.param.shape), rule) for entry, rule in zip(matrices, rules))
+    def owned_state(self, state: dict[Tensor, State]) -> list[tuple[Tensor, State]]:
+        """``(param, matrix state)`` of every matrix this rank owns (empty under ``sync``)."""
+        if self.planned is None:
+            return []
+        return [
+            (self.entries[index].param, matrix_state)
+            for index, matrix_state in self.custody(state).owned().items()
+        ]
+
+    def splits_matrix_state(self, state: dict[Tensor, State]) -> bool:
+        """Whether the plan has teams whose members hold slices of a matrix's state."""
+        return self.planned is not None and bool(self.custody(state).stateful_team_items())
+
+    def gather_team_state(self, state: dict[Tensor, State]) -> None:
+        """Put every team's matrix state whole on its first member, as checkpoints hold it
+        (collective)."""
+        if self.planned is not None:
+            self.custody(state).gather_team_state()
+
+    def scatter_team_state(self, state: dict[Tensor, State]) -> None:
+        """Give every team's members their slices of the state its first member holds whole
+        (collective)."""
+        if self.planned is not None:
+            self.custody(state).scatter_team_state()
+
+    def load_state(self, entries: Sequence[Entry], state: dict[Tensor, State]) -> None:
+        """After ``state`` was loaded (a full checkpoint on every rank): re-read the param groups,
+        hand each team member its slices and drop what other ranks hold (collective)."""
+        if self.planned is None:
+            return
+        self.prepare(entries, state)
+        custody = self.custody(state)
+        custody.scatter_team_state()
+        custody.drop_foreign()
+        custody.keep_loaded_stack_failures_on_one_owner()
+
+    def _ensure_plan(self, matrices: list[Entry], state: dict[Tensor, State]) -> None:
+        rules = [entry.rule for entry in matrices]
+        key = tuple((id(entry.param), tuple(entry.param.shape), entry.rule) for entry in matrices)
         if key == self._key:
             # Same matrices, but the param groups may be new dicts (load_state_dict replaces
             # them): hyperparameters such as a scheduled lr must be read from the current ones.
             assert self.planned is not None
             self.planned.entries = matrices
             return
-        previous = None if self.planned is None else self.custody(state, rules).teams()
+        previous = None if self.planned is None else self.custody(state).teams()
         layouts = exchange_layouts(
             [e.name for e in matrices], [e.param for e in matrices], self.mesh, self.group
         )
@@ -259,7 +294,7 @@ class MeshEngine:
             for members in plan.micro_groups
         ]
         self._create_team_groups(copies)
-        self.custody(state, rules).move(previous)
+        self.custody(state).move(previous)
 
     def _plan(
         self, matrices: list[Entry], rules: list[MatrixRule], layouts: list[MatrixLayout]
@@ -368,3 +403,17 @@ class MeshEngine:
                     # A new group numbers its ranks in the order of their global ranks.
                     ranks_in_group = tuple(sorted(members).index(rank) for rank in members)
                     self.team_groups[team] = TeamGroup(self._groups[key], ranks_in_group)
+
+
+def _warn_unweighted(owner: str, dtypes: Sequence[torch.dtype]) -> None:
+    """Matmul FLOPs of different dtypes take different times, and team prices given as figures
+    say nothing of the dtypes' rates."""
+    names = [str(dtype).removeprefix("torch.") for dtype in dtypes]
+    warnings.warn(
+        f"The param groups of this {owner} multiply in {', '.join(names)}, and team_prices are given "
+        "as figures: the plan balances their FLOPs as if equally fast and prices teams' collectives "
+        f"in FLOPs of {names[0]} (the first group's). Use team_prices='h100' or 'measure', or the same "
+        "compute_dtype in every param group, for a balanced plan.",
+        UserWarning,
+        stacklevel=4,
+    )

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from lightning_canzona.config import TeamPrices
 from lightning_canzona.distributed.agreement import Reduction
-from lightning_canzona.distributed.clock import Clock, Intervals
+from lightning_canzona.distributed.runtime import Clock, Intervals
 from lightning_canzona.planning import PlanSettings
 from lightning_canzona.planning.devices import H100
 from lightning_canzona.rules.base import summed_dtype

@@ -1,48 +1,620 @@
-"""One optimizer step of one mesh's matrices, as the plan lays it out.
+"""One optimizer step of one mesh's matrices: prepare, gather, compute, scatter, apply.
 
-Every matrix entry's elementwise part (`MatrixRule.prepare`) runs on its shards; then the
-micro-groups run through the pipeline (`distributed.pipeline`): one packed all-to-all gathers the
-shards to the owners, each owner computes the full updates of its matrices
-(`MatrixRule.direction`), a team's members theirs together (`MatrixRule.team_direction`,
-`distributed.team_collectives`), one packed all-to-all returns the update blocks, and every rank applies its
-blocks (`MatrixRule.apply`).
+`StepRun.matrices` runs a step as the plan lays it out (docs/architecture.md#one-step-on-a-mesh):
 
-An exception in this rank's own work (an update rule, out of memory) must not leave the other
-ranks waiting in a collective: `StepRun.attempt` keeps it in `StepRun.failure`, this rank joins the
-rest of the step's collectives with zeros, and the caller raises it on every rank once the step's
-collectives are done (`lightning_canzona.distributed.failures`).
+- **prepare**: each matrix's elementwise part (`MatrixRule.prepare`: Muon's momentum) on this
+  rank's shard (`prepare_matrices`), a micro-group's when its gather starts;
+- **gather**: one packed ``all_to_all_single`` sends every block of a micro-group's matrices to
+  the ranks that compute them (`MicroGroupExchange`);
+- **compute**: each owner assembles its full matrices and computes their directions
+  (`MatrixRule.direction`, same-shape matrices in one batched call), a team's members theirs
+  together (`team_collectives`);
+- **scatter**: one packed ``all_to_all_single`` returns every rank's blocks of the directions;
+- **apply**: each rank writes its blocks into its shards (`apply_matrices`).
+
+The micro-groups are pipelined (`run_pipeline`). AdamW parameters and plain tensors take the same
+per-parameter routines (`step_adamw`, `prepare_matrices`, `apply_matrices`). An exception in this
+rank's own work is kept in `StepRun.failure`; the rank joins the rest of the step's collectives
+with zeros, and the optimizer raises it on every rank
+(`agreement.GradientAgreement.raise_on_every_rank`).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
-from lightning_canzona.distributed import pipeline
-from lightning_canzona.distributed.clock import Clock, Intervals
-from lightning_canzona.distributed.exchange import MicroGroupExchange
-from lightning_canzona.distributed.items import Item, PlannedMatrices
-from lightning_canzona.distributed.layout import local_tensor
-from lightning_canzona.distributed.memory import BufferMeter
-from lightning_canzona.distributed.team_collectives import TeamGroup, TeamRun, run_teams
-from lightning_canzona.distributed.updates import (
-    apply_matrices,
-    member_direction,
-    member_prefix,
-    prepare_matrices,
+from lightning_canzona.distributed.agreement import InFlight
+from lightning_canzona.distributed.layout import (
+    Block,
+    LocalShard,
+    MatrixLayout,
+    Piece,
+    local_tensor,
+    stack_member,
 )
-from lightning_canzona.rules.base import MatrixRule, State, as_matrix, state_part, store_state_part
-from lightning_canzona.rules.kronecker import FAILURES, RETRIES
+from lightning_canzona.distributed.team_collectives import TeamGroup, TeamRun, run_teams
+from lightning_canzona.geometry import member_blocks
+from lightning_canzona.planning import Plan
+from lightning_canzona.rules.adamw import adamw_step, init_adamw_state
+from lightning_canzona.rules.base import (
+    FAILURES,
+    MatrixRule,
+    State,
+    as_matrix,
+    matrix_shape,
+    state_part,
+    store_state_part,
+)
+from lightning_canzona.rules.kronecker import RETRIES
+from lightning_canzona.rules.rounding import StochasticRounding
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A DTensor parameter with its param group, its name, and the rule that updates it
+    (``None``: AdamW, elementwise on its shard)."""
+
+    param: DTensor
+    group: dict[str, Any]
+    name: str
+    rule: MatrixRule | None = None
+
+
+@dataclass(frozen=True)
+class Item:
+    """One matrix the plan assigns an owner: a parameter, or one matrix of a stack.
+
+    Each matrix of a ``[n, rows, cols]`` stack (mixture-of-experts experts) is planned, owned and
+    moved alone, so that an expert that FSDP2 leaves whole on one rank is updated where it lies.
+    Its matrix state (Shampoo's and SOAP's factors) lives with its owner, in its parameter's state
+    under the keys of `member_prefix`; a rule without matrix state (`MatrixRule.batches_matrices`:
+    Muon) updates an owner's same-shape matrices in one batched call.
+
+    Attributes:
+        entry: Index of the parameter among the engine's matrix entries.
+        member: Index in the stack (dim 0), or ``None`` for the whole parameter.
+        layout: Every rank's block of this matrix.
+        local_index: This rank's index of ``member`` in its local shard (``None``: it holds none
+            of it, or the item is the whole parameter).
+    """
+
+    entry: int
+    member: int | None
+    layout: MatrixLayout
+    local_index: int | None = None
+
+
+def build_items(entries: Sequence[Entry], layouts: Sequence[MatrixLayout], rank: int) -> list[Item]:
+    """The items of ``entries`` (whose layouts are ``layouts``), in order: a stack's one by one."""
+    items = []
+    for index, (entry, layout) in enumerate(zip(entries, layouts)):
+        if entry.param.ndim != 3:
+            items.append(Item(index, None, layout))
+            continue
+        for member in range(layout.shape[0]):
+            member_layout, positions = stack_member(layout, member)
+            items.append(Item(index, member, member_layout, positions[rank]))
+    return items
+
+
+@dataclass
+class PlannedMatrices:
+    """The matrices of one mesh as planned, seen from this rank.
+
+    Attributes:
+        plan: The plan (plan index = item index).
+        entries: The matrix entries; replaced, not re-planned, when only the param groups are
+            new dicts (``load_state_dict``), so that hyperparameters are read from the current ones.
+        items: The matrices the plan covers.
+        first_item: Each entry's first item.
+        group: The process group of the plan's ranks: the mesh's, or this rank's HSDP
+            replica's under a replicated plan (`planning.replication`).
+        rank: This rank in ``group``.
+        replica: This rank's replica under a replicated plan (0 otherwise): each replica's
+            owners hold the same matrix state, the first replica's is the one of record.
+    """
+
+    plan: Plan
+    entries: list[Entry]
+    items: list[Item]
+    first_item: list[int]
+    group: dist.ProcessGroup
+    rank: int
+    replica: int = 0
+
+    def owner(self, index: int) -> int | None:
+        """Owner group-rank of item ``index`` (``None`` under ``sync``)."""
+        return None if self.plan.owners is None else self.plan.owners[index]
+
+    def team(self, index: int) -> tuple[int, ...] | None:
+        """The ranks that compute item ``index`` (``None`` under ``sync``)."""
+        return None if self.plan.teams is None else self.plan.teams[index]
+
+    def holds_whole(self, index: int) -> bool:
+        """Whether this rank computes item ``index`` alone, and so holds its matrix state whole
+        (everyone under ``sync``)."""
+        team = self.team(index)
+        return team is None or team == (self.rank,)
+
+    def entry_of(self, index: int) -> Entry:
+        """The entry of item ``index``."""
+        return self.entries[self.items[index].entry]
+
+    def key(self, index: int) -> tuple[int, int | None]:
+        """What identifies item ``index`` across plans: its parameter and its place in a stack."""
+        return id(self.entry_of(index).param), self.items[index].member
+
+
+class Clock:
+    """Marks moments of the work issued on ``device`` and measures intervals between them.
+
+    Args:
+        device: The device whose work is timed.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.on_host = device.type == "cpu"
+        self.device = device
+
+    def mark(self) -> float | torch.Event:
+        """The current moment of the device's work."""
+        if self.on_host:
+            return time.perf_counter()
+        event = torch.Event(device=self.device, enable_timing=True)
+        event.record()
+        return event
+
+
+@dataclass
+class Intervals:
+    """A running total of timed intervals; events are read (and waited for) only in `seconds`."""
+
+    _host: float = 0.0
+    _events: list[tuple[torch.Event, torch.Event]] = field(default_factory=list)
+
+    def add(self, start: float | torch.Event, end: float | torch.Event) -> None:
+        if isinstance(start, float) and isinstance(end, float):
+            self._host += end - start
+        else:
+            self._events.append((start, end))  # type: ignore[arg-type]
+
+    def extend(self, other: Intervals) -> None:
+        """Add ``other``'s intervals to these."""
+        self._host += other._host
+        self._events.extend(other._events)
+
+    @property
+    def seconds(self) -> float:
+        """Total seconds of the intervals added so far."""
+        total = self._host
+        for start, end in self._events:
+            end.synchronize()
+            total += start.elapsed_time(end) / 1000.0
+        return total
+
+
+class BufferMeter:
+    """Live and peak bytes of the tensors given to `track`.
+
+    Attributes:
+        live: Bytes of tracked tensors not yet freed.
+        peak: Largest ``live`` since the last `restart`.
+        total: Bytes tracked since the last `restart`.
+    """
+
+    def __init__(self) -> None:
+        self.live = self.peak = self.total = 0
+        self._lock = threading.RLock()
+
+    def restart(self) -> None:
+        """Start a new measurement (tensors still alive keep counting)."""
+        with self._lock:
+            self.peak, self.total = self.live, 0
+
+    def track(self, tensor: Tensor) -> Tensor:
+        """Count ``tensor`` until it is freed; returns it."""
+        size = tensor.numel() * tensor.element_size()
+        with self._lock:
+            self.live += size
+            self.total += size
+            self.peak = max(self.peak, self.live)
+        weakref.finalize(tensor, self._release, size)
+        return tensor
+
+    def _release(self, size: int) -> None:
+        with self._lock:
+            self.live -= size
+
+
+def local_grad(param: Tensor) -> Tensor:
+    """This rank's part of ``param``'s gradient; zeros when it has none."""
+    return local_tensor(param.grad) if param.grad is not None else torch.zeros_like(local_tensor(param))
+
+
+def _local_state(state: State) -> State:
+    return {key: local_tensor(value) for key, value in state.items()}
+
+
+def shard_key(param: Tensor, name: str) -> str:
+    """A name for this rank's part of ``param`` (named ``name``): the same on every rank that holds
+    the same elements (its replicas, over the mesh dimensions that replicate it), different
+    on ranks that hold others."""
+    if not isinstance(param, DTensor):
+        return name
+    coordinate = param.device_mesh.get_coordinate() or []
+    shards = [str(c) for c, placement in zip(coordinate, param.placements) if not placement.is_replicate()]
+    return f"{name}@{','.join(shards)}"
+
+
+@contextmanager
+def _written(group: dict[str, Any], targets: list[Tensor], keys: list[str]) -> Iterator[list[Tensor]]:
+    """What a step updates in place for ``targets``: themselves, or under ``stochastic_rounding``
+    float32 copies of the bf16 ones, rounded into them at the end (`rules.rounding`)."""
+    if not group.get("stochastic_rounding"):
+        yield targets
+        return
+    with StochasticRounding(group["rounding_step"]).writes(targets, keys) as work:
+        yield work
+
+
+def step_adamw(
+    params: Sequence[Tensor], names: Sequence[str], state: dict[Tensor, State], group: dict[str, Any]
+) -> None:
+    """One AdamW step of this rank's parts of ``params`` (named ``names``), all of ``group``."""
+    param_states, states = [], []
+    for param in params:
+        param_state = state.setdefault(param, {})
+        if not param_state:
+            param_state.update(init_adamw_state(param))
+        param_states.append(param_state)
+        states.append(_local_state(param_state))
+    targets = [local_tensor(param) for param in params]
+    with _written(group, targets, [shard_key(p, n) for p, n in zip(params, names)]) as written:
+        adamw_step(
+            written,
+            [local_grad(param) for param in params],
+            states,
+            lr=float(group["lr"]),
+            betas=group["betas"],
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+        )
+    for param_state, counted in zip(param_states, states):
+        param_state["step"] = counted["step"]  # a number: the local view holds its own
+
+
+def prepare_matrices(
+    params: Sequence[Tensor], rule: MatrixRule, state: dict[Tensor, State], holds_matrix: Sequence[bool]
+) -> list[Tensor]:
+    """``rule``'s elementwise part on this rank's parts of ``params`` (all of one param group, in
+    one call of the rule); creates the state they need.
+
+    Args:
+        params: The parameters (DTensors or plain tensors).
+        rule: Their matrix rule.
+        state: The optimizer's state.
+        holds_matrix: Per parameter, whether this rank computes the full matrix's update, and
+            so holds the matrix state (a stack's matrices create theirs when updated:
+            `member_direction`).
+    """
+    states = []
+    for param, holds in zip(params, holds_matrix):
+        param_state = state.setdefault(param, {})
+        if not param_state:
+            param_state.update(rule.init_elementwise_state(param))
+        if holds and param.ndim != 3 and not rule.matrix_state(param_state):
+            param_state.update(rule.init_matrix_state(matrix_shape(param.shape), local_tensor(param).device))
+        states.append(_local_state(param_state))
+    return rule.prepare([local_grad(param) for param in params], states)
+
+
+def member_prefix(member: int) -> str:
+    """The prefix of the state keys of matrix ``member`` of a stack (no ``.``: torch's flattened
+    optimizer state dicts split keys on dots)."""
+    return f"stack{member}_"
+
+
+def member_direction(rule: MatrixRule, matrix: Tensor, param_state: State, member: int) -> Tensor:
+    """``rule``'s direction for matrix ``member`` of a stack, with that matrix's own matrix state
+    (kept in the stack's state under `member_prefix`, created on first use)."""
+    prefix = member_prefix(member)
+    part = state_part(param_state, prefix)
+    if all(key == FAILURES for key in part):
+        part.update(rule.init_matrix_state(matrix.shape, matrix.device))
+    direction = rule.direction(matrix, part)
+    store_state_part(param_state, prefix, part)
+    return direction
+
+
+def full_direction(rule: MatrixRule, matrix: Tensor, param_state: State) -> Tensor:
+    """``rule``'s direction for a whole parameter: a matrix (a convolution's weight as its
+    `matrix_shape`), or a stack matrix by matrix (each with its own state, as the engine plans
+    them) unless the rule keeps no matrix state."""
+    if matrix.ndim != 3 or rule.batches_matrices:
+        return rule.direction(as_matrix(matrix), param_state).reshape(matrix.shape)
+    return torch.stack([member_direction(rule, m, param_state, e) for e, m in enumerate(matrix)])
+
+
+def apply_matrices(
+    params: Sequence[Tensor],
+    names: Sequence[str],
+    rule: MatrixRule,
+    updates: Sequence[Tensor],
+    group: dict[str, Any],
+    members: Sequence[int | None] | None = None,
+) -> None:
+    """Write ``updates`` (this rank's blocks of the full directions) into this rank's parts of
+    ``params`` (named ``names``; all of ``group``, in one call of the rule), or each into matrix
+    ``members[i]`` of its local part of a stack."""
+    members = members or [None] * len(params)
+    targets = [
+        local_tensor(param) if member is None else local_tensor(param)[member]
+        for param, member in zip(params, members)
+    ]
+    keys = [
+        shard_key(param, name) + ("" if member is None else f"[{member}]")
+        for param, name, member in zip(params, names, members)
+    ]
+    shapes = [matrix_shape(param.shape) for param in params]
+    with _written(group, targets, keys) as written:
+        rule.apply(written, updates, lr=float(group["lr"]), weight_decay=group["weight_decay"], shapes=shapes)
+
+
+class MicroGroupExchange:
+    """The gather and scatter of one micro-group, seen from one rank.
+
+    Each member matrix goes to the ranks that compute it: its owner (the whole matrix), its
+    team (each member a slice, `lightning_canzona.geometry.member_blocks`), or, under
+    ``sync``, every rank (the whole matrix).
+
+    Args:
+        members: Engine indices of the group's matrices.
+        layouts: Layout of every engine matrix (indexed like ``members``' values).
+        teams: The group ranks that compute every engine matrix; ``None`` under ``sync``.
+        rank: This rank's group rank.
+        world: Group size.
+    """
+
+    def __init__(
+        self,
+        members: Sequence[int],
+        layouts: Sequence[MatrixLayout],
+        teams: Sequence[tuple[int, ...]] | None,
+        rank: int,
+        world: int,
+    ) -> None:
+        self.members = tuple(members)
+        self.rank, self.world = rank, world
+        self.my_shards = {m: layouts[m].shards[rank] for m in members}
+        #: Per member matrix, ``(rank, block)`` of every rank that computes it and what it computes.
+        targets = {m: _targets(layouts[m].shape, None if teams is None else teams[m], world) for m in members}
+        #: The block of each matrix that this rank computes.
+        self.regions = {m: block for m in members for r, block in targets[m] if r == rank}
+        self.computed = tuple(self.regions)
+        #: Owners return pieces of their updates; under ``sync`` every rank has them already.
+        self.scatters = teams is not None
+
+        def sender(m: int, destination: int, block: Block) -> int:
+            """Who sends ``block`` of ``m`` to ``destination``: itself if it holds the block (a
+            replicated or whole-on-one-rank matrix moves nothing to it), else its lowest holder."""
+            if teams is not None and layouts[m].holds(destination, block):
+                return destination
+            return layouts[m].first_holders[block]
+
+        # What goes where, in buffer order: by peer rank, then by member, then by piece. Gathers
+        # send local blocks and receive blocks of the computed region; scatters the other way.
+        self.gather_send: list[list[tuple[int, Block]]] = [[] for _ in range(world)]
+        self.gather_recv: list[list[tuple[int, Block]]] = [[] for _ in range(world)]
+        self.scatter_send: list[list[tuple[int, Block]]] = [[] for _ in range(world)]
+        self.scatter_recv: list[list[tuple[int, Block]]] = [[] for _ in range(world)]
+        for m in members:
+            shards = layouts[m].shards
+            for destination, region in targets[m]:
+                for piece in shards[rank].pieces:
+                    part = piece.block.intersection(region)
+                    if part is not None and sender(m, destination, piece.block) == rank:
+                        self.gather_send[destination].append((m, _local_block(piece, part)))
+                    if part is not None and teams is not None:
+                        self.scatter_recv[destination].append((m, _local_block(piece, part)))
+                if destination != rank:
+                    continue
+                for peer, shard in enumerate(shards):
+                    for piece in shard.pieces:
+                        part = piece.block.intersection(region)
+                        if part is None:
+                            continue
+                        if sender(m, rank, piece.block) == peer:
+                            self.gather_recv[peer].append((m, _relative(part, region)))
+                        if teams is not None:
+                            self.scatter_send[peer].append((m, _relative(part, region)))
+
+        # What this rank would send itself skips the buffers: copied from its prepared shard into
+        # the region it computes (`assemble`), and from its directions into its updates
+        # (`my_updates`), once each instead of into a send buffer, through the backend and out of
+        # a receive buffer. Both lists hold the same pieces in the same order.
+        #: ``(member, block of the local shard, block of the computed region)`` of each such piece.
+        self.gather_self = [
+            (m, local, region)
+            for (m, local), (_, region) in zip(self.gather_send[rank], self.gather_recv[rank])
+        ]
+        self.scatter_self = [
+            (m, local, region)
+            for (m, region), (_, local) in zip(self.scatter_send[rank], self.scatter_recv[rank])
+        ]
+        for lists in (self.gather_send, self.gather_recv, self.scatter_send, self.scatter_recv):
+            lists[rank] = []
+
+        def sizes(lists: list[list[tuple[int, Block]]]) -> list[int]:
+            return [sum(block.numel for _, block in pieces) for pieces in lists]
+
+        self.gather_send_sizes, self.gather_recv_sizes = sizes(self.gather_send), sizes(self.gather_recv)
+        self.scatter_send_sizes, self.scatter_recv_sizes = sizes(self.scatter_send), sizes(self.scatter_recv)
+
+    def launch_gather(
+        self,
+        prepared: dict[int, Tensor],
+        dtype: torch.dtype,
+        device: torch.device,
+        group: dist.ProcessGroup,
+        meter: BufferMeter,
+    ) -> tuple[Tensor, InFlight]:
+        """Start the gather of the ``prepared`` local shards; returns the receive buffer and handle."""
+        pieces = (prepared[m][local.slices] for ps in self.gather_send for m, local in ps)
+        send = meter.track(_packed(pieces, sum(self.gather_send_sizes), dtype, device))
+        receive = meter.track(torch.empty(sum(self.gather_recv_sizes), dtype=dtype, device=device))
+        work = InFlight(
+            dist.all_to_all_single, receive, send, self.gather_recv_sizes, self.gather_send_sizes, group=group
+        )
+        return receive, work
+
+    def assemble(
+        self, received: Tensor, prepared: dict[int, Tensor], meter: BufferMeter
+    ) -> dict[int, Tensor]:
+        """The blocks this rank computes (whole matrices, or a team member's slices), from the
+        gather's buffer and, for what this rank holds itself, its ``prepared`` shards."""
+        pieces: dict[int, list[tuple[Block, Tensor]]] = {m: [] for m in self.computed}
+        for m, block, chunk in _chunks(received, self.gather_recv):
+            pieces[m].append((block, chunk))
+        for m, local, region in self.gather_self:
+            pieces[m].append((region, prepared[m][local.slices]))
+        return {
+            m: _placed(
+                meter.track(torch.empty(self.regions[m].shape, dtype=received.dtype, device=received.device)),
+                pieces[m],
+            )
+            for m in self.computed
+        }
+
+    def launch_scatter(
+        self,
+        directions: dict[int, Tensor],
+        dtype: torch.dtype,
+        device: torch.device,
+        group: dist.ProcessGroup,
+        meter: BufferMeter,
+    ) -> tuple[Tensor, InFlight]:
+        """Start returning every rank's pieces of the computed ``directions`` (each of this rank's
+        `regions`)."""
+        pieces = (directions[m][block.slices] for ps in self.scatter_send for m, block in ps)
+        send = meter.track(_packed(pieces, sum(self.scatter_send_sizes), dtype, device))
+        receive = meter.track(torch.empty(sum(self.scatter_recv_sizes), dtype=dtype, device=device))
+        work = InFlight(
+            dist.all_to_all_single,
+            receive,
+            send,
+            self.scatter_recv_sizes,
+            self.scatter_send_sizes,
+            group=group,
+        )
+        return receive, work
+
+    def my_updates(
+        self, received: Tensor | None, directions: dict[int, Tensor], dtype: torch.dtype
+    ) -> dict[int, Tensor]:
+        """This rank's shard of each member's direction: from the scatter and, for the regions
+        it computed itself, its ``directions`` (in the scatter's ``dtype``, as if sent); or
+        (``sync``) cut out of the locally computed full directions."""
+        if received is None:
+            return {
+                m: _local(shard, [(p.local, directions[m][p.block.slices]) for p in shard.pieces])
+                for m, shard in self.my_shards.items()
+                if shard.numel
+            }
+        pieces: dict[int, list[tuple[Block, Tensor]]] = {}
+        for m, local, chunk in _chunks(received, self.scatter_recv):
+            pieces.setdefault(m, []).append((local, chunk))
+        for m, local, region in self.scatter_self:
+            pieces.setdefault(m, []).append((local, directions[m][region.slices].to(dtype)))
+        return {m: _local(self.my_shards[m], values) for m, values in pieces.items()}
+
+
+def _packed(pieces: Iterable[Tensor], numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """One flat buffer of ``numel`` elements of ``dtype`` holding ``pieces`` in order: one
+    concatenation of them all (one batched copy on a GPU where they are contiguous and of
+    ``dtype``; it converts the dtype too), not a copy per piece from Python. A piece that is not
+    contiguous in its tensor (a team member's slice across the rows) is gathered by a copy of
+    its own first."""
+    flat = [piece.reshape(-1) for piece in pieces]
+    assert sum(piece.numel() for piece in flat) == numel, f"{len(flat)} pieces for a buffer of {numel}"
+    buffer = torch.empty(numel, dtype=dtype, device=device)
+    if flat:
+        torch.cat(flat, out=buffer)
+    return buffer
+
+
+def _chunks(buffer: Tensor, lists: list[list[tuple[int, Block]]]) -> Iterator[tuple[int, Block, Tensor]]:
+    """``(member, block, chunk)``: each entry of ``lists``, in buffer order, with its chunk."""
+    entries = [entry for entries in lists for entry in entries]
+    chunks = buffer.split([block.numel for _, block in entries])
+    return ((m, block, chunk) for (m, block), chunk in zip(entries, chunks))
+
+
+def _targets(shape: tuple[int, ...], team: tuple[int, ...] | None, world: int) -> list[tuple[int, Block]]:
+    """``(rank, block)`` for every rank that computes a matrix of ``shape``: each rank the whole
+    matrix (``sync``: ``team is None``), or each team member its slice."""
+    if team is None:
+        return [(rank, Block((0,) * len(shape), shape)) for rank in range(world)]
+    return [(rank, Block(*block)) for rank, block in zip(team, member_blocks(shape, len(team)))]
+
+
+def _local_block(piece: Piece, part: Block) -> Block:
+    """Where a rank's local tensor holds ``part`` of its ``piece``."""
+    offset = tuple(at + p - g for at, p, g in zip(piece.local.offset, part.offset, piece.block.offset))
+    return Block(offset, part.shape)
+
+
+def _relative(part: Block, region: Block) -> Block:
+    """``part`` in the coordinates of the ``region`` that contains it."""
+    return Block(tuple(p - r for p, r in zip(part.offset, region.offset)), part.shape)
+
+
+def _local(shard: LocalShard, pieces: list[tuple[Block, Tensor]]) -> Tensor:
+    """A local shard from its pieces (flat, or of their blocks' shapes): the one piece that is
+    all of it, or the pieces placed (`_placed`)."""
+    if len(pieces) == 1 and pieces[0][0].shape == shard.shape:
+        return pieces[0][1].view(shard.shape)
+    value = pieces[0][1]
+    return _placed(torch.empty(shard.shape, dtype=value.dtype, device=value.device), pieces)
+
+
+def _placed(out: Tensor, pieces: list[tuple[Block, Tensor]]) -> Tensor:
+    """``out`` with each ``(block, value)`` of ``pieces`` (flat, or of the block's shape) copied
+    to its block, the blocks tiling ``out``. Blocks that each fill a run of ``out``'s memory (its
+    rows, or its stacked matrices: a slice of the first dimension they do not span) are placed
+    by one concatenation in memory order; other tilings (the columns of a row-wise
+    tensor-parallel shard) by a copy each."""
+    if all(_contiguous_in(block, out.shape) for block, _ in pieces):
+        ordered = sorted(pieces, key=lambda piece: piece[0].offset)
+        torch.cat([value.reshape(-1) for _, value in ordered], out=out.view(-1))
+        return out
+    for block, value in pieces:
+        out[block.slices] = value.view(block.shape)
+    return out
+
+
+def _contiguous_in(block: Block, shape: Sequence[int]) -> bool:
+    """Whether ``block`` is a contiguous run of a row-major tensor of ``shape``: size 1 in every
+    dimension before some dimension, and whole in every dimension after it."""
+    dims = len(shape)
+    first = next((d for d in range(dims) if block.shape[d] != 1), dims - 1)
+    return all(block.shape[d] == shape[d] for d in range(first + 1, dims))
 
 
 @dataclass
 class StepStats:
-    """What one optimizer step cost this rank, timed on the device (see `clock`).
+    """What one optimizer step cost this rank, timed on the device (`Clock`).
 
     Attributes:
         step: The whole step: AdamW, preparation, the micro-group pipeline, the apply.
@@ -56,7 +628,7 @@ class StepStats:
         bytes_sent: Bytes this rank sent to other ranks in all-to-alls.
         all_to_alls: All-to-all collectives issued.
         peak_buffer_bytes: Most bytes of the step's own buffers alive at once (prepared shards,
-            all-to-all buffers, full matrices, directions; see `memory.BufferMeter`).
+            all-to-all buffers, full matrices, directions; `BufferMeter`).
         team_matrices: Matrices whose update this rank computed a slice of, in a team.
         team_collectives: Collectives among team members that this rank took part in.
     """
@@ -143,7 +715,7 @@ class StepRun:
             for exchange, dtype in zip(exchanges, dtypes)
         ]
         retries = RETRIES.count
-        pipeline.run(steps, overlap)
+        run_pipeline(steps, overlap)
         self.stats.decomposition_retries += RETRIES.count - retries
 
 
@@ -215,7 +787,7 @@ def _zeros_like_each(tensors: Sequence[Tensor]) -> list[Tensor]:
 
 
 class MicroGroupStep:
-    """One micro-group's gather, compute, scatter and apply (see `pipeline.GroupStep`).
+    """One micro-group's gather, compute, scatter and apply (`run_pipeline` calls them in order).
 
     Each phase drops the buffers that later phases do not need, so that the step holds the
     buffers of the groups in flight only, not of every group until the step ends.
@@ -399,3 +971,31 @@ class MicroGroupStep:
         # What leaves this rank: its block for itself stays in memory.
         others = sum(send_sizes) - send_sizes[self.run.planned.rank]
         self.run.stats.bytes_sent += element_bytes * others
+
+
+def run_pipeline(steps: Sequence[MicroGroupStep], overlap: bool) -> None:
+    """Run every micro-group's phases, pipelined when ``overlap``: the collectives are issued in
+    the same order on every rank::
+
+        gather 0, gather 1, [compute 0], scatter 0, gather 2, [compute 1], scatter 1, [apply 0], …
+
+    so while group ``i`` computes, group ``i+1``'s shards travel to their owners and group
+    ``i−1``'s directions back to their shards."""
+    if not overlap:
+        for step in steps:
+            step.launch_gather()
+            step.compute()
+            step.launch_scatter()
+            step.finish()
+        return
+    if steps:
+        steps[0].launch_gather()
+    for index, step in enumerate(steps):
+        if index + 1 < len(steps):
+            steps[index + 1].launch_gather()
+        step.compute()
+        step.launch_scatter()
+        if index > 0:
+            steps[index - 1].finish()
+    if steps:
+        steps[-1].finish()

@@ -15,7 +15,6 @@ import difflib
 import inspect
 import itertools
 import math
-import warnings
 from abc import abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import fields, replace
@@ -29,12 +28,15 @@ from torch.optim import Optimizer
 from lightning_canzona.compat import cpu_multiplies_bfloat16
 from lightning_canzona.config import PlanConfig
 from lightning_canzona.distributed.agreement import GradientAgreement
-from lightning_canzona.distributed.custody import MatrixStateCustody
-from lightning_canzona.distributed.engine import MeshEngine, mesh_process_group
-from lightning_canzona.distributed.items import Entry, entry_rules
+from lightning_canzona.distributed.engine import MeshEngine
 from lightning_canzona.distributed.layout import local_tensor, planning_mesh
-from lightning_canzona.distributed.prices import flops_weights, priced
-from lightning_canzona.distributed.updates import apply_matrices, full_direction, prepare_matrices, step_adamw
+from lightning_canzona.distributed.runtime import (
+    Entry,
+    apply_matrices,
+    full_direction,
+    prepare_matrices,
+    step_adamw,
+)
 from lightning_canzona.planning import Plan, PlanSettings
 from lightning_canzona.qk_clip.settings import QKClip
 from lightning_canzona.rules import counters
@@ -374,7 +376,7 @@ class MatrixOptimizer(Optimizer):
             failure = error
         for mesh, entries in self._distributed_entries().items():
             engine = self._engine(mesh)
-            engine.step(entries, [has_grad[id(e.param)] for e in entries], self.state, self.rule_of)
+            engine.step(entries, [has_grad[id(e.param)] for e in entries], self.state)
             failure = failure or engine.failure
         device = local_tensor(named[0][1]).device
         self.agreement.raise_on_every_rank(failure, device, f"{type(self).__name__}.step")
@@ -401,7 +403,7 @@ class MatrixOptimizer(Optimizer):
         Collective: every rank must call it (it shares the shards' layouts once).
         """
         return {
-            mesh: self._engine(mesh).prepare(entries, self.state, self.rule_of)
+            mesh: self._engine(mesh).prepare(entries, self.state)
             for mesh, entries in self._distributed_entries().items()
         }
 
@@ -417,11 +419,11 @@ class MatrixOptimizer(Optimizer):
     def owner_held_state(self) -> list[tuple[Tensor, dict[str, Tensor]]]:
         """``(param, matrix state)`` of every matrix this rank owns (empty under ``sync``), as a
         state dict holds it (counters as tensors: `lightning_canzona.rules.counters`)."""
-        held = []
-        for engine, custody in self._custodies():
-            for index, matrix_state in custody.owned().items():
-                held.append((engine.entries[index].param, counters.saved(matrix_state)))
-        return held
+        return [
+            (param, counters.saved(matrix_state))
+            for engine in self.engines.values()
+            for param, matrix_state in engine.owned_state(self.state)
+        ]
 
     @contextlib.contextmanager
     def whole_team_state(self) -> Iterator[None]:
@@ -442,33 +444,30 @@ class MatrixOptimizer(Optimizer):
     def splits_matrix_state(self) -> bool:
         """Whether a plan has teams whose members hold slices of a matrix's state (Shampoo's
         and SOAP's; Muon's teams hold none)."""
-        return any(custody.stateful_team_items() for _, custody in self._custodies())
+        return any(engine.splits_matrix_state(self.state) for engine in self.engines.values())
 
     def gather_team_state(self) -> None:
         """Put every team's matrix state whole on its first member (collective; see
         `whole_team_state`); the next step or load hands it out again (`scatter_team_state`)."""
-        for _, custody in self._custodies():
-            custody.gather_team_state()
+        for engine in self.engines.values():
+            engine.gather_team_state(self.state)
 
     def scatter_team_state(self) -> None:
         """Give every team's members their slices of the state its first member holds whole."""
-        for _, custody in self._custodies():
-            custody.scatter_team_state()
-
-    def _custodies(self) -> Iterator[tuple[MeshEngine, MatrixStateCustody]]:
-        """Every engine that has a plan, with the custody of its matrix state."""
         for engine in self.engines.values():
-            if engine.plan is not None:
-                yield engine, engine.custody(self.state, entry_rules(engine.entries, self.rule_of))
+            engine.scatter_team_state(self.state)
 
     def _distributed_entries(self) -> dict[Any, list[Entry]]:
         """The DTensor parameters by the mesh they are planned on (`planning_mesh`), in
-        param-group order (the same on every rank)."""
+        param-group order (the same on every rank), each with its group's rule (built once)."""
         distributed: dict[Any, list[Entry]] = {}
         for index, group in enumerate(self.param_groups):
+            rule = None
             for position, param in enumerate(group["params"]):
                 if isinstance(param, DTensor):
-                    entry = Entry(param, group, _param_name(group, index, position).strip("'"))
+                    if rule is None and group["algorithm"] != ADAMW:
+                        rule = self.rule_of(group)
+                    entry = Entry(param, group, _param_name(group, index, position).strip("'"), rule)
                     distributed.setdefault(planning_mesh(param.device_mesh), []).append(entry)
         return distributed
 
@@ -479,28 +478,15 @@ class MatrixOptimizer(Optimizer):
 
     def _engine(self, mesh: Any) -> MeshEngine:
         if mesh not in self.engines:
-            group = mesh_process_group(mesh)
             rules = [self.rule_of(g) for g in self.param_groups if g["algorithm"] != ADAMW]
-            dtypes = list(dict.fromkeys(rule.matmul_dtype() for rule in rules)) or [torch.float32]
-            weights = flops_weights(self.plan_config.team_prices, group, mesh.device_type, dtypes)
-            if weights is None and group.rank() == 0:  # every rank would say the same
-                # Matmul FLOPs of different dtypes take different times (float32 about 15× bf16's
-                # on an H100), and prices given as figures say nothing of the dtypes' rates.
-                warnings.warn(
-                    f"The param groups of this {type(self).__name__} multiply in "
-                    f"{', '.join(str(d).removeprefix('torch.') for d in dtypes)}, and team_prices are "
-                    "given as figures: the plan balances their FLOPs as if equally fast and prices "
-                    f"teams' collectives in FLOPs of {str(dtypes[0]).removeprefix('torch.')} (the first "
-                    "group's). Use team_prices='h100' or 'measure', or the same compute_dtype in every "
-                    "param group, for a balanced plan.",
-                    UserWarning,
-                    stacklevel=3,
-                )
-            config = self.plan_config
-            settings = priced(self.plan_settings(), config.team_prices, group, mesh.device_type, dtypes[0])
-            overlap, batch = config.overlap, self.batch_matrices
             self.engines[mesh] = MeshEngine(
-                mesh, settings, overlap, batch, weights or {}, config.replicas, self.devices_per_node
+                mesh,
+                self.plan_config,
+                rules,
+                self.plan_settings(),
+                self.batch_matrices,
+                self.devices_per_node,
+                type(self).__name__,
             )
         return self.engines[mesh]
 
@@ -577,13 +563,8 @@ class MatrixOptimizer(Optimizer):
             if "compile" in defaults:  # how this run computes, not how the saved one did
                 group["compile"] = defaults["compile"]
         for mesh, entries in self._distributed_entries().items():
-            if mesh in self.engines and self.engines[mesh].plan is not None:
-                engine = self.engines[mesh]
-                engine.prepare(entries, self.state, self.rule_of)  # re-read the new param groups
-                custody = engine.custody(self.state, entry_rules(engine.entries, self.rule_of))
-                custody.scatter_team_state()
-                custody.drop_foreign()
-                custody.keep_loaded_stack_failures_on_one_owner()
+            if mesh in self.engines:
+                self.engines[mesh].load_state(entries, self.state)
         params = (param for group in self.param_groups for param in group["params"])
         for index, param in enumerate(params):
             for key, saved in by_param.get(index, {}).items():

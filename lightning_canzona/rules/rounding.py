@@ -64,7 +64,7 @@ class StochasticRounding:
         target, the others themselves; on exit each copy is rounded into its target.
 
         ``keys`` name each target's elements uniquely and alike on every rank that holds the
-        same elements (`lightning_canzona.distributed.updates.shard_key`).
+        same elements (`lightning_canzona.distributed.runtime.shard_key`).
         """
         work = [t.float() if t.dtype in STOCHASTIC_DTYPES else t for t in targets]
         yield work

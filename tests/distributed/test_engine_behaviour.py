@@ -157,7 +157,7 @@ MOVES = {"aten::copy_", "aten::cat", "aten::clone", "aten::_to_copy", "aten::ind
 
 def _exchange_kernels(step) -> dict[str, int]:
     """Data-moving kernels issued by each `MicroGroupExchange` method during ``step()``."""
-    from lightning_canzona.distributed.exchange import MicroGroupExchange
+    from lightning_canzona.distributed.runtime import MicroGroupExchange
 
     methods = ("launch_gather", "assemble", "launch_scatter", "my_updates")
     originals = {name: getattr(MicroGroupExchange, name) for name in methods}

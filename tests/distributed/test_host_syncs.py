@@ -5,14 +5,17 @@ After warm-up steps (the plan built, state created), one step of each optimizer 
 strategy's work after backward (the plain parameters' averaging and replica check), gradient
 clipping where asked, and ``optimizer.step()``. A default step reads the device at most once (the
 gradients' agreement, which carries the previous step's failure and the replica check); clipping
-adds none.
+adds none. The same launch traces which of the package's files a default Muon step's calls pass
+through: a step a maintainer can follow.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from multiprocess import run_on_ranks
@@ -35,6 +38,9 @@ OPTIMIZERS = {
     "soap": (lc.SOAP, {"precondition_frequency": 2}, {"step": 4, "decomposition step": 5}),
 }
 WARM_UP = 2
+#: The package's files that a default Muon step (planned already) may pass through, at most.
+STEP_FILES = 10
+PACKAGE = Path(lc.__file__).parent
 
 
 class Block(nn.Module):
@@ -89,7 +95,10 @@ def _count_steps(rank: int, world_size: int, results: str) -> None:
                     if clip:
                         with clipping:
                             clip_grad_norm_(params, 1.0, agreement=optimizer.agreement)
-                    optimizer.step()
+                    if name == "muon" and not clip and step == counted["step"]:
+                        files = _files_passed_through(optimizer.step)
+                    else:
+                        optimizer.step()
                 for label, at in counted.items():
                     if step == at:
                         key = f"{name} {label}" + (", clipped" if clip else "")
@@ -99,17 +108,43 @@ def _count_steps(rank: int, world_size: int, results: str) -> None:
                             "list indexing": syncs.list_indexing,
                         }
             optimizer.agreement.settle()  # a failure of the last step, which no step follows, raises here
+    counts["muon step"]["files"] = files
     gathered: list = [None] * world_size
     dist.all_gather_object(gathered, counts)
     if rank == 0:
         Path(results).write_text(json.dumps(gathered))
 
 
+def _files_passed_through(step) -> list[str]:
+    """The package's files (but the counter's own) whose functions ``step()`` calls."""
+    files = set()
+
+    def called(frame, event, arg) -> None:
+        path = Path(frame.f_code.co_filename)
+        if event == "call" and path.is_relative_to(PACKAGE) and "bench" not in path.parts:
+            files.add(str(path.relative_to(PACKAGE)))
+
+    sys.setprofile(called)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return sorted(files)
+
+
 def _in_decompositions(where: str) -> bool:
     return where.startswith("lightning_canzona/rules/kronecker.py")
 
 
-def test_a_step_reads_the_device_at_most_once(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def by_rank(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """What every rank counted and traced (one launch for the tests of this module)."""
+    results = tmp_path_factory.mktemp("host_syncs") / "counts.json"
+    run_on_ranks(4, _count_steps, str(results))
+    return json.loads(results.read_text())
+
+
+def test_a_step_reads_the_device_at_most_once(by_rank: list[dict]) -> None:
     with HostSyncs() as seen:  # what the counter sees: reads and copies of Python data
         value = torch.ones(())
         torch.tensor([1.0]), torch.as_tensor([1.0]), torch.as_tensor(value)
@@ -125,9 +160,6 @@ def test_a_step_reads_the_device_at_most_once(tmp_path: Path) -> None:
         "(cpu)",
         "(numpy)",
     ]
-    results = tmp_path / "counts.json"
-    run_on_ranks(4, _count_steps, str(results))
-    by_rank = json.loads(results.read_text())
     report = [
         f"{key}, rank {rank}: {len(counts[key]['step'])} ({'; '.join(counts[key]['step']) or 'none'})"
         for key in by_rank[0]
@@ -147,3 +179,9 @@ def test_a_step_reads_the_device_at_most_once(tmp_path: Path) -> None:
             assert not counts["list indexing"], (line, counts["list indexing"])
         # A decomposition step adds one read per decomposition (its finiteness check), none else.
         assert decomposing == ("decomposition" in key), key
+
+
+def test_a_default_muon_step_passes_through_a_few_files(by_rank: list[dict]) -> None:
+    files = [counts["muon step"]["files"] for counts in by_rank]
+    print("\n".join(f"rank {rank}: {len(each)} files: {' '.join(each)}" for rank, each in enumerate(files)))
+    assert all(len(each) <= STEP_FILES for each in files), files
