@@ -36,7 +36,7 @@ from typing import Any, Literal
 import torch
 
 from lightning_canzona.commands import HelpFormatter, described
-from lightning_canzona.optim.optimizer import resolve_dtype
+from lightning_canzona.rules.muon import resolve_dtype
 from lightning_canzona.rules.newton_schulz import FORMS
 
 #: A check's verdict: INFO describes the machine; PASS and FAIL are the checks'.

@@ -14,8 +14,6 @@ import contextlib
 import difflib
 import inspect
 import itertools
-import math
-from abc import abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import fields, replace
 from typing import Any, ClassVar
@@ -25,7 +23,6 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_canzona.compat import cpu_multiplies_bfloat16
 from lightning_canzona.config import PlanConfig
 from lightning_canzona.distributed.agreement import GradientAgreement
 from lightning_canzona.distributed.engine import MeshEngine
@@ -41,63 +38,21 @@ from lightning_canzona.planning import Plan, PlanSettings
 from lightning_canzona.qk_clip.settings import QKClip
 from lightning_canzona.rules import counters
 from lightning_canzona.rules.adamw import ALGORITHM as ADAMW
-from lightning_canzona.rules.base import MatrixRule
+from lightning_canzona.rules.base import MatrixRule, check_betas, check_non_negative
 from lightning_canzona.rules.blocks import RowBlockRule, RowBlocks, as_row_blocks, row_block_sizes
 
 #: The settings of `PlanConfig`, which the optimizers take as ``plan=PlanConfig(...)``.
 PLAN_FIELDS = frozenset(f.name for f in fields(PlanConfig))
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
-
-
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device | None = None) -> torch.dtype:
-    """A compute dtype from its name (``"bfloat16"``, ``"float32"``, ``"float64"``) or itself;
-    ``"auto"`` is `auto_dtype` of ``device`` (``None``: the CPU)."""
-    if dtype == "auto":
-        return auto_dtype(torch.device("cpu") if device is None else device)
-    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
-        return dtype
-    if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
-        return DTYPES[dtype.removeprefix("torch.")]
-    raise ValueError(f"compute_dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
-
-
-def auto_dtype(device: torch.device) -> torch.dtype:
-    """bfloat16 (``torch.optim.Muon``'s dtype) where ``device`` multiplies it in hardware: CUDA GPUs
-    from Ampere on, CPUs with AVX512-BF16 or AMX, other accelerators; float32 elsewhere, where
-    bfloat16 matmuls are emulated (20-50 times slower than float32 on an AVX2 CPU)."""
-    if device.type == "cuda":
-        fast = torch.cuda.is_bf16_supported(including_emulation=False)
-    elif device.type == "cpu":
-        fast = cpu_multiplies_bfloat16()
-    else:
-        fast = True
-    return torch.bfloat16 if fast else torch.float32
-
-
-def check_non_negative(**settings: float | Tensor) -> None:
-    """A `ValueError` naming the first of ``settings`` that is not a finite number >= 0, or a
-    1-element tensor holding one (a learning rate, as ``torch.optim`` takes it)."""
-    for name, value in settings.items():
-        if isinstance(value, Tensor) and value.numel() != 1:
-            raise ValueError(f"Tensor {name} must be 1-element, got shape {tuple(value.shape)}")
-        number = value.item() if isinstance(value, Tensor) else value
-        if not (isinstance(number, (int, float)) and math.isfinite(number) and number >= 0.0):
-            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-
-
-def check_betas(name: str, betas: tuple[float, float]) -> None:
-    """A `ValueError` naming ``name`` unless ``betas`` are two numbers in [0, 1)."""
-    if len(betas) != 2 or not all(0.0 <= beta < 1.0 for beta in betas):
-        raise ValueError(f"{name} must be two numbers in [0, 1), got {betas!r}")
 
 
 class MatrixOptimizer(Optimizer):
     """An optimizer whose matrix groups follow a `MatrixRule` and the rest AdamW.
 
-    Subclasses name their algorithm, declare their hyperparameter defaults and build the rule
-    from a param group (`matrix_rule`), which is how per-group settings take effect. A matrix
-    group may declare ``row_blocks`` (``n`` equal blocks or the blocks' row sizes): its fused
-    weights are then updated block by block (`rule_of`, `lightning_canzona.rules.blocks`).
+    Subclasses name their algorithm and declare their hyperparameter defaults; `matrix_rule`
+    builds the rule from a param group (by default `rule`'s `MatrixRule.from_group`), which is how
+    per-group settings take effect. A matrix group may declare ``row_blocks`` (``n`` equal blocks
+    or the blocks' row sizes): its fused weights are then updated block by block (`rule_of`,
+    `lightning_canzona.rules.blocks`).
 
     Args:
         params: Tensors, ``(name, tensor)`` pairs or param-group dicts.
@@ -121,6 +76,8 @@ class MatrixOptimizer(Optimizer):
 
     #: The value of ``param_groups[i]["algorithm"]`` for the matrix groups.
     algorithm: ClassVar[str]
+    #: The rule class of the matrix groups, which the default `matrix_rule` builds.
+    rule: ClassVar[type[MatrixRule]]
 
     def __init__(
         self,
@@ -226,9 +183,10 @@ class MatrixOptimizer(Optimizer):
             )
         self.plan_config = config
 
-    @abstractmethod
     def matrix_rule(self, group: dict[str, Any]) -> MatrixRule:
-        """The rule for a matrix group, built from the group's hyperparameters."""
+        """The rule for a matrix group, built from the group's hyperparameters: `rule`'s, read by
+        its `MatrixRule.from_group` (a subclass may build its rule otherwise)."""
+        return self.rule.from_group(group)
 
     def rule_of(self, group: dict[str, Any]) -> MatrixRule:
         """The rule that updates a matrix group's matrices: `matrix_rule`, applied block by

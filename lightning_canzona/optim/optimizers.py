@@ -1,7 +1,8 @@
 """The optimizers users construct: `Muon`, `NorMuon`, `Shampoo` and `SOAP`.
 
 Each is a `torch.optim.Optimizer` holding its matrix groups and AdamW groups together; the
-math lives in `lightning_canzona.rules`.
+math and the settings (their names, defaults and checks) live in its rule, `lightning_canzona.rules`.
+The signatures repeat the rules' settings for IDEs and LightningCLI; a test checks that they agree.
 """
 
 from __future__ import annotations
@@ -9,33 +10,27 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
-import torch
-
-from lightning_canzona.optim.optimizer import (
-    MatrixOptimizer,
-    check_betas,
-    check_non_negative,
-    resolve_dtype,
-)
+from lightning_canzona.optim.optimizer import MatrixOptimizer
 from lightning_canzona.qk_clip.settings import QKClip
-from lightning_canzona.rules.compiled import check_compile
-from lightning_canzona.rules.muon import ADJUST_LR_FNS, MuonRule
-from lightning_canzona.rules.newton_schulz import FORMS, Coefficients, resolve_schedule
+from lightning_canzona.rules.muon import MuonRule
+from lightning_canzona.rules.newton_schulz import Coefficients
 from lightning_canzona.rules.normuon import NorMuonRule
-from lightning_canzona.rules.shampoo import EPSILON_MODES, EpsilonMode, ShampooRule
+from lightning_canzona.rules.shampoo import EpsilonMode, ShampooRule
 from lightning_canzona.rules.soap import SOAPRule
 
 
-def _check_positive_int(**settings: int) -> None:
-    for name, value in settings.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-
-
-def _check_unit_interval(**settings: float) -> None:
-    for name, value in settings.items():
-        if not 0.0 <= value < 1.0:
-            raise ValueError(f"{name} must lie in [0, 1), got {value!r}")
+def _defaults(optimizer: MatrixOptimizer, arguments: dict[str, Any]) -> dict[str, Any]:
+    """The matrix groups' defaults from an ``__init__``'s ``locals()``: ``lr``, ``weight_decay``
+    and the settings of the optimizer's `MatrixOptimizer.rule`, a variant's own (NorMuon's
+    ``beta2``) taken out of ``kwargs``, whose names are checked first."""
+    kwargs = arguments["kwargs"]
+    optimizer.check_keywords(kwargs)
+    names = ["lr", "weight_decay", *optimizer.rule.settings()]
+    defaults = {name: value for name, value in arguments.items() if name in names}
+    defaults.update((name, kwargs.pop(name)) for name in names if name not in defaults)
+    if "betas" in defaults:  # kept as a tuple, whatever sequence was given
+        defaults["betas"] = tuple(defaults["betas"])
+    return defaults
 
 
 class Muon(MatrixOptimizer):
@@ -81,6 +76,7 @@ class Muon(MatrixOptimizer):
     """
 
     algorithm = "muon"
+    rule = MuonRule
 
     def __init__(
         self,
@@ -99,58 +95,26 @@ class Muon(MatrixOptimizer):
         qk_clip: QKClip | None = None,
         **kwargs: Any,
     ) -> None:
-        defaults = dict(
-            lr=lr,
-            weight_decay=weight_decay,
-            momentum=momentum,
-            nesterov=nesterov,
-            ns_coefficients=ns_coefficients,
-            eps=eps,
-            ns_steps=ns_steps,
-            adjust_lr_fn=adjust_lr_fn,
-            compute_dtype=compute_dtype,
-            ns_form=ns_form,
-            compile=compile,
-        )
-        self.check_keywords(kwargs)
+        defaults = _defaults(self, locals())  # first: it takes a variant's settings (beta2) out of kwargs
         super().__init__(params, defaults, **kwargs)
         self.qk_clip = _qk_clip_setting(qk_clip)
 
-    def matrix_rule(self, group: dict[str, Any]) -> MuonRule:
-        return MuonRule(**_muon_settings(group))
 
-
-class NorMuon(MatrixOptimizer):
+class NorMuon(Muon):
     """NorMuon (Muon normalised per output neuron) for weight matrices, AdamW for everything else.
 
-    Muon's keywords and defaults, and ``beta2``; see `lightning_canzona.rules.normuon` for the
-    update: each row of Muon's orthogonalised update is divided by the root of its running second
-    moment, then the update is scaled back to Muon's Frobenius norm, so Muon's learning rates
-    carry over.
+    `Muon` with ``beta2``; see `lightning_canzona.rules.normuon` for the update: each row of Muon's
+    orthogonalised update is divided by the root of its running second moment, then the update is
+    scaled back to Muon's Frobenius norm, so Muon's learning rates carry over.
 
     Args:
-        params: Tensors, ``(name, tensor)`` pairs or param groups; see
-            `lightning_canzona.matrix_param_groups`.
-        lr: Learning rate γ.
-        weight_decay: Decoupled weight decay λ.
-        momentum: Momentum μ.
-        nesterov: Orthogonalise the Nesterov look-ahead ``(1 − μ)·G + μ·B`` instead of ``B``.
-        ns_coefficients: As `Muon`'s.
-        eps: Lower clamp of the Frobenius norm that normalises the input of Newton–Schulz.
-        ns_steps: Newton–Schulz iterations.
-        adjust_lr_fn: As `Muon`'s: ``"original"`` (``None``) or ``"match_rms_adamw"``.
-        compute_dtype: Dtype of the Newton–Schulz iteration, as `Muon`'s (the normalisation
-            computes in float32).
-        ns_form: As `Muon`'s.
-        compile: As `Muon`'s.
         beta2: Decay of each output neuron's second moment (dion's ``muon_beta2``).
-        qk_clip: As `Muon`'s.
-        **kwargs: AdamW-group settings (``adamw_lr``, ``adamw_betas``, ``adamw_eps``,
-            ``adamw_weight_decay``), ``check_finite``, ``stochastic_rounding``, and ``plan``
-            (a `lightning_canzona.PlanConfig`): see `MatrixOptimizer`.
+        **kwargs: As `Muon`'s, as are the other arguments (the normalisation computes in float32
+            whatever ``compute_dtype``).
     """
 
     algorithm = "normuon"
+    rule = NorMuonRule
 
     def __init__(
         self,
@@ -170,20 +134,9 @@ class NorMuon(MatrixOptimizer):
         qk_clip: QKClip | None = None,
         **kwargs: Any,
     ) -> None:
-        muon = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov)
-        newton_schulz = dict(
-            ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, ns_form=ns_form, compile=compile
-        )
-        defaults = dict(
-            **muon, **newton_schulz, adjust_lr_fn=adjust_lr_fn, compute_dtype=compute_dtype, beta2=beta2
-        )
-        self.check_keywords(kwargs)
-        super().__init__(params, defaults, **kwargs)
-        self.qk_clip = _qk_clip_setting(qk_clip)
-
-    def matrix_rule(self, group: dict[str, Any]) -> NorMuonRule:
-        _check_unit_interval(beta2=group["beta2"])
-        return NorMuonRule(**_muon_settings(group), beta2=group["beta2"])
+        # Muon's signature and beta2 (a test checks it): built as Muon is, beta2 among its kwargs.
+        own = {name: value for name, value in locals().items() if name not in ("self", "kwargs", "__class__")}
+        super().__init__(**own, **kwargs)
 
 
 def _qk_clip_setting(qk_clip: QKClip | None) -> QKClip | None:
@@ -192,37 +145,6 @@ def _qk_clip_setting(qk_clip: QKClip | None) -> QKClip | None:
             f"qk_clip must be a lightning_canzona.QKClip (QKClip(threshold=100.0)) or None, got {qk_clip!r}"
         )
     return qk_clip
-
-
-def _device(group: dict[str, Any]) -> torch.device | None:
-    """The device of a param group's parameters (``None`` for an empty group)."""
-    return group["params"][0].device if group["params"] else None
-
-
-def _muon_settings(group: dict[str, Any]) -> dict[str, Any]:
-    """`MuonRule`'s fields from a Muon or NorMuon param group, checked."""
-    _check_positive_int(ns_steps=group["ns_steps"])
-    _check_unit_interval(momentum=group["momentum"])
-    check_non_negative(eps=group["eps"])
-    adjust_lr_fn = group["adjust_lr_fn"] or "original"
-    if adjust_lr_fn not in ADJUST_LR_FNS:
-        raise ValueError(
-            f"Adjust learning rate function {adjust_lr_fn} is not supported: adjust_lr_fn must be one "
-            f"of {ADJUST_LR_FNS} or None"
-        )
-    if group["ns_form"] not in FORMS:
-        raise ValueError(f"ns_form must be one of {FORMS}, got {group['ns_form']!r}")
-    return dict(
-        schedule=resolve_schedule(group["ns_coefficients"]),
-        momentum=group["momentum"],
-        nesterov=group["nesterov"],
-        ns_steps=group["ns_steps"],
-        eps=group["eps"],
-        adjust_lr_fn=adjust_lr_fn,
-        compute_dtype=resolve_dtype(group["compute_dtype"], _device(group)),
-        ns_form=group["ns_form"],
-        compile=check_compile(group["compile"]),
-    )
 
 
 class Shampoo(MatrixOptimizer):
@@ -253,6 +175,7 @@ class Shampoo(MatrixOptimizer):
     """
 
     algorithm = "shampoo"
+    rule = ShampooRule
 
     def __init__(
         self,
@@ -268,39 +191,7 @@ class Shampoo(MatrixOptimizer):
         epsilon_mode: EpsilonMode = "relative",
         **kwargs: Any,
     ) -> None:
-        defaults = dict(
-            lr=lr,
-            betas=tuple(betas),
-            eps=eps,
-            epsilon=epsilon,
-            weight_decay=weight_decay,
-            precondition_frequency=precondition_frequency,
-            start_preconditioning_step=start_preconditioning_step,
-            max_precond_dim=max_precond_dim,
-            epsilon_mode=epsilon_mode,
-        )
-        self.check_keywords(kwargs)
-        super().__init__(params, defaults, **kwargs)
-
-    def matrix_rule(self, group: dict[str, Any]) -> ShampooRule:
-        check_betas("betas", group["betas"])
-        check_non_negative(eps=group["eps"], epsilon=group["epsilon"])
-        _check_positive_int(
-            precondition_frequency=group["precondition_frequency"],
-            start_preconditioning_step=group["start_preconditioning_step"],
-            max_precond_dim=group["max_precond_dim"],
-        )
-        if group["epsilon_mode"] not in EPSILON_MODES:
-            raise ValueError(f"epsilon_mode must be one of {EPSILON_MODES}, got {group['epsilon_mode']!r}")
-        return ShampooRule(
-            betas=tuple(group["betas"]),
-            eps=group["eps"],
-            epsilon=group["epsilon"],
-            precondition_frequency=group["precondition_frequency"],
-            start_preconditioning_step=group["start_preconditioning_step"],
-            max_precond_dim=group["max_precond_dim"],
-            epsilon_mode=group["epsilon_mode"],
-        )
+        super().__init__(params, _defaults(self, locals()), **kwargs)
 
 
 class SOAP(MatrixOptimizer):
@@ -327,6 +218,7 @@ class SOAP(MatrixOptimizer):
     """
 
     algorithm = "soap"
+    rule = SOAPRule
 
     def __init__(
         self,
@@ -341,18 +233,7 @@ class SOAP(MatrixOptimizer):
         weight_decay_order: str = "decay_first",
         **kwargs: Any,
     ) -> None:
-        defaults = dict(
-            lr=lr,
-            betas=tuple(betas),
-            shampoo_beta=shampoo_beta,
-            eps=eps,
-            weight_decay=weight_decay,
-            precondition_frequency=precondition_frequency,
-            max_precond_dim=max_precond_dim,
-            weight_decay_order=weight_decay_order,
-        )
-        self.check_keywords(kwargs)
-        super().__init__(params, defaults, **kwargs)
+        super().__init__(params, _defaults(self, locals()), **kwargs)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """`MatrixOptimizer.step`, then one more step counted in every SOAP group
@@ -363,21 +244,3 @@ class SOAP(MatrixOptimizer):
             if group["algorithm"] == self.algorithm:
                 group["soap_steps"] = group.get("soap_steps", 0) + 1
         return loss
-
-    def matrix_rule(self, group: dict[str, Any]) -> SOAPRule:
-        check_betas("betas", group["betas"])
-        check_non_negative(eps=group["eps"])
-        if group["shampoo_beta"] is not None:
-            _check_unit_interval(shampoo_beta=group["shampoo_beta"])
-        _check_positive_int(
-            precondition_frequency=group["precondition_frequency"], max_precond_dim=group["max_precond_dim"]
-        )
-        return SOAPRule(
-            betas=tuple(group["betas"]),
-            shampoo_beta=group["shampoo_beta"],
-            eps=group["eps"],
-            precondition_frequency=group["precondition_frequency"],
-            max_precond_dim=group["max_precond_dim"],
-            weight_decay_order=group["weight_decay_order"],
-            first_step=group.get("soap_steps", 0) == 0,
-        )

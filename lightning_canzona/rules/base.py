@@ -18,11 +18,12 @@ call per operation for all of a param group's shards costs one call where a loop
 
 from __future__ import annotations
 
+import functools
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Generator, Sequence
-from dataclasses import dataclass, replace
-from typing import ClassVar
+from collections.abc import Generator, Mapping, Sequence
+from dataclasses import MISSING, dataclass, field, fields, replace
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import Tensor
@@ -170,6 +171,71 @@ def matrix_dims(shape: Sequence[int]) -> tuple[int, int, int]:
     return batch, int(shape[-2]), int(shape[-1])
 
 
+#: The metadata of a rule's field that `setting` declares.
+SETTING = "lightning_canzona.setting"
+
+
+def setting(
+    default: Any,
+    *,
+    key: str | None = None,
+    group_default: Any = MISSING,
+    read: bool = True,
+    compare: bool = True,
+) -> Any:
+    """A rule's dataclass field whose param-group setting differs from it (`MatrixRule.settings`):
+    named ``key`` in a group, holding ``group_default`` there (a name or ``"auto"`` that the rule
+    turns into the field's value), or not read from a group at all (``read=False``)."""
+    metadata = {SETTING: (key, group_default, read)}
+    return field(default=default, compare=compare, metadata=metadata)
+
+
+def check_non_negative(**settings: float | Tensor) -> None:
+    """A `ValueError` naming the first of ``settings`` that is not a finite number >= 0, or a
+    1-element tensor holding one (a learning rate, as ``torch.optim`` takes it)."""
+    for name, value in settings.items():
+        if isinstance(value, Tensor) and value.numel() != 1:
+            raise ValueError(f"Tensor {name} must be 1-element, got shape {tuple(value.shape)}")
+        number = value.item() if isinstance(value, Tensor) else value
+        if not (isinstance(number, (int, float)) and math.isfinite(number) and number >= 0.0):
+            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+
+
+def check_betas(name: str, betas: Sequence[float]) -> None:
+    """A `ValueError` naming ``name`` unless ``betas`` are two numbers in [0, 1)."""
+    if len(betas) != 2 or not all(0.0 <= beta < 1.0 for beta in betas):
+        raise ValueError(f"{name} must be two numbers in [0, 1), got {betas!r}")
+
+
+def check_positive_int(**settings: int) -> None:
+    """A `ValueError` naming the first of ``settings`` that is not an integer >= 1."""
+    for name, value in settings.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def check_unit_interval(**settings: float) -> None:
+    """A `ValueError` naming the first of ``settings`` outside [0, 1)."""
+    for name, value in settings.items():
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"{name} must lie in [0, 1), got {value!r}")
+
+
+@functools.cache
+def _settings(rule: type) -> tuple[tuple[str, str, Any], ...]:
+    """``(field, key in a group, default in a group)`` of each setting of a dataclass ``rule``."""
+    found = []
+    for each in fields(rule):
+        key, group_default, read = each.metadata.get(SETTING, (None, MISSING, True))
+        if each.init and read:
+            default = each.default if group_default is MISSING else group_default
+            found.append((each.name, key or each.name, default))
+    return tuple(found)
+
+
+Rule = TypeVar("Rule", bound="MatrixRule")
+
+
 class MatrixRule(ABC):
     """Per-matrix update math; stateless itself, all state lives in the dicts it is handed."""
 
@@ -181,6 +247,19 @@ class MatrixRule(ABC):
     #: may stack same-shape matrices into one call. (Every rule has each matrix of a stack planned
     #: alone; a rule with matrix state keeps each one's under `updates.member_prefix`.)
     batches_matrices: ClassVar[bool] = False
+
+    @classmethod
+    def settings(cls) -> dict[str, Any]:
+        """The param-group settings the rule is built from (`from_group`), with the defaults an
+        optimizer gives them: a dataclass rule's fields, as `setting` names them."""
+        return {key: default for _, key, default in _settings(cls)}
+
+    @classmethod
+    def from_group(cls: type[Rule], group: Mapping[str, Any], **values: Any) -> Rule:
+        """The rule of a param group: its settings read from the group, ``values`` given (the
+        rule's own ``__post_init__`` checks them)."""
+        read = {name: group[key] for name, key, _ in _settings(cls) if name not in values}
+        return cls(**read, **values)
 
     def matrix_state(self, state: State) -> State:
         """The matrix-state part of a parameter's state."""

@@ -23,43 +23,109 @@ Cost per step: ``k·(4a²b + 2a³)`` FLOPs with ``a = min(m, n)``, ``b = max(m, 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from lightning_canzona.compat import foreach_lerp, foreach_lerp_
-from lightning_canzona.rules.base import MatrixRule, State, TeamComputation, UpdateCost, matrix_dims
-from lightning_canzona.rules.compiled import Compile, compiles
+from lightning_canzona.compat import cpu_multiplies_bfloat16, foreach_lerp, foreach_lerp_
+from lightning_canzona.rules.base import (
+    MatrixRule,
+    Rule,
+    State,
+    TeamComputation,
+    UpdateCost,
+    check_non_negative,
+    check_positive_int,
+    check_unit_interval,
+    matrix_dims,
+    setting,
+)
+from lightning_canzona.rules.compiled import Compile, check_compile, compiles
 from lightning_canzona.rules.ieee import ieee_float32_products
 from lightning_canzona.rules.newton_schulz import (
+    FORMS,
     NewtonSchulzSchedule,
     newton_schulz,
+    resolve_schedule,
     team_newton_schulz,
     team_work,
 )
 from lightning_canzona.rules.newton_schulz import flops as newton_schulz_flops
 
 ADJUST_LR_FNS = ("original", "match_rms_adamw")
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device | None = None) -> torch.dtype:
+    """A compute dtype from its name (``"bfloat16"``, ``"float32"``, ``"float64"``) or itself;
+    ``"auto"`` is `auto_dtype` of ``device`` (``None``: the CPU)."""
+    if dtype == "auto":
+        return auto_dtype(torch.device("cpu") if device is None else device)
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
+        return DTYPES[dtype.removeprefix("torch.")]
+    raise ValueError(f"compute_dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
+
+
+def auto_dtype(device: torch.device) -> torch.dtype:
+    """bfloat16 (``torch.optim.Muon``'s dtype) where ``device`` multiplies it in hardware: CUDA GPUs
+    from Ampere on, CPUs with AVX512-BF16 or AMX, other accelerators; float32 elsewhere, where
+    bfloat16 matmuls are emulated (20-50 times slower than float32 on an AVX2 CPU)."""
+    if device.type == "cuda":
+        fast = torch.cuda.is_bf16_supported(including_emulation=False)
+    elif device.type == "cpu":
+        fast = cpu_multiplies_bfloat16()
+    else:
+        fast = True
+    return torch.bfloat16 if fast else torch.float32
 
 
 @dataclass(frozen=True)
 class MuonRule(MatrixRule):
-    """Muon's per-matrix math (see the module docstring for the formulas)."""
+    """Muon's per-matrix math (see the module docstring for the formulas) and settings: a param
+    group's ``ns_coefficients`` (a preset's name or triples) become ``schedule``, its
+    ``compute_dtype`` a dtype (``"auto"`` by the group's device), its ``adjust_lr_fn=None``
+    ``"original"``."""
 
-    schedule: NewtonSchulzSchedule
+    schedule: NewtonSchulzSchedule = setting((3.4445, -4.7750, 2.0315), key="ns_coefficients")
     momentum: float = 0.95
     nesterov: bool = True
     ns_steps: int = 5
     eps: float = 1e-7
-    adjust_lr_fn: str = "original"
-    compute_dtype: torch.dtype = torch.bfloat16
+    adjust_lr_fn: str | None = None
+    compute_dtype: torch.dtype = setting(torch.bfloat16, group_default="auto")
     ns_form: str = "standard"
-    compile: Compile = False
+    compile: Compile = setting(False, group_default="auto")
     name = "muon"
     elementwise_state_keys = ("momentum_buffer",)
     batches_matrices = True
+
+    def __post_init__(self) -> None:
+        check_positive_int(ns_steps=self.ns_steps)
+        check_unit_interval(momentum=self.momentum)
+        check_non_negative(eps=self.eps)
+        adjust_lr_fn = self.adjust_lr_fn or "original"
+        if adjust_lr_fn not in ADJUST_LR_FNS:
+            raise ValueError(
+                f"Adjust learning rate function {adjust_lr_fn} is not supported: adjust_lr_fn must be one "
+                f"of {ADJUST_LR_FNS} or None"
+            )
+        if self.ns_form not in FORMS:
+            raise ValueError(f"ns_form must be one of {FORMS}, got {self.ns_form!r}")
+        object.__setattr__(self, "adjust_lr_fn", adjust_lr_fn)
+        object.__setattr__(self, "schedule", resolve_schedule(self.schedule))
+        object.__setattr__(self, "compute_dtype", resolve_dtype(self.compute_dtype))
+        check_compile(self.compile)
+
+    @classmethod
+    def from_group(cls: type[Rule], group: Mapping[str, Any], **values: Any) -> Rule:
+        device = group["params"][0].device if group["params"] else None
+        dtype = resolve_dtype(group["compute_dtype"], device)
+        return super().from_group(group, **{"compute_dtype": dtype, **values})
 
     def init_elementwise_state(self, param: Tensor) -> State:
         return {"momentum_buffer": torch.zeros_like(param, memory_format=torch.preserve_format)}

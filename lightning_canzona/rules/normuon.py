@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from lightning_canzona.rules.base import State, UpdateCost, matrix_dims
+from lightning_canzona.rules.base import State, UpdateCost, check_unit_interval, matrix_dims
 from lightning_canzona.rules.muon import MuonRule
 
 #: Added to the neurons' root second moments, and the least Frobenius norm divided by.
@@ -54,12 +54,17 @@ def normalize_rows(orthogonal: Tensor, second_moment: Tensor, beta2: float) -> T
 
 @dataclass(frozen=True)
 class NorMuonRule(MuonRule):
-    """NorMuon's per-matrix math (see the module docstring for the formulas)."""
+    """NorMuon's per-matrix math (see the module docstring for the formulas): Muon's settings and
+    ``beta2``."""
 
     beta2: float = 0.95
     name = "normuon"
     # Each matrix keeps its own moment: the engine gives every matrix of a stack its own call.
     batches_matrices = False
+
+    def __post_init__(self) -> None:
+        check_unit_interval(beta2=self.beta2)
+        super().__post_init__()
 
     def init_matrix_state(self, shape: torch.Size, device: torch.device) -> State:
         *batch, rows, _ = shape

@@ -38,7 +38,17 @@ from torch import Tensor
 
 from lightning_canzona.geometry import long_dim, split_sizes
 from lightning_canzona.rules import kronecker
-from lightning_canzona.rules.base import MatrixRule, State, TeamComputation, TeamRows, TeamSum, UpdateCost
+from lightning_canzona.rules.base import (
+    MatrixRule,
+    State,
+    TeamComputation,
+    TeamRows,
+    TeamSum,
+    UpdateCost,
+    check_betas,
+    check_non_negative,
+    check_positive_int,
+)
 from lightning_canzona.rules.ieee import ieee_float32_products
 
 _TINY = torch.finfo(torch.float32).tiny
@@ -78,6 +88,18 @@ class ShampooRule(MatrixRule):
     max_precond_dim: int = 8192
     epsilon_mode: EpsilonMode = "relative"
     name = "shampoo"
+
+    def __post_init__(self) -> None:
+        check_betas("betas", self.betas)
+        check_non_negative(eps=self.eps, epsilon=self.epsilon)
+        check_positive_int(
+            precondition_frequency=self.precondition_frequency,
+            start_preconditioning_step=self.start_preconditioning_step,
+            max_precond_dim=self.max_precond_dim,
+        )
+        if self.epsilon_mode not in EPSILON_MODES:
+            raise ValueError(f"epsilon_mode must be one of {EPSILON_MODES}, got {self.epsilon_mode!r}")
+        object.__setattr__(self, "betas", tuple(self.betas))
 
     def init_matrix_state(self, shape: torch.Size, device: torch.device) -> State:
         return kronecker.init_state(shape, device, self.max_precond_dim, companion="root")

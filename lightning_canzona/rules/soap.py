@@ -45,8 +45,9 @@ then the rotated step for the way back).
 from __future__ import annotations
 
 import functools
-from collections.abc import Generator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Generator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -56,11 +57,17 @@ from lightning_canzona.rules import kronecker
 from lightning_canzona.rules.base import (
     FAILURES,
     MatrixRule,
+    Rule,
     State,
     TeamComputation,
     TeamRequest,
     TeamRows,
     UpdateCost,
+    check_betas,
+    check_non_negative,
+    check_positive_int,
+    check_unit_interval,
+    setting,
 )
 from lightning_canzona.rules.ieee import ieee_float32_products
 from lightning_canzona.rules.rounding import scale_
@@ -146,14 +153,27 @@ class SOAPRule(MatrixRule):
     weight_decay_order: str = "decay_first"
     #: This step is the param group's first, whose update is zero: ``update_first`` skips its decay.
     #: Not part of the rule's identity: a plan is built for the rules, and this changes each step.
-    first_step: bool = field(default=False, compare=False)
+    #: Counted by `lightning_canzona.SOAP` in the group's ``soap_steps``, not set by the user.
+    first_step: bool = setting(False, read=False, compare=False)
     name = "soap"
 
     def __post_init__(self) -> None:
+        check_betas("betas", self.betas)
+        check_non_negative(eps=self.eps)
+        if self.shampoo_beta is not None:
+            check_unit_interval(shampoo_beta=self.shampoo_beta)
+        check_positive_int(
+            precondition_frequency=self.precondition_frequency, max_precond_dim=self.max_precond_dim
+        )
         if self.weight_decay_order not in WEIGHT_DECAY_ORDERS:
             raise ValueError(
                 f"weight_decay_order must be one of {WEIGHT_DECAY_ORDERS}, got {self.weight_decay_order!r}"
             )
+        object.__setattr__(self, "betas", tuple(self.betas))
+
+    @classmethod
+    def from_group(cls: type[Rule], group: Mapping[str, Any], **values: Any) -> Rule:
+        return super().from_group(group, **{"first_step": group.get("soap_steps", 0) == 0, **values})
 
     def init_matrix_state(self, shape: torch.Size, device: torch.device) -> State:
         return kronecker.init_state(shape, device, self.max_precond_dim, companion="basis")

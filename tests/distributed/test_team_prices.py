@@ -17,10 +17,9 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 import lightning_canzona as lc
 from lightning_canzona.distributed.prices import measure_team_costs, priced
-from lightning_canzona.optim.optimizer import DTYPES
 from lightning_canzona.planning import PlanSettings
 from lightning_canzona.rules.blocks import RowBlockRule
-from lightning_canzona.rules.muon import MuonRule
+from lightning_canzona.rules.muon import DTYPES, MuonRule
 from lightning_canzona.rules.newton_schulz import (
     PRESETS,
 )

@@ -14,10 +14,10 @@ import lightning_canzona as lc
 from lightning_canzona.data import ByteTextDataModule
 from lightning_canzona.models import CausalLanguageModel, Qwen3
 from lightning_canzona.optim import PRESETS, matrix_param_groups
-from lightning_canzona.optim.optimizer import resolve_dtype
 from lightning_canzona.planning import PlanSettings, build_plan, describe
 from lightning_canzona.planning.traffic import traffic
 from lightning_canzona.rules import MuonRule
+from lightning_canzona.rules.muon import resolve_dtype
 from lightning_canzona.telemetry import (
     COMPUTE_MAX_MS,
     COMPUTE_MS,

@@ -105,7 +105,7 @@ def test_bf16_and_float32_compute_the_same_update_to_rounding() -> None:
 def test_auto_computes_in_bf16_where_the_cpu_multiplies_it_and_float32_elsewhere(
     bf16_instructions, monkeypatch
 ) -> None:
-    from lightning_canzona.optim import optimizer as base
+    from lightning_canzona.rules import muon as base
 
     monkeypatch.setattr(base, "cpu_multiplies_bfloat16", lambda: bf16_instructions)
     muon = lc.Muon([torch.nn.Parameter(torch.randn(8, 4))])

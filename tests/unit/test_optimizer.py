@@ -1,11 +1,15 @@
 import copy
+import inspect
 import math
+import sys
 
 import pytest
 import torch
 from torch import nn
 
 import lightning_canzona as lc
+from lightning_canzona.optim import optimizers
+from lightning_canzona.rules import MuonRule, NorMuonRule, ShampooRule, SOAPRule
 from lightning_canzona.rules.base import non_finite
 
 OPTIMIZERS = [
@@ -159,6 +163,56 @@ def test_parameters_without_gradients_are_left_alone() -> None:
 def test_bad_settings_are_named(build, message) -> None:
     with pytest.raises(ValueError, match=message):
         build(lc.matrix_param_groups(TinyLM()))
+
+
+@pytest.mark.parametrize("optimizer_class", [lc.Muon, lc.NorMuon, lc.Shampoo, lc.SOAP])
+def test_each_signature_declares_its_rules_settings_and_groups_hold_them(optimizer_class) -> None:
+    # A setting is declared once, on the rule; the signature repeats it for IDEs and LightningCLI
+    # (with lr and weight_decay, which the rule's apply takes), and a group holds its defaults.
+    parameters = inspect.signature(optimizer_class.__init__).parameters
+    skipped = ("self", "params", "qk_clip", "kwargs")
+    declared = {name: p.default for name, p in parameters.items() if name not in skipped}
+    settings = optimizer_class.rule.settings()
+    assert declared.keys() == {"lr", "weight_decay", *settings}
+    assert {name: declared[name] for name in settings} == settings
+    optimizer = optimizer_class([nn.Parameter(torch.zeros(4, 4))])
+    assert {name: optimizer.param_groups[0][name] for name in declared} == declared
+
+
+def test_normuon_is_muon_with_beta2() -> None:
+    muon = list(inspect.signature(lc.Muon.__init__).parameters.values())
+    normuon = list(inspect.signature(lc.NorMuon.__init__).parameters.values())
+    assert [parameter for parameter in normuon if parameter.name != "beta2"] == muon
+    assert issubclass(lc.NorMuon, lc.Muon) and issubclass(lc.NorMuon.rule, lc.Muon.rule)
+
+
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (lambda: MuonRule(momentum=1.0), r"momentum must lie in \[0, 1\)"),
+        (lambda: NorMuonRule(beta2=1.0), r"beta2 must lie in \[0, 1\)"),
+        (lambda: ShampooRule(epsilon_mode="ridge"), r"epsilon_mode must be one of"),
+        (lambda: SOAPRule(betas=(0.9, 1.0)), r"betas must be two numbers in \[0, 1\)"),
+    ],
+)
+def test_a_rule_checks_its_settings_when_built_directly(build, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
+def test_a_muon_step_calls_nothing_of_the_optimizer_classes_module() -> None:
+    # The rule reads its settings from the group itself: the classes only build the optimizer.
+    model = TinyLM()
+    optimizer = lc.Muon(lc.matrix_param_groups(model))
+    for param in model.parameters():
+        param.grad = torch.randn_like(param)
+    called = set()
+    sys.setprofile(lambda frame, event, arg: called.add(frame.f_code.co_filename))
+    try:
+        optimizer.step()
+    finally:
+        sys.setprofile(None)
+    assert inspect.getfile(lc.Muon.step) in called and optimizers.__file__ not in called
 
 
 def test_a_vector_forced_into_a_matrix_group_is_named() -> None:
