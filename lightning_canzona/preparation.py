@@ -22,8 +22,11 @@ from torch.optim.lr_scheduler import LRScheduler
 from lightning_canzona.compat import flatten_mesh
 from lightning_canzona.composition import sharding_mesh
 from lightning_canzona.config import PlanConfig
-from lightning_canzona.distributed.agreement import GradientAgreement
-from lightning_canzona.distributed.replicas import average_gradients, check_gradients_agree
+from lightning_canzona.distributed.agreement import (
+    GradientAgreement,
+    average_gradients,
+    check_gradients_agree,
+)
 from lightning_canzona.mesh import MeshShape, Size, auto_replicas
 from lightning_canzona.optim import MatrixOptimizer
 from lightning_canzona.optim.binding import bind_optimizer
@@ -119,7 +122,7 @@ def synchronise_unsharded(
     named: NamedParameters, group: dist.ProcessGroup, agreement: GradientAgreement | None
 ) -> None:
     """Average the gradients of ``named`` over the data-parallel ``group`` and check that they
-    agree on every rank (`lightning_canzona.distributed.replicas`).
+    agree on every rank (`lightning_canzona.distributed.agreement`).
 
     What the device knows of them waits for ``agreement`` (`step_agreement`), the next step's;
     without one it is read now.

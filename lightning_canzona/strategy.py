@@ -22,7 +22,7 @@ FSDP2 and DTensor TP, distributed checkpoints) plus:
   against what was saved, tied to their optimizer, read without running code from them, and
   refuse another model's clearly (`lightning_canzona.checkpoint`);
 - trust across ranks: trainable parameters that FSDP2 does not shard get their gradients averaged
-  over data parallelism, plain ones checked equal on every rank (`lightning_canzona.distributed.replicas`),
+  over data parallelism, plain ones checked equal on every rank (`lightning_canzona.distributed.agreement`),
   and decisions of callbacks (`reduce_boolean_decision`) are agreed over all ranks.
 
 Launching (`lightning_canzona.launcher`), metrics (`lightning_canzona.metrics`), clipping
@@ -315,7 +315,7 @@ class CanzonaStrategy(ModelParallelStrategy):
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         """Synchronise the gradients of the trainable parameters that FSDP2 does not shard.
 
-        See `lightning_canzona.distributed.replicas`; skipped, like FSDP2's reduce-scatter, on
+        See `lightning_canzona.distributed.agreement`; skipped, like FSDP2's reduce-scatter, on
         micro-batches that accumulate gradients.
         """
         super().post_backward(closure_loss)

@@ -121,7 +121,7 @@ def versions(settings: Settings) -> Result:
 def precision_switches(settings: Settings) -> Result:
     """The switches that let float32 matmuls run in TF32 and bf16 sums round: the model's
     forward and backward follow them; Shampoo, SOAP and float32 Muon compute in IEEE float32
-    whatever they say (`lightning_canzona.rules.ieee`). And the dtype of Muon's default
+    whatever they say (`lightning_canzona.rules.base`). And the dtype of Muon's default
     ``compute_dtype="auto"`` on the device."""
     try:
         precision = torch.get_float32_matmul_precision()
@@ -229,7 +229,7 @@ def _ns_references(shape: tuple[int, int]) -> Any:
 
 
 def compiled(settings: Settings) -> Result:
-    """Muon's Newton–Schulz compiled (``compile=True``: `lightning_canzona.rules.compiled`)
+    """Muon's Newton–Schulz compiled (``compile=True``: `lightning_canzona.rules.newton_schulz`)
     against eager, in the dtype ``compute_dtype="auto"`` takes on the device: the same bits, and
     what compiling costs at the first call and gains after (median of the later calls). The
     standard form; without ``--quick`` also the Gram form with its products by blocks (between

@@ -10,10 +10,17 @@ Checks whose outcome lies on the device, a replica check and the previous step's
 them, wait for it (`GradientAgreement.defer`) and are read with it. So a failure on one rank
 becomes the same error on every rank, before anything else changes
 (`GradientAgreement.raise_on_every_rank`). docs/architecture.md#one-step-on-a-mesh tells the story.
+
+Trainable parameters that FSDP2 does not manage (a layer left unsharded, a parameter set on the
+LightningModule, a weight tied across FSDP2 units) would step with each rank's own gradient and
+drift apart without a word: after each synchronising backward the strategies average their
+gradients over data parallelism (`average_gradients`) and check that every rank holds the same
+(`check_gradients_agree`); both defer what the device knows to the next agreement.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 import warnings
@@ -38,6 +45,10 @@ PATIENCE_SECONDS = 10.0
 #: Largest CPU tensor that gloo combines by one all-to-all rather than a ring all-reduce
 #: (docs/benchmarks.md#agreement-collectives has the measurements behind it).
 ONE_ROUND_BYTES = 128 * 1024 * 4
+
+#: How far two ranks' gradient checksums may differ, relative to their size, and still count as
+#: the same gradient (reductions in another order differ in the last bits).
+RELATIVE_TOLERANCE = 1e-4
 
 #: Gives the CPU to another thread (the backend's) without sleeping: a sleep returns too late.
 _yield_cpu = getattr(os, "sched_yield", lambda: time.sleep(0))
@@ -294,7 +305,7 @@ class GradientAgreement:
         present, absent, suspect, foreign = (
             [bool(value) for value in values[row * count : (row + 1) * count]] for row in range(4)
         )
-        # A check may drop a gradient that every rank held but none had (`replicas`), alike everywhere.
+        # A check may drop a gradient every rank held but none had (`average_gradients`), alike everywhere.
         present = [
             flag and (param.grad is not None or not before)
             for flag, param, before in zip(present, params, had)
@@ -436,3 +447,92 @@ def _broadcast_along_replicas(param: DTensor) -> None:
             dist.broadcast(grad, src=dist.get_global_rank(group, 0), group=group)
     if grad.data_ptr() != local.data_ptr():
         local.copy_(grad)
+
+
+# Gradients of parameters that FSDP2 does not manage, kept equal on every replica.
+
+
+def average_gradients(
+    params: Sequence[Tensor], group: dist.ProcessGroup, agreement: GradientAgreement
+) -> None:
+    """Average the gradients of ``params`` over ``group`` with one ``all_reduce``, a DTensor's by parts.
+
+    A rank without a gradient adds zeros, as under FSDP2. Every rank gets the average, and a
+    parameter without a gradient on every rank of ``group`` drops it again (``None``) once the
+    device says so: at ``agreement``'s next agreement, which reads it with its own flags, before
+    anything reads the gradient.
+    """
+    if not params:
+        return
+    device = params[0].device
+    pieces = [
+        local_tensor(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().float() for p in params
+    ]
+    held = [p.grad is not None for p in params]
+    presence = torch.ones(len(params), device=device) if all(held) else torch.tensor(held, device=device)
+    flat = torch.cat([*pieces, presence.float()])
+    wait_for(dist.all_reduce, flat, group=group)
+    flat /= dist.get_world_size(group)
+    averaged = flat[: -len(params)].split([piece.numel() for piece in pieces])
+    for param, value in zip(params, averaged):
+        param.grad = _as_gradient_of(param, value)
+    agreement.defer(flat[-len(params) :], functools.partial(_drop_absent, list(params)))
+
+
+def _drop_absent(params: list[Tensor], presence: list[float]) -> None:
+    for param, present in zip(params, presence):
+        if not present:
+            param.grad = None
+
+
+def _as_gradient_of(param: Tensor, values: Tensor) -> Tensor:
+    """``values``, this rank's part flattened, as ``param``'s gradient: shaped, typed and laid out
+    as its gradient is (as ``param`` is, where it has none)."""
+    like = param.grad if param.grad is not None else param
+    local = values.view_as(local_tensor(like)).to(param.dtype)
+    if not isinstance(like, DTensor):
+        return local
+    return DTensor.from_local(
+        local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+    )
+
+
+def check_gradients_agree(named: Sequence[tuple[str, Tensor]], agreement: GradientAgreement) -> None:
+    """Raise on every rank, naming them, when ranks hold different gradients of ``named``, at
+    ``agreement``'s next agreement (the check reads nothing itself).
+
+    One agreement on the maximum (`agreement.agree_on_maximum`) over all ranks of each
+    gradient's presence, sum and sum of absolute values, and of their negatives. Sums may
+    differ by `RELATIVE_TOLERANCE` of the largest sum of absolute values.
+
+    DTensors are left out: their parts differ across the ranks of their mesh by design.
+    """
+    named = [(name, param) for name, param in named if not isinstance(param, DTensor)]
+    if not named:
+        return
+    rows = []
+    for _, param in named:
+        if param.grad is None:
+            rows.append(torch.zeros(3, dtype=torch.float64, device=param.device))
+        else:
+            wide = param.grad.double()
+            rows.append(torch.stack([torch.ones_like(wide.sum()), wide.sum(), wide.abs().sum()]))
+    checksums = torch.stack(rows)
+    extremes = torch.cat([checksums, -checksums])
+    agree_on_maximum(extremes)
+    largest, smallest = extremes[: len(named)], -extremes[len(named) :]
+    spread = largest - smallest
+    scale = largest[:, 2:3]
+    differ = (spread[:, 0] > 0) | (spread[:, 1:] > RELATIVE_TOLERANCE * scale).any(dim=1)
+    agreement.defer(differ, functools.partial(_raise_if_differ, [name for name, _ in named]))
+
+
+def _raise_if_differ(names: list[str], differ: list[float]) -> None:
+    differing = [name for name, flag in zip(names, differ) if flag]
+    if differing:
+        raise RuntimeError(
+            f"The gradients of the plain (non-DTensor) parameters {differing} differ across ranks after "
+            "averaging over data parallelism, so tensor-parallel ranks would update their replicas "
+            "differently. Shard them with the tensor-parallel plan, or make them DTensors whose "
+            "gradients are reduced over the tensor-parallel mesh."
+        )

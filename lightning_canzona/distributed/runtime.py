@@ -52,13 +52,13 @@ from lightning_canzona.rules.base import (
     FAILURES,
     MatrixRule,
     State,
+    StochasticRounding,
     as_matrix,
     matrix_shape,
     state_part,
     store_state_part,
 )
 from lightning_canzona.rules.kronecker import RETRIES
-from lightning_canzona.rules.rounding import StochasticRounding
 
 
 @dataclass(frozen=True)
@@ -261,7 +261,7 @@ def shard_key(param: Tensor, name: str) -> str:
 @contextmanager
 def _written(group: dict[str, Any], targets: list[Tensor], keys: list[str]) -> Iterator[list[Tensor]]:
     """What a step updates in place for ``targets``: themselves, or under ``stochastic_rounding``
-    float32 copies of the bf16 ones, rounded into them at the end (`rules.rounding`)."""
+    float32 copies of the bf16 ones, rounded into them at the end (`rules.base`)."""
     if not group.get("stochastic_rounding"):
         yield targets
         return

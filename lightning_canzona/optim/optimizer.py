@@ -67,7 +67,7 @@ class MatrixOptimizer(Optimizer):
         stochastic_rounding: Write each step into bf16 parameters rounded up or down at random
             (unbiased), from a float32 computation of the decay and the step, instead of
             rounding each operation to nearest as ``torch.optim`` does: bf16 weights then follow
-            updates below their precision on average (`lightning_canzona.rules.rounding`).
+            updates below their precision on average (`lightning_canzona.rules.base`).
             Other dtypes are unaffected.
         plan: How the matrix updates of DTensor parameters are planned and run (`PlanConfig`);
             ``None``: the defaults, or the strategy's ``plan`` when it gives one

@@ -54,7 +54,7 @@ class Muon(MatrixOptimizer):
         adjust_lr_fn: ``"original"`` (``√max(1, rows/cols)``) or ``"match_rms_adamw"``
             (``0.2·√max(rows, cols)``); ``None`` means ``"original"``.
         compute_dtype: Dtype of the Newton–Schulz iteration: ``"bfloat16"`` (as ``torch.optim.Muon``),
-            ``"float32"`` (IEEE float32 even where TF32 is enabled: `lightning_canzona.rules.ieee`),
+            ``"float32"`` (IEEE float32 even where TF32 is enabled: `lightning_canzona.rules.base`),
             or ``"auto"``: bfloat16 where the parameters' device multiplies it in hardware (CUDA
             GPUs from Ampere on, CPUs with AVX512-BF16 or AMX), float32 elsewhere.
         ns_form: ``"standard"`` (as ``torch.optim.Muon``) or ``"gram"``: the same polynomial
@@ -65,7 +65,7 @@ class Muon(MatrixOptimizer):
         compile: Compile Newton–Schulz with ``torch.compile`` (``True``), run it eagerly
             (``False``), or ``"auto"``: compiled on CUDA, eager elsewhere. The same result bit for
             bit either way; compiling costs seconds per matrix shape at the first step (see
-            `lightning_canzona.rules.compiled`). A loaded checkpoint keeps this setting, not the
+            `lightning_canzona.rules.newton_schulz`). A loaded checkpoint keeps this setting, not the
             saved run's.
         qk_clip: Bound the attention logits after each step (MuonClip's QK-clip, Kimi K2): see
             `lightning_canzona.QKClip`; ``None`` leaves the weights as the update made them.

@@ -5,7 +5,7 @@ Defaults are datasheet peaks scaled by an achievable fraction, never measurement
 
 - **H100 SXM5** (NVIDIA H100 Tensor Core GPU datasheet): dense BF16 tensor-core matmul
   989.4 TFLOP/s (1,979 with 2:4 sparsity), FP32 (CUDA cores, what ``torch`` uses for float32 matmul
-  unless TF32 is enabled, and what the float32 rules use even then: `lightning_canzona.rules.ieee`)
+  unless TF32 is enabled, and what the float32 rules use even then: `lightning_canzona.rules.base`)
   67 TFLOP/s, FP64 (tensor cores) 67 TFLOP/s, HBM3 3.35 TB/s, NVLink 4
   900 GB/s per GPU in total, i.e. 450 GB/s per direction.
 - **H200 SXM** (NVIDIA H200 datasheet): the same GH100 compute (989 / 67 TFLOP/s) and NVLink 4,

@@ -22,8 +22,7 @@ from lightning_canzona.compat import (
     foreach_lerp_,
     foreach_sqrt,
 )
-from lightning_canzona.rules.base import State
-from lightning_canzona.rules.rounding import scale_
+from lightning_canzona.rules.base import State, scale_
 
 ALGORITHM = "adamw"
 
@@ -53,7 +52,7 @@ def adamw_step(
     The operations are ``torch.optim.AdamW``'s single-tensor ones, in the same order, each applied
     to all the tensors by one ``torch._foreach_*`` call: one kernel launch per operation instead
     of one per operation and parameter (the hundreds of norms and biases of an LLM), with the
-    same result bit for bit, bf16 and fp16 tensors included (`rules.rounding.scale_`).
+    same result bit for bit, bf16 and fp16 tensors included (`rules.base.scale_`).
     """
     if not params:
         return

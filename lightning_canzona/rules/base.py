@@ -14,22 +14,28 @@ expensive matrix part once, on one owner, on the whole matrix:
 The elementwise parts take lists: an LLM has hundreds of matrices, and one ``torch._foreach_*``
 call per operation for all of a param group's shards costs one call where a loop costs hundreds
 (the same operations on each tensor).
+
+Below the contract: how rules write updates into parameters (rounded to nearest once per
+operation as ``torch.optim`` does, or stochastically: `StochasticRounding`), and the IEEE float32
+products their float32 math runs with whatever torch's TF32 switch says (`ieee_float32_products`).
+docs/optimizers.md explains both (*Low-precision weights*, *Float32 products and TF32*).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import Tensor
 
-from lightning_canzona.compat import foreach_add_, foreach_norm
-from lightning_canzona.rules.rounding import scale_
+from lightning_canzona.compat import foreach_add_, foreach_mul_, foreach_norm
 
 State = dict[str, Tensor]
 
@@ -306,7 +312,7 @@ class MatrixRule(ABC):
     ) -> None:
         """Decoupled weight decay, then the scaled step along each direction (one param group's
         parameters and directions, either of which may be shards), each rounded once to the
-        parameter's dtype (`lightning_canzona.rules.rounding`).
+        parameter's dtype (`lightning_canzona.rules.base`).
 
         ``shapes`` are the full matrices' shapes, which the learning-rate scale depends on.
         """
@@ -405,3 +411,143 @@ def non_finite(tensors: Sequence[Tensor]) -> Tensor:
     if suspects:
         flags[suspects] = norms_not_finite([tensors[index] for index in suspects], math.inf)
     return flags
+
+
+# Writing updates into parameters: rounded to nearest, or stochastically.
+
+#: Dtypes that stochastic rounding writes into (bf16 keeps float32's exponent: its values are
+#: float32 values with the low 16 bits zero).
+STOCHASTIC_DTYPES = (torch.bfloat16,)
+
+
+def scale_(tensors: Sequence[Tensor], factor: float) -> None:
+    """``tensor *= factor`` for each of ``tensors`` (on one device), rounded once as ``Tensor.mul_``.
+
+    On a CPU the factor goes in as a 0-dim float64 tensor, which the kernels multiply in the
+    tensors' compute precision (float32 for bf16), bit for bit as ``Tensor.mul_`` with a Python
+    scalar; accelerators' foreach kernels already take a scalar at that precision (and a host
+    tensor would cost a copy to the device).
+    """
+    if not tensors:
+        return
+    if tensors[0].device.type == "cpu":
+        foreach_mul_(list(tensors), torch.full((), factor, dtype=torch.float64))
+    else:
+        foreach_mul_(list(tensors), factor)
+
+
+@dataclass(frozen=True)
+class StochasticRounding:
+    """Stochastic rounding of one step's writes into bf16 parameters.
+
+    Attributes:
+        step: The step's number (``param_groups[i]["rounding_step"]``), the same on every rank.
+    """
+
+    step: int
+
+    @contextlib.contextmanager
+    def writes(self, targets: Sequence[Tensor], keys: Sequence[str]) -> Iterator[list[Tensor]]:
+        """Yield what to update in place instead of ``targets``: a float32 copy of each bf16
+        target, the others themselves; on exit each copy is rounded into its target.
+
+        ``keys`` name each target's elements uniquely and alike on every rank that holds the
+        same elements (`lightning_canzona.distributed.runtime.shard_key`).
+        """
+        work = [t.float() if t.dtype in STOCHASTIC_DTYPES else t for t in targets]
+        yield work
+        for target, value, key in zip(targets, work, keys):
+            if value is not target:
+                round_stochastically_(target, value, self.seed(key))
+
+    def seed(self, key: str) -> int:
+        """A 63-bit seed for ``key`` at this step (the same in every process and on every rank)."""
+        digest = hashlib.blake2b(f"{self.step}:{key}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") >> 1
+
+
+def round_stochastically_(target: Tensor, value: Tensor, seed: int) -> None:
+    """Write float32 ``value`` into bf16 ``target``, rounded up or down at random: up with
+    probability equal to the fraction of the bf16 spacing that ``value`` lies above the lower one.
+
+    A bf16 value is a float32 value with the low 16 bits zero: adding 16 random bits to the
+    float32 bit pattern and truncating them rounds the magnitude up exactly with that
+    probability (a carry into the exponent is the next binade's first value).
+    """
+    generator = torch.Generator(device=value.device).manual_seed(seed)
+    noise = torch.randint(
+        0, 1 << 16, value.shape, generator=generator, device=value.device, dtype=torch.int32
+    )
+    bits = value.contiguous().view(torch.int32)
+    bits.add_(noise).bitwise_and_(-(1 << 16))
+    target.copy_(bits.view(torch.float32))
+
+
+# IEEE float32 products, whatever torch's TF32 switch says.
+
+#: The backends whose float32 matmuls TF32 (or, on a CPU, bf16) can take over.
+_BACKENDS = (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul)
+
+Method = TypeVar("Method", bound=Callable[..., Any])
+
+
+@contextlib.contextmanager
+def ieee_float32() -> Iterator[None]:
+    """Float32 matmuls in IEEE float32 inside, the switch as it was after.
+
+    The switch is set in torch's two APIs: the legacy one (``set_float32_matmul_precision``,
+    ``allow_tf32``), which Lightning recommends and which ``torch.compile``'s guards read, and the
+    per-backend one (``torch.backends.cuda.matmul.fp32_precision``), which the kernels read;
+    torch refuses to read a legacy value that disagrees with the per-backend one, so both stay
+    consistent inside, and each gets its own value back after.
+    """
+    try:
+        legacy = torch.get_float32_matmul_precision()
+    except RuntimeError:  # set through the per-backend API alone, which the legacy one contradicts
+        legacy = None
+    if legacy == "highest":  # readable and highest: no backend is in TF32 or bf16
+        yield
+        return
+    saved = [backend.fp32_precision for backend in _BACKENDS]
+    if legacy is not None:
+        torch.set_float32_matmul_precision("highest")
+    for backend in _BACKENDS:
+        backend.fp32_precision = "ieee"
+    try:
+        yield
+    finally:
+        if legacy is not None:
+            torch.set_float32_matmul_precision(legacy)
+        for backend, precision in zip(_BACKENDS, saved):
+            backend.fp32_precision = precision
+
+
+def ieee_float32_products(method: Method) -> Method:
+    """A `MatrixRule` method (``direction``, ``team_direction``) run in `ieee_float32` where the
+    rule's matmul dtype (`MatrixRule.matmul_dtype`) is float32.
+
+    A team computation (a generator, `MatrixRule.team_direction`) runs in it each time it is
+    resumed, not while the engine holds it between rounds, where the teams' computations take
+    turns.
+    """
+
+    @functools.wraps(method)
+    def in_ieee_float32(rule: Any, *args: Any, **kwargs: Any) -> Any:
+        if rule.matmul_dtype() != torch.float32:
+            return method(rule, *args, **kwargs)
+        with ieee_float32():
+            result = method(rule, *args, **kwargs)
+        return _resumed_in_ieee_float32(result) if isinstance(result, Generator) else result
+
+    return in_ieee_float32  # type: ignore[return-value]
+
+
+def _resumed_in_ieee_float32(computation: Generator[Any, Any, Any]) -> Generator[Any, Any, Any]:
+    reply = None
+    while True:
+        with ieee_float32():
+            try:
+                request = computation.send(reply)
+            except StopIteration as stop:
+                return stop.value
+        reply = yield request

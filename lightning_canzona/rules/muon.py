@@ -40,14 +40,16 @@ from lightning_canzona.rules.base import (
     check_non_negative,
     check_positive_int,
     check_unit_interval,
+    ieee_float32_products,
     matrix_dims,
     setting,
 )
-from lightning_canzona.rules.compiled import Compile, check_compile, compiles
-from lightning_canzona.rules.ieee import ieee_float32_products
 from lightning_canzona.rules.newton_schulz import (
     FORMS,
+    Compile,
     NewtonSchulzSchedule,
+    check_compile,
+    compiles,
     newton_schulz,
     resolve_schedule,
     team_newton_schulz,

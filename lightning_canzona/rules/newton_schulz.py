@@ -39,17 +39,19 @@ FLOPs and collectives.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal, TypeVar
 
 import torch
 from torch import Tensor
 
+from lightning_canzona.compat import compile_function
 from lightning_canzona.geometry import split_sizes
 from lightning_canzona.rules.base import TeamComputation, TeamRows, TeamSum, summed_dtype
-from lightning_canzona.rules.compiled import compiled
 
 Coefficients = tuple[float, float, float]
 #: The forms of the iteration (see the module docstring).
@@ -285,7 +287,7 @@ def newton_schulz(
         eps: Lower clamp of the normaliser, so that an all-zero input stays zero.
         dtype: Compute dtype of the iteration.
         form: One of `FORMS` (see the module docstring).
-        compile: Run the steps compiled (`lightning_canzona.rules.compiled`); the normalisation
+        compile: Run the steps compiled (`lightning_canzona.rules.newton_schulz`); the normalisation
             stays eager, its reduction summed in eager's order.
 
     Returns:
@@ -476,3 +478,37 @@ def _gram_steps(x: Tensor, steps: list[Coefficients], symmetric: bool, transpose
         if step + 1 < len(steps) and step + 1 not in GRAM_RESTARTS:
             gram = polynomial @ gram @ polynomial
     return _left_product(accumulated, x, None, transposed)
+
+
+# The compile setting: the steps compiled with torch.compile (docs/optimizers.md, Compiled
+# Newton–Schulz, says what is compiled, how, and what stays eager and why).
+
+#: The values the ``compile`` setting takes.
+COMPILE_CHOICES = (True, False, "auto")
+Compile = bool | Literal["auto"]
+#: Graphs that the compiled function may hold (one per shape, dtype and form; a stack's count
+#: of matrices is part of its shape) before dynamo would stop compiling it (raise, under
+#: ``fullgraph=True``).
+GRAPHS = 256
+
+Function = TypeVar("Function", bound=Callable[..., object])
+
+
+def check_compile(value: object) -> Compile:
+    """``value`` if it is a ``compile`` setting, else a `ValueError` naming the setting."""
+    if value not in COMPILE_CHOICES or not isinstance(value, (bool, str)):
+        raise ValueError(f"compile must be True, False or 'auto', got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def compiles(setting: Compile, device: torch.device) -> bool:
+    """Whether ``setting`` compiles the rules' functions for tensors on ``device``: ``"auto"``
+    on CUDA only (see the module docstring)."""
+    return device.type == "cuda" if setting == "auto" else bool(setting)
+
+
+@functools.cache
+def compiled(function: Function) -> Function:
+    """``function`` compiled once for the process (see the module docstring for how)."""
+    options = {"emulate_precision_casts": True}
+    return compile_function(function, GRAPHS, fullgraph=True, dynamic=False, options=options)

@@ -48,8 +48,8 @@ from lightning_canzona.rules.base import (
     check_betas,
     check_non_negative,
     check_positive_int,
+    ieee_float32_products,
 )
-from lightning_canzona.rules.ieee import ieee_float32_products
 
 _TINY = torch.finfo(torch.float32).tiny
 #: How ``epsilon`` floors a factor's eigenvalues: relative to the largest, or added as it is.

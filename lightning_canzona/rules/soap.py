@@ -67,10 +67,10 @@ from lightning_canzona.rules.base import (
     check_non_negative,
     check_positive_int,
     check_unit_interval,
+    ieee_float32_products,
+    scale_,
     setting,
 )
-from lightning_canzona.rules.ieee import ieee_float32_products
-from lightning_canzona.rules.rounding import scale_
 
 #: Where SOAP's weight decay goes: before the update (default) or after it, as the authors' code.
 WEIGHT_DECAY_ORDERS = ("decay_first", "update_first")

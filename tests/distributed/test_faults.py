@@ -19,9 +19,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 import lightning_canzona as lc
-from lightning_canzona.distributed.agreement import GradientAgreement
+from lightning_canzona.distributed.agreement import (
+    GradientAgreement,
+    average_gradients,
+    check_gradients_agree,
+)
 from lightning_canzona.distributed.clipping import total_grad_norm
-from lightning_canzona.distributed.replicas import average_gradients, check_gradients_agree
 from lightning_canzona.preparation import unsharded_parameters
 from lightning_canzona.rules.muon import MuonRule
 

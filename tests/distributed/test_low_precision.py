@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import distribute_tensor
 
 import lightning_canzona as lc
-from lightning_canzona.rules.rounding import round_stochastically_
+from lightning_canzona.rules.base import round_stochastically_
 
 LOW = [torch.bfloat16, torch.float16]
 

@@ -1,4 +1,4 @@
-"""``compile=True``: Newton–Schulz compiled with ``torch.compile`` (`lightning_canzona.rules.compiled`),
+"""``compile=True``: Newton–Schulz compiled with ``torch.compile`` (`lightning_canzona.rules.newton_schulz`),
 bit for bit the eager iteration, with no graph break and no graph compiled after the first step.
 
 Inductor costs a CPU about a second per kernel it compiles: Muon's training steps run compiled by
@@ -17,8 +17,7 @@ import torch
 import lightning_canzona as lc
 from lightning_canzona.compat import compile_counts, compile_function
 from lightning_canzona.rules import newton_schulz as ns
-from lightning_canzona.rules.compiled import GRAPHS, compiles
-from lightning_canzona.rules.newton_schulz import PRESETS
+from lightning_canzona.rules.newton_schulz import GRAPHS, PRESETS, compiles
 
 #: A matrix and a bias, as a model holds them.
 SHAPES = {"matrix": (6, 10), "bias": (10,)}

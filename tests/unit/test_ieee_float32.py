@@ -7,7 +7,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lightning_canzona as lc
-from lightning_canzona.rules.ieee import ieee_float32_products
+from lightning_canzona.rules.base import ieee_float32_products
 
 _BACKENDS = (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul)
 #: The products and decompositions whose precision the switch can lower (on CUDA: cuBLAS's TF32).
