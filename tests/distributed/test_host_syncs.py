@@ -1,5 +1,5 @@
 """Host syncs of an optimizer step at dp2×tp2, counted as a GPU would feel them
-(`lightning_canzona.bench.host_syncs`).
+(`lightning_canzona.tools.bench.host_syncs`).
 
 After warm-up steps (the plan built, state created), one step of each optimizer is counted: the
 strategy's work after backward (the plain parameters' averaging and replica check), gradient
@@ -23,10 +23,10 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import lightning_canzona as lc
-from lightning_canzona.bench.host_syncs import HostSyncs
 from lightning_canzona.distributed import deferred
 from lightning_canzona.distributed.clipping import clip_grad_norm_
 from lightning_canzona.preparation import synchronise_unsharded
+from lightning_canzona.tools.bench.host_syncs import HostSyncs
 
 #: Each optimizer, its settings (SOAP's decomposition every other step: steps 3 and 5 run one),
 #: and the steps counted after the warm-up (1-based).

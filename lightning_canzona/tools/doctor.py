@@ -16,7 +16,6 @@ Example::
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import logging
@@ -27,7 +26,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -35,9 +34,9 @@ from typing import Any, Literal
 
 import torch
 
-from lightning_canzona.commands import HelpFormatter, described
 from lightning_canzona.optim.optimizer import resolve_dtype
 from lightning_canzona.rules.newton_schulz import FORMS
+from lightning_canzona.tools.command import UsageError, run
 
 #: A check's verdict: INFO describes the machine; PASS and FAIL are the checks'.
 Verdict = Literal["PASS", "FAIL", "INFO"]
@@ -223,7 +222,7 @@ def _sizes(shapes: tuple[tuple[int, int], ...]) -> str:
 
 @functools.cache
 def _ns_references(shape: tuple[int, int]) -> Any:
-    from lightning_canzona.bench.newton_schulz import References
+    from lightning_canzona.tools.bench.newton_schulz import References
 
     return References(shape)
 
@@ -234,8 +233,8 @@ def compiled(settings: Settings) -> Result:
     what compiling costs at the first call and gains after (median of the later calls). The
     standard form; without ``--quick`` also the Gram form with its products by blocks (between
     them every piece of the four forms), whose graph takes a CPU 15–30 s to compile."""
-    from lightning_canzona.bench.devices import synchronize
     from lightning_canzona.rules.newton_schulz import PRESETS, newton_schulz
+    from lightning_canzona.tools.bench.devices import synchronize
 
     shape = settings.pick((64, 160), (512, 1536), (4096, 12288))
     dtype = resolve_dtype("auto", settings.device)
@@ -390,7 +389,7 @@ def _tf32_allowed() -> Iterator[None]:
 def host_syncs(settings: Settings) -> Result:
     """A Muon step of a small model sharded by FSDP2 over the device's ranks (one a GPU, NCCL;
     2 CPU ranks, gloo), after two that built its plan and state: how often each rank reads a
-    value of the device on the host in it (`lightning_canzona.bench.host_syncs`), at most
+    value of the device on the host in it (`lightning_canzona.tools.bench.host_syncs`), at most
     `HOST_SYNCS_PER_STEP`. The ranks fork as `trainer`'s do."""
     import torch.multiprocessing as mp
 
@@ -425,8 +424,8 @@ def _count_host_syncs(rank: int, ranks: int, rendezvous: str, gpus: list[int], q
     from torch.distributed.fsdp import fully_shard
 
     import lightning_canzona as lc
-    from lightning_canzona.bench.host_syncs import HostSyncs
     from lightning_canzona.distributed import deferred
+    from lightning_canzona.tools.bench.host_syncs import HostSyncs
 
     torch.set_num_threads(1)
     device = torch.device("cuda", gpus[rank]) if gpus else torch.device("cpu")
@@ -580,7 +579,7 @@ CHECKS: dict[str, Check] = {
 }
 
 
-def run(checks: dict[str, Check], settings: Settings, width: int = 0) -> bool:
+def run_checks(checks: dict[str, Check], settings: Settings, width: int = 0) -> bool:
     """Run ``checks`` in order, printing one line each: verdict, name (padded to ``width``),
     seconds, figure. A check that raises fails with its error. Returns whether none failed."""
     passed = True
@@ -596,46 +595,46 @@ def run(checks: dict[str, Check], settings: Settings, width: int = 0) -> bool:
     return passed
 
 
-def device(text: str) -> torch.device:
-    """``--device``: a torch device (argparse reports a ``ValueError`` as an invalid value)."""
+def doctor(device: str | None = None, quick: bool = False) -> None:
+    """Check this machine for lightning_canzona, one line per check.
+
+    First what it runs on (INFO: versions, precision switches, devices), then checks on the
+    device (PASS or FAIL), each with its figure and the seconds it took: Newton–Schulz against
+    float64, compiled against eager, Muon against torch.optim.Muon, Shampoo and SOAP against
+    float64, the host syncs of a distributed step, and a Trainer run resumed from a checkpoint.
+    The exit status is 1 when a check fails. A FAIL line names what differs; docs/doctor.md says
+    what each line checks and what to do.
+
+    Example::
+
+        canzona doctor            # on the GPUs when torch sees any, else on the CPU
+        canzona doctor --quick --device cpu
+
+    Args:
+        device: where the checks run: cpu, cuda (every visible GPU), cuda:1… (default: cuda when
+            torch sees a GPU, else cpu)
+        quick: small sizes and few steps: under a minute on a CPU
+
+    Raises:
+        UsageError: ``device`` is not a device torch knows.
+    """
     try:
-        return torch.device(text)
+        chosen = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     except RuntimeError as error:
-        raise ValueError(str(error)) from None
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="canzona doctor",
-        description=described(__doc__.split("\n\n")[0]),
-        formatter_class=HelpFormatter,
-        epilog="A FAIL line names what differs; docs/doctor.md says what each line checks and what to do.",
-    )
-    parser.add_argument(
-        "--device",
-        type=device,
-        default=None,
-        help="where the checks run: cpu, cuda (every visible GPU), cuda:1… (default: cuda when torch "
-        "sees a GPU, else cpu)",
-    )
-    parser.add_argument(
-        "--quick", action="store_true", help="small sizes and few steps: under a minute on a CPU"
-    )
-    return parser
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Run ``canzona doctor`` with the arguments after ``doctor``; exit with status 1 when a check
-    fails."""
-    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
-    settings = Settings(args.device or device("cuda" if torch.cuda.is_available() else "cpu"), args.quick)
+        raise UsageError(f"--device {device}: {error}") from None
+    settings = Settings(chosen, quick)
     start = time.perf_counter()
-    print(f"canzona doctor{' --quick' if args.quick else ''} on {settings.device}", flush=True)
+    print(f"canzona doctor{' --quick' if quick else ''} on {settings.device}", flush=True)
     width = max(map(len, [*ENVIRONMENT, *CHECKS]))
-    healthy = run(ENVIRONMENT, settings, width) and run(CHECKS, settings, width)
+    healthy = run_checks(ENVIRONMENT, settings, width) and run_checks(CHECKS, settings, width)
     print(f"{'All checks passed' if healthy else 'A check failed'} in {time.perf_counter() - start:.0f} s")
     if not healthy:
         raise SystemExit(1)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run ``canzona doctor`` with the arguments after ``doctor``."""
+    run(doctor, sys.argv[1:] if argv is None else argv, prog="canzona doctor")
 
 
 if __name__ == "__main__":

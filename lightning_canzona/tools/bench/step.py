@@ -67,18 +67,18 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, parallelize_module
 
 import lightning_canzona as lc
-from lightning_canzona.bench.devices import (
+from lightning_canzona.compat import REDISTRIBUTE_LOGGER
+from lightning_canzona.config import PlanConfig
+from lightning_canzona.launcher import in_fresh_thread
+from lightning_canzona.models.qwen3 import Qwen3, tensor_parallel_plan
+from lightning_canzona.planning import report
+from lightning_canzona.tools.bench.devices import (
     check_devices,
     default_backend,
     rank_device,
     start_method,
     synchronize,
 )
-from lightning_canzona.compat import REDISTRIBUTE_LOGGER
-from lightning_canzona.config import PlanConfig
-from lightning_canzona.launcher import in_fresh_thread
-from lightning_canzona.models.qwen3 import Qwen3, tensor_parallel_plan
-from lightning_canzona.planning import report
 
 VARIANTS = (
     "sync",

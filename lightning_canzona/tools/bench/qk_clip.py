@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 import lightning_canzona as lc
-from lightning_canzona.bench.timing import median_seconds
 from lightning_canzona.models.qwen3 import Qwen3, resolve_config
+from lightning_canzona.tools.bench.timing import median_seconds
 
 
 @dataclass(frozen=True)

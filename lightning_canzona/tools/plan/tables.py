@@ -5,14 +5,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import replace
 
-from lightning_canzona.commands.analysis import PolicyResult, Scenario
 from lightning_canzona.planning import Plan, build_plan, report
 from lightning_canzona.planning.devices import DeviceModel
 from lightning_canzona.planning.plan import estimated_step
 from lightning_canzona.planning.replication import ReplicationChoice
 from lightning_canzona.planning.report import COST_UNITS
-from lightning_canzona.planning.traffic import traffic
-from lightning_canzona.simulation.iteration import Workload
+from lightning_canzona.tools.plan.analysis import PolicyResult, Scenario
+from lightning_canzona.tools.simulation.iteration import Workload
+from lightning_canzona.tools.simulation.traffic import traffic
 
 MIB = 2**20
 #: The paper's reported speed-ups of Canzona over its baseline (arXiv 2602.06079, Qwen3 on 256 GPUs).

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_canzona.bench.timing import median_seconds
 from lightning_canzona.rules.newton_schulz import FORMS, PRESETS, flops, newton_schulz
+from lightning_canzona.tools.bench.timing import median_seconds
 
 DEFAULT_SHAPES = ((256, 256), (512, 512), (512, 2048), (2048, 512), (1024, 1024), (1024, 4096), (2048, 2048))
 

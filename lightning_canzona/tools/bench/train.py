@@ -45,12 +45,12 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.tensor import DTensor
 
 import lightning_canzona as lc
-from lightning_canzona.bench.devices import check_devices, default_backend, start_method, synchronize
 from lightning_canzona.compat import REDISTRIBUTE_LOGGER
 from lightning_canzona.composition import compose
 from lightning_canzona.data import ByteTextDataModule
 from lightning_canzona.launcher import InProcessLauncher
 from lightning_canzona.models import CausalLanguageModel
+from lightning_canzona.tools.bench.devices import check_devices, default_backend, start_method, synchronize
 
 #: The Fabric loop's variant: canzona's, in a hand-written loop instead of ``Trainer.fit``.
 FABRIC = "canzona (Fabric)"
@@ -107,7 +107,7 @@ class _Setting(NamedTuple):
 
     @property
     def start_method(self) -> str:
-        """How ranks start (`lightning_canzona.bench.devices.start_method`)."""
+        """How ranks start (`lightning_canzona.tools.bench.devices.start_method`)."""
         return start_method(self.device)
 
     def datamodule(self) -> ByteTextDataModule:

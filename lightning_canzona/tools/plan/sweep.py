@@ -8,15 +8,6 @@ from dataclasses import replace
 
 import torch
 
-from lightning_canzona.commands.analysis import Scenario, analyse
-from lightning_canzona.commands.model_matrices import (
-    OPTIMIZERS,
-    compute_dtype,
-    make_rule,
-    preset_matrices,
-    rule_settings,
-)
-from lightning_canzona.commands.tables import PAPER_ITERATION_SPEEDUP, PAPER_STEP_SPEEDUP
 from lightning_canzona.planning.bounds import team_bound
 from lightning_canzona.planning.devices import DeviceModel
 from lightning_canzona.planning.plan import PlanSettings, ideal_load
@@ -24,7 +15,16 @@ from lightning_canzona.planning.policies import build_plan
 from lightning_canzona.planning.report import report
 from lightning_canzona.planning.teams import TEAM_SIZES
 from lightning_canzona.rules import MatrixRule
-from lightning_canzona.simulation.optimizer_step import project_step
+from lightning_canzona.tools.plan.analysis import Scenario, analyse
+from lightning_canzona.tools.plan.model_matrices import (
+    OPTIMIZERS,
+    compute_dtype,
+    make_rule,
+    preset_matrices,
+    rule_settings,
+)
+from lightning_canzona.tools.plan.tables import PAPER_ITERATION_SPEEDUP, PAPER_STEP_SPEEDUP
+from lightning_canzona.tools.simulation.optimizer_step import project_step
 
 SWEEP_PRESETS: tuple[str, ...] = ("0.6B", "1.7B", "4B", "8B", "14B", "32B")
 SWEEP_MESHES: tuple[tuple[int, int], ...] = ((8, 1), (32, 8), (64, 4), (256, 1), (64, 8), (128, 8), (256, 8))
