@@ -79,6 +79,7 @@ from lightning_canzona.tools.bench.devices import (
     start_method,
     synchronize,
 )
+from lightning_canzona.tools.tables import table
 
 VARIANTS = (
     "sync",
@@ -429,26 +430,36 @@ def format_table(
     reference = next(r for r in results if r.name == "canzona")
     on = "" if device == "cpu" else f" on {device}"
     on += f" (HSDP: {replicate} replicas)" if replicate > 1 else ""
-    lines = [
-        f"preset {preset}, {optimizer}: optimizer step{on}, median over ranks' slowest",
-        f"{'variant':>26} {'step ms':>9} {'÷ canzona':>10} {'CPU ms':>8} {'÷ canzona':>10} "
-        f"{'busy max/mean':>14} {'plan max/mean':>14} "
-        f"{'peak buffers MiB':>17} {'÷ matrix bytes/rank':>20} {'sent MiB':>9} {'state MiB per rank':>24}",
-    ]
+    rows = []
     for result in results:
         busy = f"{result.busy_max_over_mean:.2f}" if result.busy_max_over_mean else "-"
         planned = f"{result.plan_max_over_mean:.2f}" if result.plan_max_over_mean else "-"
-        state = " ".join(f"{b / 2**20:.2f}" for b in result.state_bytes)
         peak, relative = "-", "-"
         sent = f"{result.sent_bytes / 2**20:.2f}" if result.sent_bytes is not None else "-"
         if result.peak_buffer_bytes is not None:
             peak = f"{result.peak_buffer_bytes / 2**20:.2f}"
             relative = f"{result.peak_buffer_bytes / result.matrix_bytes_per_rank:.2f}"
-        lines.append(
-            f"{result.name:>26} {result.step_ms:9.1f} {result.step_ms / reference.step_ms:10.2f} "
-            f"{result.cpu_ms:8.1f} {result.cpu_ms / reference.cpu_ms:10.2f} {busy:>14} "
-            f"{planned:>14} {peak:>17} {relative:>20} {sent:>9} {state:>24}"
+        rows.append(
+            [
+                result.name,
+                f"{result.step_ms:.1f}",
+                f"{result.step_ms / reference.step_ms:.2f}",
+                f"{result.cpu_ms:.1f}",
+                f"{result.cpu_ms / reference.cpu_ms:.2f}",
+                busy,
+                planned,
+                peak,
+                relative,
+                sent,
+                " ".join(f"{b / 2**20:.2f}" for b in result.state_bytes),
+            ]
         )
+    headers = ["variant", "step ms", "÷ canzona", "CPU ms", "÷ canzona", "busy max/mean", "plan max/mean"]
+    headers += ["peak buffers MiB", "÷ matrix bytes/rank", "sent MiB", "state MiB per rank"]
+    lines = [
+        f"preset {preset}, {optimizer}: optimizer step{on}, median over ranks' slowest",
+        table(headers, rows, margin=1),
+    ]
     for result in results:
         if result.split_matrices:
             teams = ", ".join(f"{count} by {size} ranks" for size, count in result.split_matrices.items())

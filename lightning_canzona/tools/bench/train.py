@@ -51,6 +51,7 @@ from lightning_canzona.data import ByteTextDataModule
 from lightning_canzona.launcher import InProcessLauncher
 from lightning_canzona.models import CausalLanguageModel
 from lightning_canzona.tools.bench.devices import check_devices, default_backend, start_method, synchronize
+from lightning_canzona.tools.tables import table
 
 #: The Fabric loop's variant: canzona's, in a hand-written loop instead of ``Trainer.fit``.
 FABRIC = "canzona (Fabric)"
@@ -404,17 +405,22 @@ def _ranks(dp: int, tp: int, device: str) -> str:
 
 
 def format_table(preset: str, dp: int, tp: int, results: list[TrainTiming], device: str = "cpu") -> str:
+    rows = [
+        [
+            r.name,
+            f"{r.iteration_ms:.1f}",
+            f"{r.optimizer_ms:.1f}",
+            f"{r.iteration_ms - r.optimizer_ms:.1f}",
+            f"{r.final_loss:.3f}",
+            f"{r.first_iteration_ms / 1e3:.2f}",
+        ]
+        for r in results
+    ]
+    headers = ["variant", "iteration [ms]", "optimizer [ms]", "fwd+bwd [ms]", "loss", "first [s]"]
     lines = [
         f"{preset}: training iteration on {_ranks(dp, tp, device)} (dp{dp} × tp{tp}), medians",
-        f"{'variant':>18} {'iteration [ms]':>15} {'optimizer [ms]':>15} {'fwd+bwd [ms]':>13} {'loss':>7}"
-        f" {'first [s]':>10}",
+        table(headers, rows, margin=1),
     ]
-    for r in results:
-        lines.append(
-            f"{r.name:>18} {r.iteration_ms:>15.1f} {r.optimizer_ms:>15.1f} "
-            f"{r.iteration_ms - r.optimizer_ms:>13.1f} {r.final_loss:>7.3f} "
-            f"{r.first_iteration_ms / 1e3:>10.2f}"
-        )
     lines.extend(f"{name}: {value:.3f}×" for name, value in ratios(results).items())
     return "\n".join(lines)
 
