@@ -36,6 +36,13 @@ import torch
 
 from lightning_canzona.optim.optimizer import resolve_dtype
 from lightning_canzona.rules.newton_schulz import FORMS
+from lightning_canzona.tools.checks import (
+    HOST_SYNCS_PER_STEP,
+    RESUME_TOLERANCE,
+    HostSyncs,
+    RecordLosses,
+    take_steps,
+)
 from lightning_canzona.tools.command import UsageError, run
 
 #: A check's verdict: INFO describes the machine; PASS and FAIL are the checks'.
@@ -60,12 +67,6 @@ NS_ROUNDING_BOUNDS = {torch.float32: 5e-5, torch.bfloat16: 0.1}
 #: bound is about 7 times SOAP's largest: TF32 in these products (≈5e-4 a product, not float32's
 #: 6e-8) lies far above it.
 KRONECKER_BOUND = 3e-4
-#: How far the resumed run's losses may lie from the uninterrupted run's (as
-#: ``tests/integration/test_checkpoints.py`` asserts).
-RESUME_TOLERANCE = 1e-6
-#: The reads of a device value on the host that an optimizer step may make: the gradients'
-#: agreement, which carries the previous step's failure flag (``tests/distributed/test_host_syncs.py``).
-HOST_SYNCS_PER_STEP = 1
 
 
 @dataclass(frozen=True)
@@ -281,30 +282,13 @@ def muon(settings: Settings) -> Result:
         generator = torch.Generator().manual_seed(0)
         initial = torch.randn(shape, generator=generator)
         grads = [torch.randn(shape, generator=generator) for _ in range(steps)]
-        ours, _ = _steps(lc.Muon, initial, grads, settings.device, lr=0.02, compute_dtype="bfloat16")
-        theirs, _ = _steps(torch.optim.Muon, initial, grads, settings.device, lr=0.02)
+        ours, _ = take_steps(lc.Muon, initial, grads, settings.device, lr=0.02, compute_dtype="bfloat16")
+        theirs, _ = take_steps(torch.optim.Muon, initial, grads, settings.device, lr=0.02)
         differences.append(float((ours - theirs).abs().max()))
     sizes = _sizes(shapes)
     if not any(differences):
         return Result("PASS", f"{sizes}, {steps} steps: bit for bit equal")
     return Result("FAIL", f"{sizes}, {steps} steps: weights differ by up to {max(differences):.1e}")
-
-
-def _steps(
-    optimizer_class: Callable[..., torch.optim.Optimizer],
-    initial: torch.Tensor,
-    grads: list[torch.Tensor],
-    device: torch.device,
-    **settings: Any,
-) -> tuple[torch.Tensor, dict[str, Any]]:
-    """The weight after ``optimizer_class`` took a step for each of ``grads``, on ``device``
-    (``initial`` and ``grads`` in their dtype there), and the optimizer's state of it."""
-    weight = torch.nn.Parameter(initial.to(device, copy=True))
-    optimizer = optimizer_class([weight], **settings)
-    for grad in grads:
-        weight.grad = grad.to(device, copy=True)
-        optimizer.step()
-    return weight.detach().cpu(), optimizer.state[weight]
 
 
 def shampoo(settings: Settings) -> Result:
@@ -357,7 +341,7 @@ def kronecker(
         initial = torch.randn(shape, dtype=torch.float64, generator=generator)
         grads = [torch.randn(shape, dtype=torch.float64, generator=generator) for _ in range(steps)]
         with _tf32_allowed():
-            weight, state = _steps(
+            weight, state = take_steps(
                 optimizer_class, initial.float(), [g.float() for g in grads], settings.device, **hyper
             )
         failures += int(state["decomposition_failures"])
@@ -389,7 +373,7 @@ def _tf32_allowed() -> Iterator[None]:
 def host_syncs(settings: Settings) -> Result:
     """A Muon step of a small model sharded by FSDP2 over the device's ranks (one a GPU, NCCL;
     2 CPU ranks, gloo), after two that built its plan and state: how often each rank reads a
-    value of the device on the host in it (`lightning_canzona.tools.bench.host_syncs`), at most
+    value of the device on the host in it (`lightning_canzona.tools.checks.HostSyncs`), at most
     `HOST_SYNCS_PER_STEP`. The ranks fork as `trainer`'s do."""
     import torch.multiprocessing as mp
 
@@ -425,7 +409,6 @@ def _count_host_syncs(rank: int, ranks: int, rendezvous: str, gpus: list[int], q
 
     import lightning_canzona as lc
     from lightning_canzona.distributed import deferred
-    from lightning_canzona.tools.bench.host_syncs import HostSyncs
 
     torch.set_num_threads(1)
     device = torch.device("cuda", gpus[rank]) if gpus else torch.device("cpu")
@@ -503,17 +486,6 @@ def _two_runs(folder: Path, settings: Settings, steps: int) -> None:
 
     for name in ("lightning.pytorch", "lightning.fabric"):  # no banners: the ranks are forked
         logging.getLogger(name).setLevel(logging.WARNING)
-
-    class RecordLosses(Callback):
-        def __init__(self, path: Path) -> None:
-            self.path, self.losses = path, []
-
-        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, index: int) -> None:
-            self.losses.append(float(outputs["loss"]))
-
-        def on_train_end(self, trainer: Any, module: Any) -> None:
-            if trainer.global_rank == 0:
-                torch.save(self.losses, self.path)
 
     midway = steps // 2
     checkpoint = folder / f"step={midway}.ckpt"

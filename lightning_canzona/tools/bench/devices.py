@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from lightning_canzona.tools.checks import gpu_shortage
+
 
 def rank_device(device: str, rank: int) -> torch.device:
     """The device of rank ``rank`` on ``device`` (``cpu``, or ``cuda``: one GPU a rank)."""
@@ -16,11 +18,9 @@ def check_devices(device: str, backend: str, ranks: int) -> str | None:
         return f"--device must be cpu or cuda, got {device!r}"
     if backend == "nccl" and device != "cuda":
         return "--backend nccl needs --device cuda (NCCL takes GPU tensors only)"
-    if device == "cuda" and torch.cuda.device_count() < ranks:
-        return (
-            f"--device cuda runs {ranks} ranks, one GPU each, and {torch.cuda.device_count()} GPUs "
-            "are visible: lower --dp or --tp, or set CUDA_VISIBLE_DEVICES"
-        )
+    shortage = gpu_shortage(ranks) if device == "cuda" else None
+    if shortage:
+        return f"--device cuda {shortage}: lower --dp or --tp, or set CUDA_VISIBLE_DEVICES"
     return None
 
 
