@@ -1,17 +1,9 @@
-"""``canzona doctor``: check this machine for lightning_canzona, one line per check.
+"""``canzona doctor``: check this machine for lightning_canzona, one line per check (`doctor`).
 
-First what it runs on (INFO: versions, precision switches, devices), then checks on the device
-(PASS or FAIL): Newton–Schulz in every form and dtype against float64, and compiled against
-eager; ``lightning_canzona.Muon`` against ``torch.optim.Muon``, Shampoo and SOAP against their
-float64 references, the host syncs of a distributed step, and a short Trainer run that saves a
-distributed checkpoint and resumes from it. Each line gives its figure and the seconds it took;
-the exit status is 1 when any check fails. ``--quick`` takes under a minute on a CPU; the full
-run a few minutes on a GPU.
-
-Example::
-
-    canzona doctor            # on the GPUs when torch sees any, else on the CPU
-    canzona doctor --quick --device cpu
+Each check is a function of the `Settings` (the device, and whether to keep to the quick sizes)
+that returns a `Result`: `ENVIRONMENT` describes the machine, `CHECKS` runs on its device. What
+the tests check too comes from `lightning_canzona.tools.checks`. docs/doctor.md says what each
+line means, and how the bounds were set from measured distances.
 """
 
 from __future__ import annotations
@@ -49,23 +41,13 @@ from lightning_canzona.tools.command import UsageError, run
 Verdict = Literal["PASS", "FAIL", "INFO"]
 
 #: The largest relative distance of Newton–Schulz in each dtype from the same iteration in
-#: float64 (rounding alone). Measured on a CPU (5 quintic steps, every form): float32 1e-6 to
-#: 4e-6 at 48 × 48 to 160 × 64, 1.2e-5 to 1.3e-5 at 512 × 2048 and 1024 × 1024; bfloat16
-#: 0.9e-2 to 1.7e-2 in the standard forms, 2.8e-2 to 5.4e-2 in the Gram forms (largest on
-#: square matrices). The bounds are about twice to four times those: TF32 in a float32 iteration
-#: (≈1e-3), or a wrong kernel, lies far above them.
+#: float64 (rounding alone): a few times what rounding gives, far below TF32 in a float32
+#: iteration or a wrong kernel (docs/doctor.md, "How the bounds were set").
 NS_ROUNDING_BOUNDS = {torch.float32: 5e-5, torch.bfloat16: 0.1}
 #: The largest relative distance of Shampoo's and SOAP's weight updates (float32 on the device)
 #: from their float64 references (`lightning_canzona.rules.references`), over steps with
-#: decompositions. Measured on a CPU with normal gradients: Shampoo 2e-6 to 3e-6 at 24 × 40,
-#: 5e-6 to 6e-6 at 128 × 256 (its floor on the roots' eigenvalues bounds how far rounding
-#: carries); SOAP 8e-6 to 3.3e-5 at 24 × 24, 4.5e-5 at 32 × 32. SOAP's Adam ratio in the rotated
-#: coordinates turns small differences in entries near zero into large ones, and eigenvectors of
-#: close eigenvalues are what rounding moves most: 6e-5 to 4e-3 at 96 × 96 and 128 × 128, and on
-#: a rank-deficient factor (the first of a non-square matrix) the bases inside its null space are
-#: arbitrary (0.3 apart). So SOAP is checked on small square matrices, at every size of run. The
-#: bound is about 7 times SOAP's largest: TF32 in these products (≈5e-4 a product, not float32's
-#: 6e-8) lies far above it.
+#: decompositions: above what rounding gives, far below TF32 in these products. SOAP is checked
+#: on small square matrices only, where rounding cannot turn its bases (docs/doctor.md).
 KRONECKER_BOUND = 3e-4
 
 
@@ -233,7 +215,7 @@ def compiled(settings: Settings) -> Result:
     against eager, in the dtype ``compute_dtype="auto"`` takes on the device: the same bits, and
     what compiling costs at the first call and gains after (median of the later calls). The
     standard form; without ``--quick`` also the Gram form with its products by blocks (between
-    them every piece of the four forms), whose graph takes a CPU 15–30 s to compile."""
+    them every piece of the four forms), whose graph takes a CPU longest to compile."""
     from lightning_canzona.rules.newton_schulz import PRESETS, newton_schulz
     from lightning_canzona.tools.bench.devices import synchronize
 

@@ -1,4 +1,5 @@
-"""Where a benchmark's ranks run: CPU processes over gloo, or one GPU a rank over NCCL."""
+"""Where a benchmark's ranks run: CPU processes over gloo, or one GPU a rank over NCCL; `check_devices`
+refuses, before any rank starts, what the machine cannot run."""
 
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ def default_backend(device: str) -> str:
 
 
 def start_method(device: str) -> str:
-    """How the ranks start: forked on CPUs (no interpreter and imports per rank, 10 s each on a
-    slow CPU), spawned on GPUs (a forked child cannot use CUDA that its parent used)."""
+    """How the ranks start: forked on CPUs (no interpreter and imports per rank), spawned on GPUs
+    (a forked child cannot use CUDA that its parent used)."""
     return "fork" if device == "cpu" else "spawn"
 
 

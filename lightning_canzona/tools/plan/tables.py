@@ -196,4 +196,5 @@ def replication_table(scenario: Scenario, choice: ReplicationChoice, plans: Mapp
         for mode, plan in plans.items()
     ]
     headers = ["plan", "ranks", "exchanges over", f"est. step [{unit}]", "max state [MiB]"]
-    return table(headers, rows) + f'\nreplicas="auto" takes {choice.mode}: the shorter estimated step.'
+    chosen = f'replicas="auto" takes {choice.mode}: the shorter estimated step.'
+    return table(headers, rows, left=(0, 2)) + "\n" + chosen
