@@ -78,7 +78,7 @@ class CommandParser(ArgumentParser):
         """Nothing: an error names ``--help`` instead."""
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
-        unknown = re.match(r"unrecognized arguments: (--[^\s=]+)", message)
+        unknown = re.match(r"unrecognized arguments: (--[^\s=]+)", message, re.IGNORECASE)
         if unknown:
             close = difflib.get_close_matches(unknown.group(1), list(self._option_string_actions), n=1)
             message += f" (did you mean {close[0]}?)" if close else ""
