@@ -1,48 +1,14 @@
-"""Optimizer-step latency under FSDP2 × TP: Canzona against the alternatives, in one run.
+"""``canzona bench step``: the optimizer step alone under FSDP2 × TP, canzona against the other
+ways to run it, in one run (`run`; `measure` for one preset, `format_table` to print it).
 
-Spawns ``dp × tp`` ranks — CPU processes over gloo (one thread each), or with ``--device cuda``
-one GPU each over NCCL — parallelizes a Qwen3-style decoder with its TP plan and ``fully_shard``
-per block, gives every parameter a fixed gradient, and times ``optimizer.step()`` of each variant
-in turn (on a GPU from a synchronised start to a synchronised end), interleaved so that machine
-noise hits all alike:
-
-- ``sync``: `lightning_canzona.Muon` with every rank computing every matrix (packed all-gather);
-- ``torch.optim.Muon``: PyTorch's Muon on the DTensor parameters (what a Lightning user gets today),
-  with ``torch.optim.AdamW`` for the rest;
-- ``round_robin``: one owner per matrix by index;
-- ``lpt (no overlap)``: one owner per matrix by LPT, micro-groups run one after another;
-- ``canzona``: α-balanced owners and micro-groups, pipelined;
-- ``dion.Muon``: microsoft/dion's distributed Muon (all-to-alls over FSDP2's 1-D mesh, its
-  Newton–Schulz compiled), with ``--tp 1`` where ``import dion`` finds it (a checkout on
-  ``PYTHONPATH``).
-
-A mixture-of-experts preset leaves out ``torch.optim.Muon``, which refuses 3-D parameters (the
-expert stacks), and adds two variants of ``canzona`` that take back one thing each:
-
-- ``canzona (locality-blind)``: planned as if every expert were fragmented (the paper's
-  assumption): experts travel to owners elsewhere and back;
-- ``canzona (call per expert)``: each expert orthogonalised by a call of its own, not one
-  batched call per owner and shape.
-
-``--optimizer shampoo`` or ``soap`` times `lightning_canzona.Shampoo` or `lightning_canzona.SOAP` in
-every variant instead (without ``torch.optim.Muon``, which has no counterpart, and the
-mixture-of-experts variants).
-
-``canzona`` lets teams of ranks compute one matrix's update together (`planning.teams`) where its
-cost model, with an H100's prices of collectives, says that they pay; ``canzona (whole
-matrices)`` never does; ``canzona (teams, measured)`` prices the collectives as measured on this
-machine (`distributed.prices.measure_team_costs`). The ``wide`` and ``square`` presets are models
-whose largest matrix is most of the update work (`LargeMatrixModel`), where whole-matrix ownership
-leaves three of four ranks waiting for the owner of that one matrix.
-
-A step's latency is the slowest rank's. Busy time is the time each rank spends in full-matrix
-updates; its max/mean across ranks measures the balance actually achieved. Peak buffers are the
-most bytes of the step's own transient buffers alive at once on the busiest rank
-(`lightning_canzona.distributed.memory`), also as a multiple of the model's matrix bytes per rank.
-Sent is what the busiest rank sent to other ranks in one step's all-to-alls. CPU is the processor
-time of one step summed over the ranks (their collectives' threads included): with more ranks
-than cores it is what the step costs the machine, and it varies less from run to run than the
-latency, which depends on how the scheduler interleaves the ranks.
+`measure` spawns ``dp × tp`` ranks (CPU processes over gloo, one thread each, or one GPU each over
+NCCL), composes a model with its TP plan and ``fully_shard`` per block, gives every parameter a
+fixed gradient, and times ``optimizer.step()`` of each of `VARIANTS` in turn, interleaved so that
+machine noise hits all alike; a mixture of experts adds `MOE_VARIANTS`, HSDP `HSDP_VARIANTS`, and
+a 1-D mesh `DION` where ``import dion`` finds it. `VariantResult` holds what each reports: the
+slowest rank's latency, the ranks' CPU time, the balance measured and planned, the peak of the
+step's buffers, the bytes sent and the state per rank. docs/benchmarks.md says what each variant
+takes away and the figures measured.
 """
 
 from __future__ import annotations
