@@ -3,14 +3,12 @@
 - ``canzona fit|validate|test|predict``: LightningCLI. Configs are read in omegaconf mode, so YAML
   can interpolate (``${model.init_args.preset}``). Importing `lightning_canzona` registers the
   strategy, so ``strategy: canzona`` needs no import.
-- ``canzona plan``: the optimizer plan of a model preset on a mesh, per policy, without weights.
-- ``canzona bench``: benchmarks that run canzona and its alternatives side by side.
-- ``canzona export``: a checkpoint's model as one safetensors or torch file, or a transformers folder.
+- ``canzona plan|bench|export|doctor``: the tools (`lightning_canzona.tools`), each its own
+  module's ``main``, imported only when its command runs (`COMMANDS`).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import difflib
 import importlib
@@ -35,6 +33,7 @@ import lightning_canzona  # noqa: F401  (registers the "canzona" strategies)
 from lightning_canzona.checkpoint import check_file_before_launch
 from lightning_canzona.compat import check_option_values_with, nested_option
 from lightning_canzona.optim import MatrixOptimizer, matrix_param_groups
+from lightning_canzona.tools.command import CommandParser
 
 #: The Trainer's strategy in LightningCLI's config.
 STRATEGY = "trainer.strategy"
@@ -288,22 +287,22 @@ TRAINER_COMMANDS = {
     "test": "One evaluation epoch over the test set.",
     "predict": "The model's predictions on the predict set.",
 }
-#: The other commands: the module whose ``main(argv)`` runs each, and what it does.
+#: The tools (`lightning_canzona.tools`): the module whose ``main(argv)`` runs each, and what it does.
 COMMANDS = {
     "plan": (
-        "lightning_canzona.commands.plan",
+        "lightning_canzona.tools.plan",
         "A model preset's optimizer plan on a mesh, per policy, without weights.",
     ),
     "bench": (
-        "lightning_canzona.bench.__main__",
+        "lightning_canzona.tools.bench",
         "Benchmarks that run canzona and its alternatives side by side.",
     ),
     "export": (
-        "lightning_canzona.export",
+        "lightning_canzona.tools.export",
         "A checkpoint's model as one safetensors or torch file, or a transformers folder.",
     ),
     "doctor": (
-        "lightning_canzona.commands.doctor",
+        "lightning_canzona.tools.doctor",
         "Check this machine: versions, numerics on its devices, a checkpointed run (--quick: 1 min).",
     ),
 }
@@ -331,20 +330,20 @@ def main(args: list[str] | None = None) -> None:
     )
 
 
-def _commands() -> argparse.ArgumentParser:
+def _commands() -> CommandParser:
     """``canzona``'s own parser: every command, with what it does (each parses its own options)."""
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="canzona",
         description="Lightning training with exact, non-redundant matrix optimizers (lightning_canzona).",
         epilog="canzona COMMAND --help: the options of a command. fit, validate, test and predict are "
         "LightningCLI's: --config FILE, --print_config, --trainer.strategy.tensor_parallel_size 2…",
     )
-    commands = parser.add_subparsers(title="commands", metavar="COMMAND")
+    commands = parser.add_subcommands(title="commands", metavar="COMMAND")
     for name, description in {
         **TRAINER_COMMANDS,
         **{name: help for name, (_, help) in COMMANDS.items()},
     }.items():
-        commands.add_parser(name, help=description, add_help=False)
+        commands.add_subcommand(name, CommandParser(add_help=False), help=description)
     return parser
 
 

@@ -8,12 +8,11 @@ host memory (the optimizer's state is left out). The checkpoint is verified firs
 (`lightning_canzona.checkpoint.reading`).
 
 ``canzona export CHECKPOINT OUTPUT [--format …] [--config CONFIG] [--model-key KEY]`` runs
-`export_checkpoint` from the command line; its errors are one line saying what to pass.
+`export_checkpoint` from the command line (`lightning_canzona.tools.export`).
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import pickle
@@ -271,38 +270,9 @@ def _module_from_hyperparameters(checkpoint: str | Path) -> nn.Module | None:
     return _on_meta_device(lambda: instantiate_module(LightningModule, hyperparameters))
 
 
-def main(argv: list[str] | None = None) -> None:
-    """``canzona export``: the command line of `export_checkpoint`."""
-    parser = argparse.ArgumentParser(
-        prog="canzona export",
-        description="Write a checkpoint's model as one safetensors or torch file, or a transformers folder.",
-    )
-    parser.add_argument("checkpoint", help="a distributed checkpoint's folder (any mesh) or a single file")
-    parser.add_argument("output", help="the file to write, or the folder (--format transformers)")
-    parser.add_argument("--format", choices=FORMATS, default="safetensors")
-    parser.add_argument(
-        "--config",
-        help="for --format transformers: the training config whose `model:` builds the LightningModule "
-        "(on the meta device); by default, the module that the checkpoint's hyperparameters name",
-    )
-    parser.add_argument(
-        "--model-key",
-        help="the key that holds the model: state_dict (Trainer) or the model's key in fabric.save's "
-        "state; by default, the one key that holds a model",
-    )
-    arguments = parser.parse_args(argv)
-    try:
-        module = _module_from_config(arguments.config) if arguments.config else None
-        written = export_checkpoint(
-            arguments.checkpoint, arguments.output, arguments.format, module, arguments.model_key
-        )
-    except (ValueError, FileNotFoundError) as error:  # what to pass, in one line
-        parser.exit(2, f"canzona export: error: {error}\n")
-    print(f"lightning_canzona: wrote {written} ({arguments.format})")
-
-
-def _module_from_config(config: str) -> nn.Module:
-    """The LightningModule that a training config's ``model:`` describes (`_on_meta_device`)."""
+def module_from_config(config: str | Path) -> nn.Module:
+    """The LightningModule that a training config's ``model:`` describes, built on the meta device
+    where it can be (`_on_meta_device`): what ``canzona export --config`` exports."""
     from jsonargparse import ArgumentParser
     from lightning import LightningModule
     from omegaconf import OmegaConf

@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lightning_canzona.tools.checks import gpu_shortage
+
 #: Where the ranks compute: ``cpu`` (gloo) or ``cuda`` (NCCL, one GPU a rank).
 DEVICE = os.environ.get("CANZONA_TEST_DEVICE", "cpu")
 if DEVICE not in ("cpu", "cuda"):
@@ -73,7 +75,7 @@ def _worker(
         dist.destroy_process_group()
     # A spawned process ends with the interpreter's teardown, where a gloo thread still freeing a
     # tensor aborts a rank that passed ("terminate called without an active exception"). The
-    # package's collectives cannot (`lightning_canzona.distributed.inflight`); test bodies' own
+    # package's collectives cannot (`lightning_canzona.distributed.agreement.InFlight`); test bodies' own
     # may. A failure (above) still reaches torch's error file; a success ends here.
     sys.stdout.flush()
     sys.stderr.flush()
@@ -90,11 +92,9 @@ def run_on_ranks(
     group refuses what NCCL would (`emulated_nccl.nccl_like`); on GPUs, where it is NCCL, its
     tensor collectives are recorded alike.
     """
-    if DEVICE == "cuda" and torch.cuda.device_count() < world_size:
-        pytest.skip(
-            f"CANZONA_TEST_DEVICE=cuda: this test runs {world_size} ranks, one GPU each, and "
-            f"{torch.cuda.device_count()} GPUs are visible"
-        )
+    shortage = gpu_shortage(world_size) if DEVICE == "cuda" else None
+    if shortage:
+        pytest.skip(f"CANZONA_TEST_DEVICE=cuda: this test {shortage}")
     with tempfile.TemporaryDirectory() as directory:
         store_path = str(Path(directory) / "store")
         args = (world_size, store_path, timeout, nccl_like, body, args)

@@ -1,19 +1,10 @@
-"""The engine: exact, non-redundant updates of the DTensor parameters on one device mesh.
+"""The engine: one mesh's DTensor parameters, planned, stepped, and their matrix state kept.
 
-Per step, on every rank of the mesh, in the same order:
-
-1. (before, once per step for all meshes: `lightning_canzona.distributed.gradients`) the ranks
-   agree on every gradient: a parameter without a gradient on every rank is skipped, as on one
-   device; the others have a gradient in their parameter's layout on every rank;
-2. AdamW parameters step elementwise on their shards;
-3. the matrices step as the plan lays them out: elementwise parts on the shards, then the
-   micro-groups through the gather/compute/scatter pipeline (`lightning_canzona.distributed.runtime`).
-
-Elementwise state (momentum, Adam moments) is a DTensor sharded like its parameter; matrix state
-lives with each matrix's owner (`lightning_canzona.distributed.custody`). The plan is built once
-and rebuilt only when the parameter set changes; matrix state whose owner changes then moves to
-the new owner (or team). This module holds that lifecycle; what it plans is
-`lightning_canzona.distributed.runtime.PlannedMatrices`.
+`MeshEngine` is what the optimizer talks to, one per device mesh. It builds itself from the mesh,
+the `PlanConfig` and the rules (process groups, prices), plans at the first step (and again when
+the parameter set changes, moving matrix state to the new owners: `custody`), runs each step
+(`MeshEngine.step`: AdamW on the shards, then the matrices through `runtime.StepRun`), and
+serves the optimizer's state dict (`owned_state`, `load_state`, team state whole or in slices).
 """
 
 from __future__ import annotations

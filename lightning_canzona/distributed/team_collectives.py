@@ -11,7 +11,7 @@ micro-group fix them), so their packed buffers match.
 A computation that fails on this rank (out of memory) is started again on zeros and a scratch copy
 of its state, and fast-forwarded to the same round: the rank keeps joining its teams' collectives,
 as every rank must, and the failure is raised on every rank after the step
-(`lightning_canzona.distributed.failures`).
+(`agreement.GradientAgreement.raise_on_every_rank`).
 
 A member holds its slice of the matrix state that the rule slices (`MatrixRule.team_sliced_keys`)
 and the whole of the rest (`member_state`, `joined_state`).

@@ -4,21 +4,16 @@ from lightning_canzona.planning.matrices import COST_KINDS, MatrixSpec, block_of
 from lightning_canzona.planning.plan import POLICIES, Plan, PlanSettings
 from lightning_canzona.planning.policies import build_plan
 from lightning_canzona.planning.report import PlanReport, report
-from lightning_canzona.planning.traffic import Exchange, Traffic, shard_numel, traffic
 
 __all__ = [
     "COST_KINDS",
     "POLICIES",
-    "Exchange",
     "MatrixSpec",
     "Plan",
     "PlanReport",
     "PlanSettings",
-    "Traffic",
     "block_of",
     "build_plan",
     "describe",
     "report",
-    "shard_numel",
-    "traffic",
 ]

@@ -1,5 +1,5 @@
 """What a GPU and its interconnect can do: the prices the planner charges for collectives, and
-the numbers the simulator (`lightning_canzona.simulation`) turns work into time.
+the numbers the simulator (`lightning_canzona.tools.simulation`) turns work into time.
 
 Defaults are datasheet peaks scaled by an achievable fraction, never measurements:
 

@@ -253,7 +253,7 @@ def estimated_step(plan: Plan, replicas: int = 1) -> float:
     replicas, a matrix planned once over all of them), one copy's holders send each matrix and
     its computing ranks send the update to every copy. Cheap (linear in the matrices; a matrix
     that its owner holds whole counted as moved): an estimate to choose between plans, not the
-    traffic (`planning.traffic`) or the simulator's projection.
+    traffic or the step that ``canzona plan`` simulates.
     """
     settings = plan.settings
 

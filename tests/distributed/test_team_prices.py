@@ -25,7 +25,7 @@ from lightning_canzona.rules.newton_schulz import (
 )
 from lightning_canzona.rules.shampoo import ShampooRule
 from lightning_canzona.rules.soap import SOAPRule
-from lightning_canzona.simulation import H100
+from lightning_canzona.tools.simulation import H100
 
 
 def test_h100_prices_are_in_the_flops_of_the_rules_matrix_products() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_canzona.commands import doctor
+from lightning_canzona.tools import doctor
 
 
 def test_doctor_quick_passes_every_check_on_the_cpu(examples) -> None:

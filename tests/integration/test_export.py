@@ -216,9 +216,9 @@ def test_a_pretrained_transformers_model_fine_tuned_and_exported_for_from_pretra
 
 
 def test_the_command_builds_the_module_of_a_training_config_without_weights() -> None:
-    from lightning_canzona.export import _module_from_config
+    from lightning_canzona.export import module_from_config
 
-    module = _module_from_config(str(TINY_CONFIG))
+    module = module_from_config(str(TINY_CONFIG))
     assert isinstance(module, CausalLanguageModel) and next(module.parameters()).is_meta
     with pytest.raises(ValueError, match=r"format must be one of \('safetensors', 'torch', 'transformers'\)"):
         lc.export_checkpoint(TINY_CONFIG, "out", "onnx")

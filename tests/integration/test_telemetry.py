@@ -15,7 +15,6 @@ from lightning_canzona.data import ByteTextDataModule
 from lightning_canzona.models import CausalLanguageModel, Qwen3
 from lightning_canzona.optim import PRESETS, matrix_param_groups
 from lightning_canzona.planning import PlanSettings, build_plan, describe
-from lightning_canzona.planning.traffic import traffic
 from lightning_canzona.rules import MuonRule
 from lightning_canzona.rules.muon import resolve_dtype
 from lightning_canzona.telemetry import (
@@ -27,6 +26,7 @@ from lightning_canzona.telemetry import (
     STEP_MS,
     WAIT_MS,
 )
+from lightning_canzona.tools.simulation.traffic import traffic
 
 
 def test_step_costs_are_logged_and_bytes_match_the_planners_traffic_model(tmp_path) -> None:

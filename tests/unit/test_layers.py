@@ -42,7 +42,7 @@ LAYERS: list[set[str]] = [
     },
     {"fabric", "strategy"},  # the Trainer's and Fabric's strategies
     {""},  # lightning_canzona/__init__.py
-    {"bench", "cli", "commands", "data", "models", "simulation"},  # the tools and the bundled model
+    {"cli", "data", "models", "tools"},  # the command line, the tools and the bundled model
 ]
 
 #: The tools: loaded when their command or example runs, never by ``import lightning_canzona``.

@@ -7,15 +7,21 @@ from dataclasses import replace
 import pytest
 
 from lightning_canzona.cli import main
-from lightning_canzona.commands.analysis import Scenario, analyse
-from lightning_canzona.commands.model_matrices import compute_dtype, make_rule, preset_matrices, rule_settings
-from lightning_canzona.commands.sweep import bound_table
-from lightning_canzona.planning import POLICIES, PlanSettings, build_plan, describe, report, traffic
+from lightning_canzona.planning import POLICIES, PlanSettings, build_plan, describe, report
 from lightning_canzona.planning.plan import estimated_step
 from lightning_canzona.planning.replication import choose_replication, within_node
 from lightning_canzona.rules import MuonRule
 from lightning_canzona.rules.newton_schulz import PRESETS
-from lightning_canzona.simulation import H100, Workload, pipelined_time, project_step, sequential_time
+from lightning_canzona.tools.plan.analysis import Scenario, analyse
+from lightning_canzona.tools.plan.model_matrices import (
+    compute_dtype,
+    make_rule,
+    preset_matrices,
+    rule_settings,
+)
+from lightning_canzona.tools.plan.sweep import bound_table
+from lightning_canzona.tools.simulation import H100, Workload, pipelined_time, project_step, sequential_time
+from lightning_canzona.tools.simulation.traffic import traffic
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -177,7 +177,7 @@ def test_bad_settings_are_named(kwargs, message) -> None:
 def test_locality_owns_each_held_matrix_on_a_holder_balanced_and_moves_no_bytes() -> None:
     from dataclasses import replace
 
-    from lightning_canzona.planning.traffic import traffic
+    from lightning_canzona.tools.simulation.traffic import traffic
 
     # 2 MoE layers of 16 experts that FSDP2 left whole, two per rank (Shard(0): experts 2r, 2r + 1
     # on rank r), around dense attention
@@ -207,10 +207,10 @@ def test_hsdp_replicas_are_planned_by_the_shorter_estimated_step() -> None:
     spreads it over the replicas where that is (SOAP: its float32 compute, divided by the
     replicas, outweighs sending each update to both over InfiniBand); spreading sends every
     replica its update, which costs the scatter; a given setting is taken as it is."""
-    from lightning_canzona.commands.model_matrices import make_rule, preset_matrices, rule_settings
     from lightning_canzona.planning.devices import H100
     from lightning_canzona.planning.plan import estimated_step
     from lightning_canzona.planning.replication import choose_replication, within_node
+    from lightning_canzona.tools.plan.model_matrices import make_rule, preset_matrices, rule_settings
 
     replicas, shard = 2, 8
     modes = {}

@@ -7,12 +7,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lightning_canzona.planning.policies as planner
-from lightning_canzona.commands.model_matrices import make_rule, preset_matrices, rule_settings
 from lightning_canzona.planning import MatrixSpec, Plan, PlanSettings, build_plan, report
 from lightning_canzona.planning.devices import H100
 from lightning_canzona.planning.refine import refine
 from lightning_canzona.rules import ShampooRule
 from lightning_canzona.rules.base import UpdateCost
+from lightning_canzona.tools.plan.model_matrices import make_rule, preset_matrices, rule_settings
 
 
 def _spec(index: int, rows: int, cols: int, bucket: int, holders: tuple[int, ...]) -> MatrixSpec:

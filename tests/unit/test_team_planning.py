@@ -10,7 +10,6 @@ from free_teams import FREE_TEAMS
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_canzona.commands.model_matrices import make_rule, preset_matrices
 from lightning_canzona.geometry import member_blocks, split_sizes
 from lightning_canzona.planning import PlanSettings, build_plan, describe, policies, report
 from lightning_canzona.planning.bounds import team_bound
@@ -31,7 +30,8 @@ from lightning_canzona.rules.muon import MuonRule
 from lightning_canzona.rules.newton_schulz import (
     PRESETS,
 )
-from lightning_canzona.simulation import H100, project_step
+from lightning_canzona.tools.plan.model_matrices import make_rule, preset_matrices
+from lightning_canzona.tools.simulation import H100, project_step
 
 
 def test_split_sizes_member_blocks_and_aligned_teams() -> None:

@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from lightning_canzona.commands.analysis import PolicyResult
 from lightning_canzona.planning.report import COST_UNITS
+from lightning_canzona.tools.plan.analysis import PolicyResult
 
 
 def write_load_chart(path: str | Path, results: Mapping[str, PolicyResult], title: str) -> Path:
@@ -48,7 +48,7 @@ def write_scale_chart(
     path: str | Path, curves: Mapping[str, Mapping[str, list[float]]], ranks: list[int], title: str
 ) -> Path:
     """Projected step time against ranks (log-log), one panel per optimizer, one line per plan
-    (`lightning_canzona.commands.sweep.scale_curves`)."""
+    (`lightning_canzona.tools.plan.sweep.scale_curves`)."""
     figure, axes = _panels(len(curves))
     for axis, (optimizer, lines) in zip(axes[0], curves.items()):
         for label, seconds in lines.items():

@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 
 import lightning_canzona as lc
-from lightning_canzona.bench.timing import median_seconds
 from lightning_canzona.models.qwen3 import Qwen3, resolve_config
+from lightning_canzona.tools.bench.timing import median_seconds
+from lightning_canzona.tools.tables import table
 
 
 @dataclass(frozen=True)
@@ -82,12 +83,18 @@ def measure(
 
 
 def format_table(rows: list[Row]) -> str:
-    """A plain-text table of the rows."""
-    header = ("preset", "seq", "batch", "iteration ms", "+ QK-clip ms", "ratio", "clip ms")
-    lines = [" ".join(f"{name:>{width}}" for name, width in zip(header, (8, 5, 5, 12, 12, 6, 8)))]
-    for row in rows:
-        lines.append(
-            f"{row.preset:>8} {row.seq_len:>5} {row.batch_size:>5} {row.plain_ms:12.2f} "
-            f"{row.clipped_ms:12.2f} {row.ratio:6.3f} {row.clip_ms:8.3f}"
-        )
-    return "\n".join(lines)
+    """The rows as a table (`lightning_canzona.tools.tables.table`)."""
+    headers = ["preset", "seq", "batch", "iteration ms", "+ QK-clip ms", "ratio", "clip ms"]
+    cells = [
+        [
+            row.preset,
+            row.seq_len,
+            row.batch_size,
+            f"{row.plain_ms:.2f}",
+            f"{row.clipped_ms:.2f}",
+            f"{row.ratio:.3f}",
+            f"{row.clip_ms:.3f}",
+        ]
+        for row in rows
+    ]
+    return table(headers, cells, margin=1)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_canzona.planning.devices import DeviceModel
-from lightning_canzona.simulation.optimizer_step import StepProjection
+from lightning_canzona.tools.simulation.optimizer_step import StepProjection
 
 
 @dataclass(frozen=True)

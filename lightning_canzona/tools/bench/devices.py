@@ -1,8 +1,11 @@
-"""Where a benchmark's ranks run: CPU processes over gloo, or one GPU a rank over NCCL."""
+"""Where a benchmark's ranks run: CPU processes over gloo, or one GPU a rank over NCCL; `check_devices`
+refuses, before any rank starts, what the machine cannot run."""
 
 from __future__ import annotations
 
 import torch
+
+from lightning_canzona.tools.checks import gpu_shortage
 
 
 def rank_device(device: str, rank: int) -> torch.device:
@@ -16,11 +19,9 @@ def check_devices(device: str, backend: str, ranks: int) -> str | None:
         return f"--device must be cpu or cuda, got {device!r}"
     if backend == "nccl" and device != "cuda":
         return "--backend nccl needs --device cuda (NCCL takes GPU tensors only)"
-    if device == "cuda" and torch.cuda.device_count() < ranks:
-        return (
-            f"--device cuda runs {ranks} ranks, one GPU each, and {torch.cuda.device_count()} GPUs "
-            "are visible: lower --dp or --tp, or set CUDA_VISIBLE_DEVICES"
-        )
+    shortage = gpu_shortage(ranks) if device == "cuda" else None
+    if shortage:
+        return f"--device cuda {shortage}: lower --dp or --tp, or set CUDA_VISIBLE_DEVICES"
     return None
 
 
@@ -30,8 +31,8 @@ def default_backend(device: str) -> str:
 
 
 def start_method(device: str) -> str:
-    """How the ranks start: forked on CPUs (no interpreter and imports per rank, 10 s each on a
-    slow CPU), spawned on GPUs (a forked child cannot use CUDA that its parent used)."""
+    """How the ranks start: forked on CPUs (no interpreter and imports per rank), spawned on GPUs
+    (a forked child cannot use CUDA that its parent used)."""
     return "fork" if device == "cpu" else "spawn"
 
 

@@ -1,18 +1,20 @@
-"""Text tables of ``canzona plan``: per-rank rows, the policy summary and the simulator."""
+"""What ``canzona plan`` prints: per-rank rows, the policy summary, the simulator's projections and
+the HSDP choice (tables by `lightning_canzona.tools.tables.table`), and the lines around them."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import replace
 
-from lightning_canzona.commands.analysis import PolicyResult, Scenario
 from lightning_canzona.planning import Plan, build_plan, report
 from lightning_canzona.planning.devices import DeviceModel
 from lightning_canzona.planning.plan import estimated_step
 from lightning_canzona.planning.replication import ReplicationChoice
 from lightning_canzona.planning.report import COST_UNITS
-from lightning_canzona.planning.traffic import traffic
-from lightning_canzona.simulation.iteration import Workload
+from lightning_canzona.tools.plan.analysis import PolicyResult, Scenario
+from lightning_canzona.tools.simulation.iteration import Workload
+from lightning_canzona.tools.simulation.traffic import traffic
+from lightning_canzona.tools.tables import table
 
 MIB = 2**20
 #: The paper's reported speed-ups of Canzona over its baseline (arXiv 2602.06079, Qwen3 on 256 GPUs).
@@ -48,69 +50,84 @@ def rank_table(result: PolicyResult, limit: int = 16) -> str:
     rep, moved = result.report, result.traffic
     scale, unit = COST_UNITS[rep.cost]
     sent, received = moved.rank_sent, moved.rank_received
-    lines = [
-        f"{'rank':>5} {'load [' + unit + ']':>20} {'matrices':>9} {'state [MiB]':>12} "
-        f"{'sent [MiB]':>11} {'recv [MiB]':>11}  note"
-    ]
-    rows = shown_ranks(result, limit)
-    for rank, label in rows:
-        lines.append(
-            f"{rank:>5} {rep.rank_loads[rank] / scale:>20.3f} {rep.rank_matrices[rank]:>9} "
-            f"{rep.rank_state_bytes[rank] / MIB:>12.2f} {sent[rank] / MIB:>11.2f} "
-            f"{received[rank] / MIB:>11.2f}  {label}".rstrip()
-        )
-    if len(rows) < len(rep.rank_loads):
-        lines.append(f"({len(rows)} of {len(rep.rank_loads)} ranks shown)")
-    return "\n".join(lines)
+    shown = shown_ranks(result, limit)
+    text = table(
+        ["rank", f"load [{unit}]", "matrices", "state [MiB]", "sent [MiB]", "recv [MiB]", "note"],
+        (
+            [
+                rank,
+                f"{rep.rank_loads[rank] / scale:.3f}",
+                rep.rank_matrices[rank],
+                f"{rep.rank_state_bytes[rank] / MIB:.2f}",
+                f"{sent[rank] / MIB:.2f}",
+                f"{received[rank] / MIB:.2f}",
+                label,
+            ]
+            for rank, label in shown
+        ),
+        left=(6,),
+        margin=1,
+    )
+    if len(shown) < len(rep.rank_loads):
+        text += f"\n({len(shown)} of {len(rep.rank_loads)} ranks shown)"
+    return text
 
 
 def summary_table(results: Mapping[str, PolicyResult]) -> str:
     """One row per policy: balance, bounds, micro-groups, largest state and traffic, the makespan
     averaged over the rule's decomposition period (where it has one), teams."""
     periodic = any(result.plan.period > 1 for result in results.values())
-    lines = [
-        f"{'policy':<12} {'max/mean':>9} {'makespan/bound':>15} {'makespan/ideal':>15} {'grouped/bound':>14} "
-        f"{'groups':>7} {'max state [MiB]':>16} {'max comm [MiB]':>15}"
-        + (f" {'average/ideal':>14}" if periodic else "")
-        + "  teams"
-    ]
+    headers = ["policy", "max/mean", "makespan/bound", "makespan/ideal", "grouped/bound", "groups"]
+    headers += ["max state [MiB]", "max comm [MiB]", *(["average/ideal"] if periodic else []), "teams"]
+    rows = []
     for policy, result in results.items():
         rep = result.report
         synced = rep.synchronized_makespan / rep.lower_bound if rep.lower_bound > 0 else 1.0
-        teams = ", ".join(f"{n} by {k}" for k, n in rep.split_matrices.items()) or "-"
-        lines.append(
-            f"{policy:<12} {rep.max_over_mean:>9.3f} {rep.makespan_over_bound:>15.3f} "
-            f"{rep.makespan_over_ideal:>15.3f} {synced:>14.3f} {rep.num_micro_groups:>7} "
-            f"{max(rep.rank_state_bytes) / MIB:>16.2f} {max(result.traffic.rank_bytes) / MIB:>15.2f}"
-            + (f" {rep.average_over_ideal:>14.3f}" if periodic else "")
-            + f"  {teams}"
+        rows.append(
+            [
+                policy,
+                f"{rep.max_over_mean:.3f}",
+                f"{rep.makespan_over_bound:.3f}",
+                f"{rep.makespan_over_ideal:.3f}",
+                f"{synced:.3f}",
+                rep.num_micro_groups,
+                f"{max(rep.rank_state_bytes) / MIB:.2f}",
+                f"{max(result.traffic.rank_bytes) / MIB:.2f}",
+                *([f"{rep.average_over_ideal:.3f}"] if periodic else []),
+                ", ".join(f"{n} by {k}" for k, n in rep.split_matrices.items()) or "-",
+            ]
         )
-    return "\n".join(lines)
+    return table(headers, rows, left=(0, len(headers) - 1))
 
 
 def simulation_table(results: Mapping[str, PolicyResult]) -> str:
     """Projected step and iteration times per policy (where the rule decomposes periodically,
     averaged over the period, and the pipelined step that decomposes)."""
     periodic = any(result.step.period > 1 for result in results.values())
-    peak = (f" {'decomposing':>12}", f" {'step [ms]':>12}") if periodic else ("", "")
-    lines = [
-        f"{'policy':<12} {'groups':>7} {'gather':>9} {'compute':>9} {'scatter':>9} "
-        f"{'step seq':>9} {'step pipe':>10} {'iteration':>10}{peak[0]}",
-        f"{'':<12} {'':>7} {'[ms]':>9} {'[ms]':>9} {'[ms]':>9} {'[ms]':>9} {'[ms]':>10} {'[s]':>10}{peak[1]}",
+    headers = ["policy", "groups", "gather\n[ms]", "compute\n[ms]", "scatter\n[ms]", "step seq\n[ms]"]
+    headers += ["step pipe\n[ms]", "iteration\n[s]", *(["decomposing\nstep [ms]"] if periodic else [])]
+    rows = [
+        [
+            policy,
+            len(step.gathers),
+            f"{sum(step.gathers) * 1e3:.2f}",
+            f"{step.compute * 1e3:.2f}",
+            f"{sum(step.scatters) * 1e3:.2f}",
+            f"{step.sequential * 1e3:.2f}",
+            f"{step.pipelined * 1e3:.2f}",
+            f"{result.iteration.total:.3f}",
+            *([f"{step.peak_pipelined * 1e3:.2f}"] if periodic else []),
+        ]
+        for policy, result in results.items()
+        for step in [result.step]
     ]
-    for policy, result in results.items():
-        step = result.step
-        lines.append(
-            f"{policy:<12} {len(step.gathers):>7} {sum(step.gathers) * 1e3:>9.2f} {step.compute * 1e3:>9.2f} "
-            f"{sum(step.scatters) * 1e3:>9.2f} {step.sequential * 1e3:>9.2f} {step.pipelined * 1e3:>10.2f} "
-            f"{result.iteration.total:>10.3f}" + (f" {step.peak_pipelined * 1e3:>12.2f}" if periodic else "")
-        )
+    text = table(headers, rows)
     if periodic:
-        lines.append(
-            f"(the rule decomposes every matrix's factors at once every "
+        text += (
+            f"\n(the rule decomposes every matrix's factors at once every "
             f"{max(r.step.period for r in results.values())} steps: times averaged over that period)"
         )
-    return "\n".join(lines)
+    return text
 
 
 def speedups(results: Mapping[str, PolicyResult]) -> str:
@@ -168,12 +185,16 @@ def replication_table(scenario: Scenario, choice: ReplicationChoice, plans: Mapp
         if cost == "flops"
         else COST_UNITS[cost]
     )
-    step_header = f"est. step [{unit}]"
-    lines = [f"{'plan':<12} {'ranks':>6} {'exchanges over':>15} {step_header:>16} {'max state [MiB]':>16}"]
-    for mode, plan in plans.items():
-        link = scenario.device.link(plan.num_ranks)[0]
-        step = estimated_step(plan, choice.replicas if mode == "spread" else 1)
-        state = max(plan.rank_state_bytes()) / MIB
-        lines.append(f"{mode:<12} {plan.num_ranks:>6} {link:>15} {step / scale:>16.3f} {state:>16.1f}")
-    lines.append(f'replicas="auto" takes {choice.mode}: the shorter estimated step.')
-    return "\n".join(lines)
+    rows = [
+        [
+            mode,
+            plan.num_ranks,
+            scenario.device.link(plan.num_ranks)[0],
+            f"{estimated_step(plan, choice.replicas if mode == 'spread' else 1) / scale:.3f}",
+            f"{max(plan.rank_state_bytes()) / MIB:.1f}",
+        ]
+        for mode, plan in plans.items()
+    ]
+    headers = ["plan", "ranks", "exchanges over", f"est. step [{unit}]", "max state [MiB]"]
+    chosen = f'replicas="auto" takes {choice.mode}: the shorter estimated step.'
+    return table(headers, rows, left=(0, 2)) + "\n" + chosen

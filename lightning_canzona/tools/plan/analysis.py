@@ -10,9 +10,9 @@ from lightning_canzona.planning.plan import POLICIES, Plan, PlanSettings
 from lightning_canzona.planning.policies import build_plan
 from lightning_canzona.planning.replication import ReplicationChoice, choose_replication, priced_for
 from lightning_canzona.planning.report import PlanReport, report
-from lightning_canzona.planning.traffic import Traffic, traffic
-from lightning_canzona.simulation.iteration import IterationProjection, Workload, project_iteration
-from lightning_canzona.simulation.optimizer_step import StepProjection, project_step
+from lightning_canzona.tools.simulation.iteration import IterationProjection, Workload, project_iteration
+from lightning_canzona.tools.simulation.optimizer_step import StepProjection, project_step
+from lightning_canzona.tools.simulation.traffic import Traffic, traffic
 
 
 @dataclass(frozen=True)

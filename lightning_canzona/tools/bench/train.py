@@ -1,25 +1,13 @@
-"""End-to-end training iterations on ``dp × tp`` ranks (CPU processes over gloo, or with
-``--device cuda`` one GPU each over NCCL): canzona against what users run today.
+"""``canzona bench train``: end-to-end training iterations on ``dp × tp`` ranks, canzona against
+what users run today (`run`; `measure` trains, `format_table` and `write_chart` report).
 
-Every variant trains the same Qwen3-style model, composed the same way (TP plan, then FSDP2 per
-block), from the same initial weights, on the same batches, on the same mesh:
-
-- ``AdamW``: ``Trainer.fit`` on Lightning's ``ModelParallelStrategy`` with ``torch.optim.AdamW``
-  (the elementwise baseline: no matrix optimizer at all);
-- ``torch.optim.Muon``: ``Trainer.fit`` on Lightning's ``ModelParallelStrategy`` with
-  ``torch.optim.Muon`` for the matrices and ``torch.optim.AdamW`` for the rest (exact, but every
-  rank computes every update on DTensors);
-- ``canzona``: ``Trainer.fit`` on `CanzonaStrategy` with `lightning_canzona.Muon`;
-- ``canzona (Fabric)``: the same module, optimizer and data as ``canzona`` in a hand-written
-  Lightning Fabric loop on `CanzonaFabricStrategy` (what the Fabric path costs over the Trainer's);
-- ``canzona (compiled)``, with ``--compile``: ``canzona`` with ``CanzonaStrategy(compile=True)``,
-  each block compiled by ``torch.compile``; its first iteration holds the compilation.
-
-An iteration is ``on_train_batch_start`` to ``on_train_batch_end`` on rank 0 (forward, backward,
-optimizer step; the ranks meet in collectives every step, so rank 0 waits for the slowest); the
-optimizer step is the part after ``on_before_optimizer_step``. The Fabric loop marks the same
-points around the same work (`_Clock`; on a GPU each mark waits for the device's queued work).
-Medians exclude warm-up steps.
+Every variant of `VARIANTS` (and `COMPILED` on request) trains the same Qwen3-style model,
+composed the same way, from the same initial weights, on the same batches and mesh: the
+baselines on Lightning's ``ModelParallelStrategy`` (`BASELINES`), canzona with ``Trainer.fit``,
+and canzona in a hand-written Fabric loop (`FABRIC`). The Trainer's callback and the Fabric loop
+mark the same points on a `_Clock` (an iteration from its batch in hand to after the optimizer
+step); rank 0's medians after the warm-up steps are a `TrainTiming`. docs/benchmarks.md says what
+each variant is and the figures measured.
 """
 
 from __future__ import annotations
@@ -45,12 +33,13 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.tensor import DTensor
 
 import lightning_canzona as lc
-from lightning_canzona.bench.devices import check_devices, default_backend, start_method, synchronize
 from lightning_canzona.compat import REDISTRIBUTE_LOGGER
 from lightning_canzona.composition import compose
 from lightning_canzona.data import ByteTextDataModule
 from lightning_canzona.launcher import InProcessLauncher
 from lightning_canzona.models import CausalLanguageModel
+from lightning_canzona.tools.bench.devices import check_devices, default_backend, start_method, synchronize
+from lightning_canzona.tools.tables import table
 
 #: The Fabric loop's variant: canzona's, in a hand-written loop instead of ``Trainer.fit``.
 FABRIC = "canzona (Fabric)"
@@ -107,7 +96,7 @@ class _Setting(NamedTuple):
 
     @property
     def start_method(self) -> str:
-        """How ranks start (`lightning_canzona.bench.devices.start_method`)."""
+        """How ranks start (`lightning_canzona.tools.bench.devices.start_method`)."""
         return start_method(self.device)
 
     def datamodule(self) -> ByteTextDataModule:
@@ -404,17 +393,22 @@ def _ranks(dp: int, tp: int, device: str) -> str:
 
 
 def format_table(preset: str, dp: int, tp: int, results: list[TrainTiming], device: str = "cpu") -> str:
+    rows = [
+        [
+            r.name,
+            f"{r.iteration_ms:.1f}",
+            f"{r.optimizer_ms:.1f}",
+            f"{r.iteration_ms - r.optimizer_ms:.1f}",
+            f"{r.final_loss:.3f}",
+            f"{r.first_iteration_ms / 1e3:.2f}",
+        ]
+        for r in results
+    ]
+    headers = ["variant", "iteration [ms]", "optimizer [ms]", "fwd+bwd [ms]", "loss", "first [s]"]
     lines = [
         f"{preset}: training iteration on {_ranks(dp, tp, device)} (dp{dp} × tp{tp}), medians",
-        f"{'variant':>18} {'iteration [ms]':>15} {'optimizer [ms]':>15} {'fwd+bwd [ms]':>13} {'loss':>7}"
-        f" {'first [s]':>10}",
+        table(headers, rows, margin=1),
     ]
-    for r in results:
-        lines.append(
-            f"{r.name:>18} {r.iteration_ms:>15.1f} {r.optimizer_ms:>15.1f} "
-            f"{r.iteration_ms - r.optimizer_ms:>13.1f} {r.final_loss:>7.3f} "
-            f"{r.first_iteration_ms / 1e3:>10.2f}"
-        )
     lines.extend(f"{name}: {value:.3f}×" for name, value in ratios(results).items())
     return "\n".join(lines)
 

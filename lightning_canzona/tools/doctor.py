@@ -1,22 +1,13 @@
-"""``canzona doctor``: check this machine for lightning_canzona, one line per check.
+"""``canzona doctor``: check this machine for lightning_canzona, one line per check (`doctor`).
 
-First what it runs on (INFO: versions, precision switches, devices), then checks on the device
-(PASS or FAIL): Newton–Schulz in every form and dtype against float64, and compiled against
-eager; ``lightning_canzona.Muon`` against ``torch.optim.Muon``, Shampoo and SOAP against their
-float64 references, the host syncs of a distributed step, and a short Trainer run that saves a
-distributed checkpoint and resumes from it. Each line gives its figure and the seconds it took;
-the exit status is 1 when any check fails. ``--quick`` takes under a minute on a CPU; the full
-run a few minutes on a GPU.
-
-Example::
-
-    canzona doctor            # on the GPUs when torch sees any, else on the CPU
-    canzona doctor --quick --device cpu
+Each check is a function of the `Settings` (the device, and whether to keep to the quick sizes)
+that returns a `Result`: `ENVIRONMENT` describes the machine, `CHECKS` runs on its device. What
+the tests check too comes from `lightning_canzona.tools.checks`. docs/doctor.md says what each
+line means, and how the bounds were set from measured distances.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import logging
@@ -27,7 +18,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -35,38 +26,29 @@ from typing import Any, Literal
 
 import torch
 
-from lightning_canzona.commands import HelpFormatter, described
 from lightning_canzona.rules.muon import resolve_dtype
 from lightning_canzona.rules.newton_schulz import FORMS
+from lightning_canzona.tools.checks import (
+    HOST_SYNCS_PER_STEP,
+    RESUME_TOLERANCE,
+    HostSyncs,
+    RecordLosses,
+    take_steps,
+)
+from lightning_canzona.tools.command import UsageError, run
 
 #: A check's verdict: INFO describes the machine; PASS and FAIL are the checks'.
 Verdict = Literal["PASS", "FAIL", "INFO"]
 
 #: The largest relative distance of Newton–Schulz in each dtype from the same iteration in
-#: float64 (rounding alone). Measured on a CPU (5 quintic steps, every form): float32 1e-6 to
-#: 4e-6 at 48 × 48 to 160 × 64, 1.2e-5 to 1.3e-5 at 512 × 2048 and 1024 × 1024; bfloat16
-#: 0.9e-2 to 1.7e-2 in the standard forms, 2.8e-2 to 5.4e-2 in the Gram forms (largest on
-#: square matrices). The bounds are about twice to four times those: TF32 in a float32 iteration
-#: (≈1e-3), or a wrong kernel, lies far above them.
+#: float64 (rounding alone): a few times what rounding gives, far below TF32 in a float32
+#: iteration or a wrong kernel (docs/doctor.md, "How the bounds were set").
 NS_ROUNDING_BOUNDS = {torch.float32: 5e-5, torch.bfloat16: 0.1}
 #: The largest relative distance of Shampoo's and SOAP's weight updates (float32 on the device)
 #: from their float64 references (`lightning_canzona.rules.references`), over steps with
-#: decompositions. Measured on a CPU with normal gradients: Shampoo 2e-6 to 3e-6 at 24 × 40,
-#: 5e-6 to 6e-6 at 128 × 256 (its floor on the roots' eigenvalues bounds how far rounding
-#: carries); SOAP 8e-6 to 3.3e-5 at 24 × 24, 4.5e-5 at 32 × 32. SOAP's Adam ratio in the rotated
-#: coordinates turns small differences in entries near zero into large ones, and eigenvectors of
-#: close eigenvalues are what rounding moves most: 6e-5 to 4e-3 at 96 × 96 and 128 × 128, and on
-#: a rank-deficient factor (the first of a non-square matrix) the bases inside its null space are
-#: arbitrary (0.3 apart). So SOAP is checked on small square matrices, at every size of run. The
-#: bound is about 7 times SOAP's largest: TF32 in these products (≈5e-4 a product, not float32's
-#: 6e-8) lies far above it.
+#: decompositions: above what rounding gives, far below TF32 in these products. SOAP is checked
+#: on small square matrices only, where rounding cannot turn its bases (docs/doctor.md).
 KRONECKER_BOUND = 3e-4
-#: How far the resumed run's losses may lie from the uninterrupted run's (as
-#: ``tests/integration/test_checkpoints.py`` asserts).
-RESUME_TOLERANCE = 1e-6
-#: The reads of a device value on the host that an optimizer step may make: the gradients'
-#: agreement, which carries the previous step's failure flag (``tests/distributed/test_host_syncs.py``).
-HOST_SYNCS_PER_STEP = 1
 
 
 @dataclass(frozen=True)
@@ -223,7 +205,7 @@ def _sizes(shapes: tuple[tuple[int, int], ...]) -> str:
 
 @functools.cache
 def _ns_references(shape: tuple[int, int]) -> Any:
-    from lightning_canzona.bench.newton_schulz import References
+    from lightning_canzona.tools.bench.newton_schulz import References
 
     return References(shape)
 
@@ -233,9 +215,9 @@ def compiled(settings: Settings) -> Result:
     against eager, in the dtype ``compute_dtype="auto"`` takes on the device: the same bits, and
     what compiling costs at the first call and gains after (median of the later calls). The
     standard form; without ``--quick`` also the Gram form with its products by blocks (between
-    them every piece of the four forms), whose graph takes a CPU 15–30 s to compile."""
-    from lightning_canzona.bench.devices import synchronize
+    them every piece of the four forms), whose graph takes a CPU longest to compile."""
     from lightning_canzona.rules.newton_schulz import PRESETS, newton_schulz
+    from lightning_canzona.tools.bench.devices import synchronize
 
     shape = settings.pick((64, 160), (512, 1536), (4096, 12288))
     dtype = resolve_dtype("auto", settings.device)
@@ -282,30 +264,13 @@ def muon(settings: Settings) -> Result:
         generator = torch.Generator().manual_seed(0)
         initial = torch.randn(shape, generator=generator)
         grads = [torch.randn(shape, generator=generator) for _ in range(steps)]
-        ours, _ = _steps(lc.Muon, initial, grads, settings.device, lr=0.02, compute_dtype="bfloat16")
-        theirs, _ = _steps(torch.optim.Muon, initial, grads, settings.device, lr=0.02)
+        ours, _ = take_steps(lc.Muon, initial, grads, settings.device, lr=0.02, compute_dtype="bfloat16")
+        theirs, _ = take_steps(torch.optim.Muon, initial, grads, settings.device, lr=0.02)
         differences.append(float((ours - theirs).abs().max()))
     sizes = _sizes(shapes)
     if not any(differences):
         return Result("PASS", f"{sizes}, {steps} steps: bit for bit equal")
     return Result("FAIL", f"{sizes}, {steps} steps: weights differ by up to {max(differences):.1e}")
-
-
-def _steps(
-    optimizer_class: Callable[..., torch.optim.Optimizer],
-    initial: torch.Tensor,
-    grads: list[torch.Tensor],
-    device: torch.device,
-    **settings: Any,
-) -> tuple[torch.Tensor, dict[str, Any]]:
-    """The weight after ``optimizer_class`` took a step for each of ``grads``, on ``device``
-    (``initial`` and ``grads`` in their dtype there), and the optimizer's state of it."""
-    weight = torch.nn.Parameter(initial.to(device, copy=True))
-    optimizer = optimizer_class([weight], **settings)
-    for grad in grads:
-        weight.grad = grad.to(device, copy=True)
-        optimizer.step()
-    return weight.detach().cpu(), optimizer.state[weight]
 
 
 def shampoo(settings: Settings) -> Result:
@@ -358,7 +323,7 @@ def kronecker(
         initial = torch.randn(shape, dtype=torch.float64, generator=generator)
         grads = [torch.randn(shape, dtype=torch.float64, generator=generator) for _ in range(steps)]
         with _tf32_allowed():
-            weight, state = _steps(
+            weight, state = take_steps(
                 optimizer_class, initial.float(), [g.float() for g in grads], settings.device, **hyper
             )
         failures += int(state["decomposition_failures"])
@@ -390,7 +355,7 @@ def _tf32_allowed() -> Iterator[None]:
 def host_syncs(settings: Settings) -> Result:
     """A Muon step of a small model sharded by FSDP2 over the device's ranks (one a GPU, NCCL;
     2 CPU ranks, gloo), after two that built its plan and state: how often each rank reads a
-    value of the device on the host in it (`lightning_canzona.bench.host_syncs`), at most
+    value of the device on the host in it (`lightning_canzona.tools.checks.HostSyncs`), at most
     `HOST_SYNCS_PER_STEP`. The ranks fork as `trainer`'s do."""
     import torch.multiprocessing as mp
 
@@ -425,7 +390,6 @@ def _count_host_syncs(rank: int, ranks: int, rendezvous: str, gpus: list[int], q
     from torch.distributed.fsdp import fully_shard
 
     import lightning_canzona as lc
-    from lightning_canzona.bench.host_syncs import HostSyncs
 
     torch.set_num_threads(1)
     device = torch.device("cuda", gpus[rank]) if gpus else torch.device("cpu")
@@ -504,17 +468,6 @@ def _two_runs(folder: Path, settings: Settings, steps: int) -> None:
     for name in ("lightning.pytorch", "lightning.fabric"):  # no banners: the ranks are forked
         logging.getLogger(name).setLevel(logging.WARNING)
 
-    class RecordLosses(Callback):
-        def __init__(self, path: Path) -> None:
-            self.path, self.losses = path, []
-
-        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, index: int) -> None:
-            self.losses.append(float(outputs["loss"]))
-
-        def on_train_end(self, trainer: Any, module: Any) -> None:
-            if trainer.global_rank == 0:
-                torch.save(self.losses, self.path)
-
     midway = steps // 2
     checkpoint = folder / f"step={midway}.ckpt"
 
@@ -579,7 +532,7 @@ CHECKS: dict[str, Check] = {
 }
 
 
-def run(checks: dict[str, Check], settings: Settings, width: int = 0) -> bool:
+def run_checks(checks: dict[str, Check], settings: Settings, width: int = 0) -> bool:
     """Run ``checks`` in order, printing one line each: verdict, name (padded to ``width``),
     seconds, figure. A check that raises fails with its error. Returns whether none failed."""
     passed = True
@@ -595,46 +548,46 @@ def run(checks: dict[str, Check], settings: Settings, width: int = 0) -> bool:
     return passed
 
 
-def device(text: str) -> torch.device:
-    """``--device``: a torch device (argparse reports a ``ValueError`` as an invalid value)."""
+def doctor(device: str | None = None, quick: bool = False) -> None:
+    """Check this machine for lightning_canzona, one line per check.
+
+    First what it runs on (INFO: versions, precision switches, devices), then checks on the
+    device (PASS or FAIL), each with its figure and the seconds it took: Newton–Schulz against
+    float64, compiled against eager, Muon against torch.optim.Muon, Shampoo and SOAP against
+    float64, the host syncs of a distributed step, and a Trainer run resumed from a checkpoint.
+    The exit status is 1 when a check fails. A FAIL line names what differs; docs/doctor.md says
+    what each line checks and what to do.
+
+    Example::
+
+        canzona doctor            # on the GPUs when torch sees any, else on the CPU
+        canzona doctor --quick --device cpu
+
+    Args:
+        device: where the checks run: cpu, cuda (every visible GPU), cuda:1… (default: cuda when
+            torch sees a GPU, else cpu)
+        quick: small sizes and few steps: under a minute on a CPU
+
+    Raises:
+        UsageError: ``device`` is not a device torch knows.
+    """
     try:
-        return torch.device(text)
+        chosen = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     except RuntimeError as error:
-        raise ValueError(str(error)) from None
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="canzona doctor",
-        description=described(__doc__.split("\n\n")[0]),
-        formatter_class=HelpFormatter,
-        epilog="A FAIL line names what differs; docs/doctor.md says what each line checks and what to do.",
-    )
-    parser.add_argument(
-        "--device",
-        type=device,
-        default=None,
-        help="where the checks run: cpu, cuda (every visible GPU), cuda:1… (default: cuda when torch "
-        "sees a GPU, else cpu)",
-    )
-    parser.add_argument(
-        "--quick", action="store_true", help="small sizes and few steps: under a minute on a CPU"
-    )
-    return parser
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Run ``canzona doctor`` with the arguments after ``doctor``; exit with status 1 when a check
-    fails."""
-    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
-    settings = Settings(args.device or device("cuda" if torch.cuda.is_available() else "cpu"), args.quick)
+        raise UsageError(f"--device {device}: {error}") from None
+    settings = Settings(chosen, quick)
     start = time.perf_counter()
-    print(f"canzona doctor{' --quick' if args.quick else ''} on {settings.device}", flush=True)
+    print(f"canzona doctor{' --quick' if quick else ''} on {settings.device}", flush=True)
     width = max(map(len, [*ENVIRONMENT, *CHECKS]))
-    healthy = run(ENVIRONMENT, settings, width) and run(CHECKS, settings, width)
+    healthy = run_checks(ENVIRONMENT, settings, width) and run_checks(CHECKS, settings, width)
     print(f"{'All checks passed' if healthy else 'A check failed'} in {time.perf_counter() - start:.0f} s")
     if not healthy:
         raise SystemExit(1)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run ``canzona doctor`` with the arguments after ``doctor``."""
+    run(doctor, sys.argv[1:] if argv is None else argv, prog="canzona doctor")
 
 
 if __name__ == "__main__":

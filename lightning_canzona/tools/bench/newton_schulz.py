@@ -17,8 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_canzona.bench.timing import median_seconds
 from lightning_canzona.rules.newton_schulz import FORMS, PRESETS, flops, newton_schulz
+from lightning_canzona.tools.bench.timing import median_seconds
+from lightning_canzona.tools.tables import table
 
 DEFAULT_SHAPES = ((256, 256), (512, 512), (512, 2048), (2048, 512), (1024, 1024), (1024, 4096), (2048, 2048))
 
@@ -126,16 +127,20 @@ def measure(
 
 
 def format_table(rows: list[FormRow]) -> str:
-    """A plain-text table of the rows."""
-    lines = [
-        f"{'shape':>11} {'dtype':>9} {'form':>18} {'ms':>9} {'÷ standard':>10} {'GFLOP/s':>8} "
-        f"{'÷ matmul':>8} {'from polar':>10} {'from f64':>9}"
+    """The rows as a table (`lightning_canzona.tools.tables.table`)."""
+    headers = ["shape", "dtype", "form", "ms", "÷ standard", "GFLOP/s", "÷ matmul", "from polar", "from f64"]
+    cells = [
+        [
+            f"{row.shape[0]}x{row.shape[1]}",
+            row.dtype,
+            row.form,
+            f"{row.milliseconds:.2f}",
+            f"{row.milliseconds / row.standard_milliseconds:.2f}",
+            f"{row.gflops:.1f}",
+            f"{row.ratio:.2f}",
+            f"{row.from_polar:.2e}",
+            f"{row.from_float64:.2e}",
+        ]
+        for row in rows
     ]
-    for row in rows:
-        shape = f"{row.shape[0]}x{row.shape[1]}"
-        lines.append(
-            f"{shape:>11} {row.dtype:>9} {row.form:>18} {row.milliseconds:9.2f} "
-            f"{row.milliseconds / row.standard_milliseconds:10.2f} {row.gflops:8.1f} {row.ratio:8.2f} "
-            f"{row.from_polar:10.2e} {row.from_float64:9.2e}"
-        )
-    return "\n".join(lines)
+    return table(headers, cells, left=(0, 1, 2), margin=1)

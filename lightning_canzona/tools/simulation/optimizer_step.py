@@ -17,7 +17,7 @@ it, and the times are averaged over the period (a step waits for its busiest hos
 decompositions that crowd onto a few ranks are paid on those steps in full).
 
 Matrix-rule work only: the elementwise parts (momentum, the AdamW group) are accounted for by
-`lightning_canzona.simulation.iteration`.
+`lightning_canzona.tools.simulation.iteration`.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from lightning_canzona.planning.devices import DeviceModel
 from lightning_canzona.planning.plan import Plan
 from lightning_canzona.planning.schedule import averaged_over_period, pipelined_time, sequential_time
-from lightning_canzona.planning.traffic import Exchange, Traffic, traffic
 from lightning_canzona.rules.base import UpdateCost
+from lightning_canzona.tools.simulation.traffic import Exchange, Traffic, traffic
 
 
 @dataclass(frozen=True)

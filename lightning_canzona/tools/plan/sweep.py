@@ -8,15 +8,6 @@ from dataclasses import replace
 
 import torch
 
-from lightning_canzona.commands.analysis import Scenario, analyse
-from lightning_canzona.commands.model_matrices import (
-    OPTIMIZERS,
-    compute_dtype,
-    make_rule,
-    preset_matrices,
-    rule_settings,
-)
-from lightning_canzona.commands.tables import PAPER_ITERATION_SPEEDUP, PAPER_STEP_SPEEDUP
 from lightning_canzona.planning.bounds import team_bound
 from lightning_canzona.planning.devices import DeviceModel
 from lightning_canzona.planning.plan import PlanSettings, ideal_load
@@ -24,7 +15,17 @@ from lightning_canzona.planning.policies import build_plan
 from lightning_canzona.planning.report import report
 from lightning_canzona.planning.teams import TEAM_SIZES
 from lightning_canzona.rules import MatrixRule
-from lightning_canzona.simulation.optimizer_step import project_step
+from lightning_canzona.tools.plan.analysis import Scenario, analyse
+from lightning_canzona.tools.plan.model_matrices import (
+    OPTIMIZERS,
+    compute_dtype,
+    make_rule,
+    preset_matrices,
+    rule_settings,
+)
+from lightning_canzona.tools.plan.tables import PAPER_ITERATION_SPEEDUP, PAPER_STEP_SPEEDUP
+from lightning_canzona.tools.simulation.optimizer_step import project_step
+from lightning_canzona.tools.tables import table
 
 SWEEP_PRESETS: tuple[str, ...] = ("0.6B", "1.7B", "4B", "8B", "14B", "32B")
 SWEEP_MESHES: tuple[tuple[int, int], ...] = ((8, 1), (32, 8), (64, 4), (256, 1), (64, 8), (128, 8), (256, 8))
@@ -52,12 +53,7 @@ def bound_table(
     `plan.average_bound`), its teams and its per-rank state max/mean;
     and whether whole-matrix ``canzona`` met `TARGET` everywhere."""
     whole = replace(settings, max_team=1)
-    lines = [
-        f"{'preset':<7} {'dp×tp':>7} {'canzona':>8} {'lpt':>8} {'rr':>8}  {'target':<6} "
-        f"{'teams ÷ ideal':>13} {'average':>8} {'bound ÷ ideal':>13} {'average':>8} "
-        f"{'state max/mean':>14}  teams",
-        f"{'':<7} {'':>7} {'(whole matrices ÷ lower bound)':>26}",
-    ]
+    rows = []
     all_met = True
     for preset in presets:
         matrices, _ = preset_matrices(preset, rule)
@@ -69,16 +65,23 @@ def bound_table(
             teamed = report(build_plan(matrices, dp, tp, settings))
             met = ratios[0] <= TARGET
             all_met &= met
-            teams = ", ".join(f"{n}×{k}" for k, n in teamed.split_matrices.items()) or "-"
-            lines.append(
-                f"{preset:<7} {f'{dp}×{tp}':>7} "
-                + " ".join(f"{r:>8.4f}" for r in ratios)
-                + f"  {'met' if met else 'MISSED':<6} {teamed.makespan_over_ideal:>13.4f} "
-                f"{teamed.average_over_ideal:>8.4f} "
-                f"{teamed.team_bound / teamed.ideal:>13.4f} {teamed.average_bound / teamed.ideal:>8.4f} "
-                f"{teamed.state_max_over_mean:>14.3f}  {teams}"
+            rows.append(
+                [
+                    preset,
+                    f"{dp}×{tp}",
+                    *(f"{ratio:.4f}" for ratio in ratios),
+                    "met" if met else "MISSED",
+                    f"{teamed.makespan_over_ideal:.4f}",
+                    f"{teamed.average_over_ideal:.4f}",
+                    f"{teamed.team_bound / teamed.ideal:.4f}",
+                    f"{teamed.average_bound / teamed.ideal:.4f}",
+                    f"{teamed.state_max_over_mean:.3f}",
+                    ", ".join(f"{n}×{k}" for k, n in teamed.split_matrices.items()) or "-",
+                ]
             )
-    return "\n".join(lines), all_met
+    headers = ["preset", "dp×tp", "canzona", "lpt", "rr", "target", "teams ÷ ideal", "average"]
+    headers += ["bound ÷ ideal", "average", "state max/mean", "teams"]
+    return table(headers, rows, left=(0, 5, 11)), all_met
 
 
 def team_bound_table(
@@ -92,10 +95,7 @@ def team_bound_table(
     ``max_team``, of up to the largest team size, and of that size with collectives free, at
     ``device``'s prices in each rule's FLOPs."""
     num_ranks = mesh[0] * mesh[1]
-    lines = [
-        f"{'optimizer':<9} {'preset':<7} {f'max_team {settings.max_team}':>11} "
-        f"{f'max_team {TEAM_SIZES[-1]}':>11} {'and free collectives':>20}"
-    ]
+    rows = []
     for optimizer in OPTIMIZERS:
         rule = make_rule(optimizer)
         priced = rule_settings(settings, device, rule)
@@ -105,11 +105,9 @@ def team_bound_table(
             matrices, _ = preset_matrices(preset, rule)
             ideal = ideal_load(matrices, num_ranks, settings.cost)
             bounds = [team_bound(matrices, num_ranks, variant) / ideal for variant in variants]
-            widths = (11, 11, 20)
-            lines.append(
-                f"{optimizer:<9} {preset:<7} " + " ".join(f"{b:>{w}.3f}" for b, w in zip(bounds, widths))
-            )
-    return "\n".join(lines)
+            rows.append([optimizer, preset, *(f"{bound:.3f}" for bound in bounds)])
+    headers = ["optimizer", "preset", f"max_team {settings.max_team}", f"max_team {TEAM_SIZES[-1]}"]
+    return table([*headers, "and free collectives"], rows, left=(0, 1))
 
 
 def scale_curves(
@@ -140,12 +138,12 @@ def scale_table(
     curves: dict[str, dict[str, list[float]]], meshes: Sequence[tuple[int, int]] = SCALE_MESHES
 ) -> str:
     """`scale_curves` as a table: milliseconds per step, and whole ÷ teams."""
-    lines = [f"{'optimizer':<9} {'ranks':>6} {'whole [ms]':>11} {'teams [ms]':>11} {'whole ÷ teams':>14}"]
-    for optimizer, curve in curves.items():
-        for (dp, tp), whole, teams in zip(meshes, curve["whole matrices"], curve["teams"]):
-            milliseconds = f"{whole * 1e3:>11.2f} {teams * 1e3:>11.2f}"
-            lines.append(f"{optimizer:<9} {dp * tp:>6} {milliseconds} {whole / teams:>13.2f}×")
-    return "\n".join(lines)
+    rows = [
+        [optimizer, dp * tp, f"{whole * 1e3:.2f}", f"{teams * 1e3:.2f}", f"{whole / teams:.2f}×"]
+        for optimizer, curve in curves.items()
+        for (dp, tp), whole, teams in zip(meshes, curve["whole matrices"], curve["teams"])
+    ]
+    return table(["optimizer", "ranks", "whole [ms]", "teams [ms]", "whole ÷ teams"], rows)
 
 
 def simulation_comparison(
@@ -157,12 +155,7 @@ def simulation_comparison(
     """Projected step and iteration times of ``sync``, ``round_robin`` and ``canzona`` side by side
     with the paper's speed-ups; ``base`` supplies everything but the model and the mesh."""
     policies = ("sync", "round_robin", "canzona")
-    lines = [
-        f"{'preset':<7} {'dp×tp':>7} {'step sync':>10} {'step rr':>9} {'step cz':>9} {'sync/cz':>9} "
-        f"{'rr/cz':>7} {'iter sync':>10} {'iter rr':>9} {'iter cz':>9} {'sync/cz':>9} {'rr/cz':>7}",
-        f"{'':<7} {'':>7} {'[ms]':>10} {'[ms]':>9} {'[ms]':>9} {f'(p {PAPER_STEP_SPEEDUP}×)':>9} "
-        f"{'':>7} {'[s]':>10} {'[s]':>9} {'[s]':>9} {f'(p {PAPER_ITERATION_SPEEDUP}×)':>9} {'':>7}",
-    ]
+    rows = []
     for preset in presets:
         matrices, num_params = preset_matrices(preset, rule)
         for dp, tp in meshes:
@@ -170,10 +163,23 @@ def simulation_comparison(
             results = analyse(scenario, policies)
             steps = [results[p].step.pipelined for p in policies]
             iterations = [results[p].iteration.total for p in policies]
-            lines.append(
-                f"{preset:<7} {f'{dp}×{tp}':>7} {steps[0] * 1e3:>10.1f} {steps[1] * 1e3:>9.2f} "
-                f"{steps[2] * 1e3:>9.2f} {steps[0] / steps[2]:>8.1f}× {steps[1] / steps[2]:>6.2f}× "
-                f"{iterations[0]:>10.3f} {iterations[1]:>9.3f} {iterations[2]:>9.3f} "
-                f"{iterations[0] / iterations[2]:>8.3f}× {iterations[1] / iterations[2]:>6.3f}×"
+            rows.append(
+                [
+                    preset,
+                    f"{dp}×{tp}",
+                    f"{steps[0] * 1e3:.1f}",
+                    f"{steps[1] * 1e3:.2f}",
+                    f"{steps[2] * 1e3:.2f}",
+                    f"{steps[0] / steps[2]:.1f}×",
+                    f"{steps[1] / steps[2]:.2f}×",
+                    f"{iterations[0]:.3f}",
+                    f"{iterations[1]:.3f}",
+                    f"{iterations[2]:.3f}",
+                    f"{iterations[0] / iterations[2]:.3f}×",
+                    f"{iterations[1] / iterations[2]:.3f}×",
+                ]
             )
-    return "\n".join(lines)
+    headers = ["preset", "dp×tp", "step sync\n[ms]", "step rr\n[ms]", "step cz\n[ms]"]
+    headers += [f"sync/cz\n(p {PAPER_STEP_SPEEDUP}×)", "rr/cz", "iter sync\n[s]", "iter rr\n[s]"]
+    headers += ["iter cz\n[s]", f"sync/cz\n(p {PAPER_ITERATION_SPEEDUP}×)", "rr/cz"]
+    return table(headers, rows)

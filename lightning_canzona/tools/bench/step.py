@@ -1,49 +1,14 @@
-"""Optimizer-step latency under FSDP2 × TP: Canzona against the alternatives, in one run.
+"""``canzona bench step``: the optimizer step alone under FSDP2 × TP, canzona against the other
+ways to run it, in one run (`run`; `measure` for one preset, `format_table` to print it).
 
-Spawns ``dp × tp`` ranks — CPU processes over gloo (one thread each), or with ``--device cuda``
-one GPU each over NCCL — parallelizes a Qwen3-style decoder with its TP plan and ``fully_shard``
-per block, gives every parameter a fixed gradient, and times ``optimizer.step()`` of each variant
-in turn (on a GPU from a synchronised start to a synchronised end), interleaved so that machine
-noise hits all alike:
-
-- ``sync``: `lightning_canzona.Muon` with every rank computing every matrix (packed all-gather);
-- ``torch.optim.Muon``: PyTorch's Muon on the DTensor parameters (what a Lightning user gets today),
-  with ``torch.optim.AdamW`` for the rest;
-- ``round_robin``: one owner per matrix by index;
-- ``lpt (no overlap)``: one owner per matrix by LPT, micro-groups run one after another;
-- ``canzona``: α-balanced owners and micro-groups, pipelined;
-- ``dion.Muon``: microsoft/dion's distributed Muon (all-to-alls over FSDP2's 1-D mesh, its
-  Newton–Schulz compiled), with ``--tp 1`` where ``import dion`` finds it (a checkout on
-  ``PYTHONPATH``).
-
-A mixture-of-experts preset leaves out ``torch.optim.Muon``, which refuses 3-D parameters (the
-expert stacks), and adds two variants of ``canzona`` that take back one thing each:
-
-- ``canzona (locality-blind)``: planned as if every expert were fragmented (the paper's
-  assumption): experts travel to owners elsewhere and back;
-- ``canzona (call per expert)``: each expert orthogonalised by a call of its own, not one
-  batched call per owner and shape.
-
-``--optimizer shampoo`` or ``soap`` times `lightning_canzona.Shampoo` or `lightning_canzona.SOAP` in
-every variant instead (without ``torch.optim.Muon``, which has no counterpart, and the
-mixture-of-experts variants).
-
-``canzona`` lets teams of ranks compute one matrix's update together (`planning.teams`) where its
-cost model, with an H100's prices of collectives, says that they pay; ``canzona (whole
-matrices)`` never does; ``canzona (teams, measured)`` prices the collectives as measured on this
-machine (`distributed.prices.measure_team_costs`). The ``wide`` and ``square`` presets are models
-whose largest matrix is most of the update work (`LargeMatrixModel`), where whole-matrix ownership
-leaves three of four ranks waiting for the owner of that one matrix.
-
-A step's latency is the slowest rank's. Busy time is the time each rank spends in full-matrix
-updates; its max/mean across ranks measures the balance actually achieved. Peak buffers are the
-most bytes of the step's own transient buffers alive at once on the busiest rank
-(`lightning_canzona.distributed.runtime.BufferMeter`), also as a multiple of the model's matrix
-bytes per rank.
-Sent is what the busiest rank sent to other ranks in one step's all-to-alls. CPU is the processor
-time of one step summed over the ranks (their collectives' threads included): with more ranks
-than cores it is what the step costs the machine, and it varies less from run to run than the
-latency, which depends on how the scheduler interleaves the ranks.
+`measure` spawns ``dp × tp`` ranks (CPU processes over gloo, one thread each, or one GPU each over
+NCCL), composes a model with its TP plan and ``fully_shard`` per block, gives every parameter a
+fixed gradient, and times ``optimizer.step()`` of each of `VARIANTS` in turn, interleaved so that
+machine noise hits all alike; a mixture of experts adds `MOE_VARIANTS`, HSDP `HSDP_VARIANTS`, and
+a 1-D mesh `DION` where ``import dion`` finds it. `VariantResult` holds what each reports: the
+slowest rank's latency, the ranks' CPU time, the balance measured and planned, the peak of the
+step's buffers, the bytes sent and the state per rank. docs/benchmarks.md says what each variant
+takes away and the figures measured.
 """
 
 from __future__ import annotations
@@ -68,18 +33,19 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, parallelize_module
 
 import lightning_canzona as lc
-from lightning_canzona.bench.devices import (
+from lightning_canzona.compat import REDISTRIBUTE_LOGGER
+from lightning_canzona.config import PlanConfig
+from lightning_canzona.launcher import in_fresh_thread
+from lightning_canzona.models.qwen3 import Qwen3, tensor_parallel_plan
+from lightning_canzona.planning import report
+from lightning_canzona.tools.bench.devices import (
     check_devices,
     default_backend,
     rank_device,
     start_method,
     synchronize,
 )
-from lightning_canzona.compat import REDISTRIBUTE_LOGGER
-from lightning_canzona.config import PlanConfig
-from lightning_canzona.launcher import in_fresh_thread
-from lightning_canzona.models.qwen3 import Qwen3, tensor_parallel_plan
-from lightning_canzona.planning import report
+from lightning_canzona.tools.tables import table
 
 VARIANTS = (
     "sync",
@@ -430,26 +396,36 @@ def format_table(
     reference = next(r for r in results if r.name == "canzona")
     on = "" if device == "cpu" else f" on {device}"
     on += f" (HSDP: {replicate} replicas)" if replicate > 1 else ""
-    lines = [
-        f"preset {preset}, {optimizer}: optimizer step{on}, median over ranks' slowest",
-        f"{'variant':>26} {'step ms':>9} {'÷ canzona':>10} {'CPU ms':>8} {'÷ canzona':>10} "
-        f"{'busy max/mean':>14} {'plan max/mean':>14} "
-        f"{'peak buffers MiB':>17} {'÷ matrix bytes/rank':>20} {'sent MiB':>9} {'state MiB per rank':>24}",
-    ]
+    rows = []
     for result in results:
         busy = f"{result.busy_max_over_mean:.2f}" if result.busy_max_over_mean else "-"
         planned = f"{result.plan_max_over_mean:.2f}" if result.plan_max_over_mean else "-"
-        state = " ".join(f"{b / 2**20:.2f}" for b in result.state_bytes)
         peak, relative = "-", "-"
         sent = f"{result.sent_bytes / 2**20:.2f}" if result.sent_bytes is not None else "-"
         if result.peak_buffer_bytes is not None:
             peak = f"{result.peak_buffer_bytes / 2**20:.2f}"
             relative = f"{result.peak_buffer_bytes / result.matrix_bytes_per_rank:.2f}"
-        lines.append(
-            f"{result.name:>26} {result.step_ms:9.1f} {result.step_ms / reference.step_ms:10.2f} "
-            f"{result.cpu_ms:8.1f} {result.cpu_ms / reference.cpu_ms:10.2f} {busy:>14} "
-            f"{planned:>14} {peak:>17} {relative:>20} {sent:>9} {state:>24}"
+        rows.append(
+            [
+                result.name,
+                f"{result.step_ms:.1f}",
+                f"{result.step_ms / reference.step_ms:.2f}",
+                f"{result.cpu_ms:.1f}",
+                f"{result.cpu_ms / reference.cpu_ms:.2f}",
+                busy,
+                planned,
+                peak,
+                relative,
+                sent,
+                " ".join(f"{b / 2**20:.2f}" for b in result.state_bytes),
+            ]
         )
+    headers = ["variant", "step ms", "÷ canzona", "CPU ms", "÷ canzona", "busy max/mean", "plan max/mean"]
+    headers += ["peak buffers MiB", "÷ matrix bytes/rank", "sent MiB", "state MiB per rank"]
+    lines = [
+        f"preset {preset}, {optimizer}: optimizer step{on}, median over ranks' slowest",
+        table(headers, rows, margin=1),
+    ]
     for result in results:
         if result.split_matrices:
             teams = ", ".join(f"{count} by {size} ranks" for size, count in result.split_matrices.items())

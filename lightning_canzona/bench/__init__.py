@@ -1,1 +1,0 @@
-"""Benchmarks run as commands (never as tests): ``python -m lightning_canzona.bench --help``."""
