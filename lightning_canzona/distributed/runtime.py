@@ -54,11 +54,11 @@ from lightning_canzona.rules.base import (
     State,
     StochasticRounding,
     as_matrix,
+    counting_retries,
     matrix_shape,
     state_part,
     store_state_part,
 )
-from lightning_canzona.rules.kronecker import RETRIES
 
 
 @dataclass(frozen=True)
@@ -714,9 +714,9 @@ class StepRun:
             MicroGroupStep(self, exchange, dtype, prepare, stepped_items)
             for exchange, dtype in zip(exchanges, dtypes)
         ]
-        retries = RETRIES.count
-        run_pipeline(steps, overlap)
-        self.stats.decomposition_retries += RETRIES.count - retries
+        with counting_retries() as retries:
+            run_pipeline(steps, overlap)
+        self.stats.decomposition_retries += retries()
 
 
 class PreparedEntries:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
-from weakref import WeakKeyDictionary
 
 from torch import Tensor, nn
 
@@ -22,8 +21,8 @@ from lightning_canzona.compat import transformers_attention_implementation
 from lightning_canzona.qk_clip.heads import AttentionHeads, HeadRows
 from lightning_canzona.qk_clip.logits import MaxLogits
 
-#: The recorder of each attention layer whose logits are followed.
-_RECORDERS: WeakKeyDictionary[nn.Module, MaxLogits] = WeakKeyDictionary()
+#: The attribute of an attention layer that holds the recorder of its logits, where followed.
+RECORDER = "canzona_max_logits"
 PREFIX = "canzona_max_logits+"
 
 
@@ -64,7 +63,8 @@ def record_max_logits(model: nn.Module, recorders: dict[nn.Module, MaxLogits]) -
     name = PREFIX + original
     registry = _registry(model)
     registry.register(name, _recording(original, registry))
-    _RECORDERS.update(recorders)
+    for module, recorder in recorders.items():
+        setattr(module, RECORDER, recorder)  # on the layer itself: any number of models share the function
     model.set_attn_implementation(name)
 
 
@@ -83,7 +83,7 @@ def _recording(original: str, registry: Any) -> Callable[..., Any]:
         attention_mask: Tensor | None,
         **kwargs: Any,
     ) -> Any:
-        recorder = _RECORDERS.get(module)
+        recorder = getattr(module, RECORDER, None)
         if recorder is not None and module.training:
             scaling = kwargs.get("scaling")
             causal = attention_mask is None and getattr(module, "is_causal", True) and query.shape[2] > 1

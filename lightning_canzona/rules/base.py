@@ -24,6 +24,7 @@ docs/optimizers.md explains both (*Low-precision weights*, *Float32 products and
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import hashlib
 import math
@@ -43,6 +44,28 @@ State = dict[str, Tensor]
 #: `lightning_canzona.rules.kronecker.decompose`): one count per parameter, which every part of
 #: its state kept under a prefix shares.
 FAILURES = "decomposition_failures"
+
+#: The retry counter of the computation running in this context (`counting_retries`).
+_RETRIES: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("retries", default=None)
+
+
+@contextlib.contextmanager
+def counting_retries() -> Iterator[Callable[[], int]]:
+    """Count, inside the block, the decompositions that failed in float32 and were computed again
+    in float64 (`note_retry`); yields what reads the count."""
+    count = [0]
+    token = _RETRIES.set(count)
+    try:
+        yield lambda: count[0]
+    finally:
+        _RETRIES.reset(token)
+
+
+def note_retry() -> None:
+    """Count a retried decomposition for the enclosing `counting_retries`, if any."""
+    count = _RETRIES.get()
+    if count is not None:
+        count[0] += 1
 
 
 def state_part(state: State, prefix: str) -> State:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,6 +31,7 @@ from lightning_canzona.rules.base import (
     TeamSum,
     UpdateCost,
     matrix_dims,
+    note_retry,
 )
 
 SIDES = ("left", "right")
@@ -75,18 +75,6 @@ def init_state(
     return state
 
 
-@dataclass
-class DecompositionRetries:
-    """Factor decompositions of this process that failed in float32 and were computed again in
-    float64 (`decompose`): a count on the host, which the engine reports per step
-    (`lightning_canzona.distributed.runtime.StepStats`) without reading the device."""
-
-    count: int = 0
-
-
-#: The count of this process's retried decompositions.
-RETRIES = DecompositionRetries()
-
 #: The dtypes a decomposition is computed in, in turn, until one succeeds.
 PRECISIONS = (torch.float32, torch.float64)
 
@@ -110,14 +98,14 @@ def decompose(
     cuSOLVER more often than LAPACK, on rank-deficient factors such as SOAP's first of a tall
     matrix. As Meta's Distributed Shampoo (``retry_double_precision``) and the SOAP authors'
     code do, it is then computed again in float64 (its result rounded to the state's float32)
-    and counted in `RETRIES`, which telemetry reports. One factor that fails in both must not end
+    and counted (`rules.base.note_retry`), which telemetry reports. One factor that fails in both must not end
     a long run: ``state[key]`` then keeps its value (or takes ``fallback``), the failure is
     counted in ``state["decomposition_failures"]`` (which the engine reports in telemetry), and
     a warning names the factor's shape.
     """
     for dtype in PRECISIONS:
         if dtype != PRECISIONS[0]:
-            RETRIES.count += 1
+            note_retry()
         try:
             value = compute(dtype)
             failed = not bool(torch.isfinite(value).all())
