@@ -3,7 +3,11 @@
 The tests are by layer: ``unit`` (one process, pure logic and single-device math), ``distributed``
 (gloo ranks on the CPU, against the single-process optimizer) and ``integration`` (Trainer, CLI,
 notebooks, scripts, checkpoints on disk). Helper modules beside this file (``multiprocess``,
-``free_teams``) are importable from all of them.
+``free_teams``, ``layers``) are importable from all of them.
+
+The fast lane, ``python -m pytest -m "not slow"``, leaves out the tests marked ``slow``, here
+(`pytest_collection_modifyitems`): every test of ``integration``, every one that reads the
+`examples` fixture, and the slowest distributed ones (`SLOW_DISTRIBUTED`).
 """
 
 from __future__ import annotations
@@ -60,6 +64,37 @@ EXAMPLES = {
     # Last: it quietens Lightning's loggers in its process.
     "doctor-quick": (CANZONA, ["doctor", "--quick", "--device", "cpu"]),
 }
+
+
+INTEGRATION_DIR = Path(__file__).resolve().parent / "integration"
+#: Distributed tests out of the fast lane, by file and name: each took 2.5 s or more on 2 shared
+#: cores (4 ranks on 2 cores, or a Trainer's fit). The fast lane keeps the other distributed tests:
+#: the exactness checks on 2 ranks, teams on every mesh, the failures. Named here rather than marked
+#: in their files, so that the exactness tests stay as they are.
+SLOW_DISTRIBUTED = {
+    "test_engine_exactness.py::test_distributed_step_equals_single_process[dp4]",
+    "test_engine_exactness.py::test_distributed_step_equals_single_process[dp2xtp2]",
+    "test_engine_exactness.py::test_distributed_step_equals_single_process[rep2xdp2]",
+    "test_engine_exactness.py::test_distributed_step_equals_single_process[rep2xtp2]",
+    "test_team_exactness.py::test_team_updates_equal_single_process[dp2xtp2]",
+    "test_qk_clip_exactness.py::test_qk_clip_on_dp4_and_dp2_tp2_equals_one_process_and_bounds_the_logits",
+    "test_own_rule.py::test_an_own_rule_runs_exactly_at_dp2_tp2",
+    "test_team_prices.py::test_param_groups_that_multiply_in_different_dtypes_are_weighed_by_time",
+    "test_composition.py::test_fit_composes_a_mixture_and_bf16_mixed_gathers_in_bf16_and_reduces_in_float32",
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Marks ``slow`` every test of ``integration`` (a Trainer, a CLI, a notebook or a script:
+    seconds to minutes each), every test that reads the `examples` fixture (which runs every
+    example) wherever it lies, and `SLOW_DISTRIBUTED`."""
+    for item in items:
+        if (
+            item.path.is_relative_to(INTEGRATION_DIR)
+            or "examples" in getattr(item, "fixturenames", ())
+            or f"{item.path.name}::{item.name}" in SLOW_DISTRIBUTED
+        ):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(autouse=True)

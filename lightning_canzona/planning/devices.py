@@ -20,16 +20,45 @@ Defaults are datasheet peaks scaled by an achievable fraction, never measurement
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Protocol, TypeVar
 
 import torch
 
-if TYPE_CHECKING:
-    from lightning_canzona.planning.plan import PlanSettings
-
 _TERA = 1e12
 _GIGA = 1e9
+
+
+@dataclass(frozen=True)
+class CollectivePrices:
+    """What collectives cost the planner, in FLOPs of the same time (`PlanSettings` holds one).
+
+    Attributes:
+        flops_per_element: One element sent to another rank of a team (within a node).
+        flops_per_message: One collective's latency, within a node.
+        exchange_flops_per_element: One element that a micro-group's gather or scatter moves
+            for its busiest rank (across nodes).
+        exchange_flops_per_message: One peer that a gather or scatter exchanges with.
+    """
+
+    flops_per_element: float
+    flops_per_message: float
+    exchange_flops_per_element: float
+    exchange_flops_per_message: float
+
+
+#: The names of `CollectivePrices`' fields, in order.
+PRICE_NAMES: tuple[str, ...] = tuple(f.name for f in fields(CollectivePrices))
+
+
+class _HoldsPrices(Protocol):
+    """Settings that hold `CollectivePrices` and take its fields as keywords (`PlanSettings`)."""
+
+    @property
+    def prices(self) -> CollectivePrices: ...
+
+
+_Settings = TypeVar("_Settings", bound=_HoldsPrices)
 
 
 @dataclass(frozen=True)
@@ -75,34 +104,36 @@ class DeviceModel:
             raise ValueError(f"dtype must be one of {sorted(peaks)}, got {dtype!r}")
         return peaks[dtype] * self.achievable_fraction
 
-    def plan_prices(self, matmul_dtype: str, element_bytes: int) -> dict[str, float]:
-        """The planner's prices of collectives (`PlanSettings` ``flops_per_element``,
-        ``flops_per_message``, ``exchange_flops_per_element``, ``exchange_flops_per_message``) on
-        this device, in FLOPs of its matmuls in ``matmul_dtype`` (the rule's) for elements of
-        ``element_bytes``: a team's within a node, the gathers' and scatters' across nodes.
+    def prices(self, matmul_dtype: str, element_bytes: int) -> CollectivePrices:
+        """The planner's prices of collectives on this device, in FLOPs of its matmuls in
+        ``matmul_dtype`` (the rule's) for elements of ``element_bytes``: a team's within a node,
+        the gathers' and scatters' across nodes.
 
         A float32 rule's FLOPs are slower than bf16's (67 against 989 TFLOP/s on an H100), so
         the same collective costs it fewer of them; `PlanSettings`' defaults are bf16's."""
         rate = self.matmul_flops(matmul_dtype)
         _, team_bandwidth, team_latency = self.link(self.gpus_per_node)
         _, mesh_bandwidth, mesh_latency = self.link(self.gpus_per_node + 1)
-        return {
-            "flops_per_element": rate * element_bytes / team_bandwidth,
-            "flops_per_message": rate * team_latency,
-            "exchange_flops_per_element": rate * element_bytes / mesh_bandwidth,
-            "exchange_flops_per_message": rate * mesh_latency,
-        }
+        return CollectivePrices(
+            flops_per_element=rate * element_bytes / team_bandwidth,
+            flops_per_message=rate * team_latency,
+            exchange_flops_per_element=rate * element_bytes / mesh_bandwidth,
+            exchange_flops_per_message=rate * mesh_latency,
+        )
 
-    def repriced(self, settings: PlanSettings, matmul_dtype: torch.dtype) -> PlanSettings:
-        """``settings`` with its prices of collectives, given in this device's bf16 FLOPs of
-        2-byte elements (as `PlanSettings`' defaults are an H100's), turned into the FLOPs of the
-        same time in ``matmul_dtype`` (a rule's) for elements of that dtype (`plan_prices`);
-        prices of zero stay zero."""
+    def plan_prices(self, matmul_dtype: str, element_bytes: int) -> dict[str, float]:
+        """`prices` as a dict, by field name."""
+        return asdict(self.prices(matmul_dtype, element_bytes))
+
+    def repriced(self, settings: _Settings, matmul_dtype: torch.dtype) -> _Settings:
+        """``settings`` (a `PlanSettings`) with its prices of collectives, given in this device's
+        bf16 FLOPs of 2-byte elements (as `PlanSettings`' defaults are an H100's), turned into
+        the FLOPs of the same time in ``matmul_dtype`` (a rule's) for elements of that dtype
+        (`prices`); prices of zero stay zero."""
         name = str(matmul_dtype).removeprefix("torch.")
         target, reference = self.plan_prices(name, matmul_dtype.itemsize), self.plan_prices("bfloat16", 2)
-        return replace(
-            settings, **{key: getattr(settings, key) * target[key] / reference[key] for key in target}
-        )
+        given = asdict(settings.prices)
+        return replace(settings, **{key: given[key] * target[key] / reference[key] for key in given})
 
     def link(self, num_ranks: int) -> tuple[str, float, float]:
         """``(name, bytes/s, seconds per message)`` of a collective among ``num_ranks`` GPUs.

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
-from lightning_canzona.planning.devices import H100
+from lightning_canzona.planning.devices import H100, PRICE_NAMES, CollectivePrices
 from lightning_canzona.planning.matrices import COST_KINDS, CostKind, MatrixSpec, Step
 from lightning_canzona.planning.schedule import averaged_over_period, pipelined_time
 from lightning_canzona.planning.teams import TEAM_SIZES
@@ -22,7 +22,7 @@ POLICIES: tuple[str, ...] = ("canzona", "lpt", "round_robin", "sync")
 
 
 #: The default prices of collectives: an H100's, in bf16 FLOPs of 2-byte elements.
-_H100_BF16 = H100.plan_prices("bfloat16", 2)
+DEFAULT_PRICES: CollectivePrices = H100.prices("bfloat16", 2)
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class PlanSettings:
         flops_per_element: What sending one element to another rank costs, in FLOPs of the same
             time (``flops`` cost only; it prices teams' collectives). Default: an H100's
             effective bf16 matmul rate (593.6 TFLOP/s) over NVLink's 450 GB/s, at 2 bytes per
-            element (`devices.DeviceModel.plan_prices` gives a device's, in a rule's dtype).
+            element (`devices.DeviceModel.prices` gives a device's, in a rule's dtype).
         flops_per_message: What one collective costs in latency, in FLOPs (default: 3 µs at
             593.6 TFLOP/s; it prices teams' collectives and sets how many micro-groups pay).
         exchange_flops_per_element: What a micro-group's gather or scatter costs per element
@@ -55,6 +55,10 @@ class PlanSettings:
             with, in FLOPs (default: 6 µs at 593.6 TFLOP/s). With the element price, it decides
             between the micro-groups that teams' smaller items allow and the fewer that whole
             matrices get (`estimated_step`).
+        prices: The four prices above as one `devices.CollectivePrices` record: what the
+            settings hold, and what a device reprices (`DeviceModel.repriced`). The four are
+            keywords of the constructor and of ``dataclasses.replace``, and read-only
+            attributes.
     """
 
     policy: str = "canzona"
@@ -63,12 +67,23 @@ class PlanSettings:
     capacity: float | None = None
     locality: bool = True
     max_team: int = 8
-    flops_per_element: float = _H100_BF16["flops_per_element"]
-    flops_per_message: float = _H100_BF16["flops_per_message"]
-    exchange_flops_per_element: float = _H100_BF16["exchange_flops_per_element"]
-    exchange_flops_per_message: float = _H100_BF16["exchange_flops_per_message"]
+    flops_per_element: InitVar[float] = DEFAULT_PRICES.flops_per_element
+    flops_per_message: InitVar[float] = DEFAULT_PRICES.flops_per_message
+    exchange_flops_per_element: InitVar[float] = DEFAULT_PRICES.exchange_flops_per_element
+    exchange_flops_per_message: InitVar[float] = DEFAULT_PRICES.exchange_flops_per_message
+    prices: CollectivePrices = field(init=False)
 
-    def __post_init__(self) -> None:
+    def __post_init__(
+        self,
+        flops_per_element: float,
+        flops_per_message: float,
+        exchange_flops_per_element: float,
+        exchange_flops_per_message: float,
+    ) -> None:
+        prices = CollectivePrices(
+            flops_per_element, flops_per_message, exchange_flops_per_element, exchange_flops_per_message
+        )
+        object.__setattr__(self, "prices", prices)
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.cost not in COST_KINDS:
@@ -79,6 +94,16 @@ class PlanSettings:
             raise ValueError(f"micro_group_capacity must be > 0 or None, got {self.capacity}")
         if self.max_team not in (1, *TEAM_SIZES):
             raise ValueError(f"max_team must be one of {(1, *TEAM_SIZES)}, got {self.max_team}")
+
+
+def _price(name: str) -> property:
+    return property(lambda settings: getattr(settings.prices, name), doc=f"``prices.{name}``")
+
+
+# Each price, read from the record the settings hold. Set after the class: in its body the name is
+# the constructor's keyword (and `dataclasses.replace` passes on a keyword's value read by name).
+for _name in PRICE_NAMES:
+    setattr(PlanSettings, _name, _price(_name))
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """The package's layers only point down, and no modules import each other in a circle.
 
-The layers, lowest first (docs/architecture.md draws them): a module imports modules of its own
-layer or of lower ones, never of a higher one, at module level or inside a function; imports only
-for type checking (``if TYPE_CHECKING:``) are left out. Importing ``a.b.c`` imports ``a.b`` first,
-so a package's ``__init__`` counts as imported too.
+The layers, lowest first (`layers.LAYERS`; docs/architecture.md draws them): a module imports
+modules of its own layer or of lower ones, never of a higher one, at module level, inside a
+function or only for type checking (``if TYPE_CHECKING:``: an annotation names what the module
+needs all the same). Importing ``a.b.c`` imports ``a.b`` first, so a package's ``__init__`` counts
+as imported too.
 """
 
 from __future__ import annotations
@@ -12,41 +13,9 @@ import ast
 from collections import defaultdict
 from pathlib import Path
 
-from scripts import IMPORTED
+from layers import LAYERS
 
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_canzona"
-
-#: Top-level modules and subpackages of the package, by layer, lowest first.
-LAYERS: list[set[str]] = [
-    {"compat", "geometry"},  # private torch/Lightning names; how a matrix is cut into slices
-    {"rules", "qk_clip"},  # the per-matrix math and its cost; QK-clip's per-layer math
-    {"planning"},  # pure planning, and the device model whose prices it charges
-    {"config"},  # the one configuration of the plan
-    {"distributed"},  # the engine
-    {"optim"},  # the optimizers users construct
-    {  # the strategy's parts
-        "checkpoint",
-        "composition",
-        "elastic",
-        "export",
-        "huggingface",
-        "launcher",
-        "mesh",
-        "metrics",
-        "optimizer_check",
-        "precision",
-        "preparation",
-        "qk_clip_runtime",
-        "telemetry",
-        "warning_filters",
-    },
-    {"fabric", "strategy"},  # the Trainer's and Fabric's strategies
-    {""},  # lightning_canzona/__init__.py
-    {"cli", "data", "models", "tools"},  # the command line, the tools and the bundled model
-]
-
-#: The tools: loaded when their command or example runs, never by ``import lightning_canzona``.
-TOOLS = LAYERS[-1]
 
 
 def _modules() -> dict[str, Path]:
@@ -57,29 +26,16 @@ def _modules() -> dict[str, Path]:
     return modules
 
 
-def _runtime_imports(tree: ast.AST) -> list[ast.ImportFrom | ast.Import]:
-    """Every import statement but those under ``if TYPE_CHECKING:``."""
-    found = []
-
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
-            for child in node.orelse:
-                visit(child)
-            return
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            found.append(node)
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(tree)
-    return found
+def _imports(tree: ast.AST) -> list[ast.ImportFrom | ast.Import]:
+    """Every import statement, those under ``if TYPE_CHECKING:`` and inside functions too."""
+    return [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
 
 
 def _import_graph() -> dict[str, set[str]]:
     modules = _modules()
     graph: dict[str, set[str]] = defaultdict(set)
     for module, path in modules.items():
-        for node in _runtime_imports(ast.parse(path.read_text())):
+        for node in _imports(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom):
                 if not (node.module or "").startswith("lightning_canzona"):
                     continue
@@ -136,14 +92,6 @@ def test_no_modules_import_each_other_in_a_circle() -> None:
     for module in sorted(_modules()):
         circle = circle_from(module, [])
         assert circle is None, " -> ".join(circle)
-
-
-def test_importing_the_library_loads_none_of_its_tools(examples) -> None:
-    # In a fresh interpreter: the one that runs the examples, before it runs any.
-    _, loaded, _ = examples[IMPORTED]
-    assert "lightning_canzona.strategy" in loaded.split()  # what registers the strategies
-    tools = {m for m in loaded.split() if m.startswith("lightning_canzona.") and m.split(".")[1] in TOOLS}
-    assert not tools, tools
 
 
 #: Private names of other libraries that a module may use outside `compat`: public in fact.
