@@ -1,21 +1,10 @@
 """How the ranks agree: the step's collectives, one agreement on the gradients, and failures.
 
-Every collective of a step goes through `InFlight`, which lets Python, not gloo's thread, free its
-tensors. Small sums and maxima take the fewest rounds the backend allows (`Reduction`).
-
-An optimizer owns one `GradientAgreement`. Before its step changes anything, the ranks agree once
-on every gradient (`GradientAgreement.agree`): which parameters have one, which are non-finite,
-which are laid out unlike their parameter. That agreement is the step's one read of the device.
-Checks whose outcome lies on the device, a replica check and the previous step's failure among
-them, wait for it (`GradientAgreement.defer`) and are read with it. So a failure on one rank
-becomes the same error on every rank, before anything else changes
-(`GradientAgreement.raise_on_every_rank`). docs/architecture.md#one-step-on-a-mesh tells the story.
-
-Trainable parameters that FSDP2 does not manage (a layer left unsharded, a parameter set on the
-LightningModule, a weight tied across FSDP2 units) would step with each rank's own gradient and
-drift apart without a word: after each synchronising backward the strategies average their
-gradients over data parallelism (`average_gradients`) and check that every rank holds the same
-(`check_gradients_agree`); both defer what the device knows to the next agreement.
+An optimizer owns one `GradientAgreement`: the ranks agree once on every gradient before its step
+changes anything, and the checks deferred to that agreement (a replica check, the previous step's
+failure) are read with it, so that a failure on one rank is the same error on every rank. The
+strategies call `average_gradients` and `check_gradients_agree` for the parameters that FSDP2 does
+not manage. docs/architecture.md#one-step-on-a-mesh tells the story.
 """
 
 from __future__ import annotations
@@ -57,17 +46,8 @@ _COMBINE = {dist.ReduceOp.SUM: lambda rows: rows.sum(dim=0), dist.ReduceOp.MAX: 
 
 
 class InFlight:
-    """An asynchronous collective, launched, and the tensors given to it.
-
-    gloo keeps a collective's tensors on its own thread until a moment after ``wait()`` returns;
-    a tensor Python dropped meanwhile is freed there, and a process that is shutting down then
-    aborts. `wait` therefore waits until the backend has let go, so that Python frees them.
-
-    Args:
-        collective: A ``torch.distributed`` collective, called with ``async_op=True``.
-        *args: Its positional arguments; the tensors among them are the ones kept.
-        **kwargs: Its keyword arguments (``group``, split sizes).
-    """
+    """An asynchronous collective, ``collective(*args, async_op=True, **kwargs)``; `wait` also waits for
+    the backend to let go of its CPU tensors, so that Python frees them (docs/architecture.md, "Shutdown")."""
 
     def __init__(self, collective: Callable[..., dist.Work], *args: Any, **kwargs: Any) -> None:
         # Only CPU collectives (gloo) free tensors on a thread of their own after completion.
@@ -100,17 +80,9 @@ def wait_for(collective: Callable[..., dist.Work], *args: Any, **kwargs: Any) ->
 
 
 class Reduction:
-    """The elementwise sum or maximum of ``tensor`` over ``group``'s ranks, in flight; `wait`
-    writes it into ``tensor`` (every rank gets the same values).
-
-    On gloo a CPU tensor up to `ONE_ROUND_BYTES` travels by one all-to-all, combined in rank
-    order, instead of the ring all-reduce's ``2·(w − 1)`` rounds.
-
-    Args:
-        tensor: This rank's values, replaced by the result.
-        op: ``dist.ReduceOp.SUM`` or ``dist.ReduceOp.MAX``.
-        group: The ranks (``None``: all).
-    """
+    """The sum or maximum of ``tensor`` over ``group``, in flight; `wait` writes it into ``tensor``. On gloo
+    a CPU tensor up to `ONE_ROUND_BYTES` takes one all-to-all, not a ring
+    (docs/benchmarks.md#agreement-collectives)."""
 
     def __init__(self, tensor: Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None = None) -> None:
         self.tensor, self._op = tensor, op
@@ -143,21 +115,18 @@ def _in_one_round(tensor: Tensor, group: dist.ProcessGroup | None, world: int) -
 
 
 def agree_on_maximum(tensor: Tensor, group: dist.ProcessGroup | None = None) -> None:
-    """Replace ``tensor``, in place, by its elementwise maximum over ``group``'s ranks (collective,
-    blocking; every rank gets the same values)."""
+    """Replace ``tensor`` by its elementwise maximum over ``group`` (collective, blocking)."""
     Reduction(tensor, dist.ReduceOp.MAX, group).wait()
 
 
 @dataclass(frozen=True)
 class Agreement:
-    """What every rank agreed on about the gradients of some parameters.
+    """What every rank agreed on about some parameters' gradients, one flag per parameter.
 
     Attributes:
-        present: Per parameter, whether it has a gradient (now on every rank).
-        non_finite: Per parameter, whether some rank's gradient holds NaN or Inf (all ``False``
-            where the values were not checked).
-        overflows: Per parameter, whether some rank's gradient is finite but its float32 2-norm
-            is not.
+        present: It has a gradient (now on every rank).
+        non_finite: Some rank's gradient holds NaN or Inf (all ``False`` unless ``checked``).
+        overflows: Some rank's gradient is finite but its float32 2-norm is not.
         checked: Whether the values were checked.
     """
 
@@ -174,8 +143,7 @@ class Agreement:
 
 @dataclass(frozen=True)
 class _Verdict:
-    """A check's 1-D float32 flags on the device, and what to do with their maximum over the
-    ranks (called with Python floats; may raise, on every rank alike)."""
+    """A check's flags on the device, and what to run with their maximum over the ranks."""
 
     flags: Tensor
     then: Callable[[list[float]], None]
@@ -183,8 +151,7 @@ class _Verdict:
 
 @dataclass(frozen=True)
 class _Held:
-    """An agreement and what it is about: by parameter id, the parameter's position, the
-    parameter, its gradient and that gradient's `data_version` then (weakly: nothing is kept)."""
+    """An agreement, and weakly the parameters and gradients (with their versions) it is about."""
 
     agreement: Agreement
     about: dict[int, tuple[int, weakref.ref, weakref.ref | None, int]]
@@ -204,8 +171,7 @@ class _Held:
         return cls(agreement, about)
 
     def held_for(self, params: Sequence[Tensor], check_finite: bool) -> Agreement | None:
-        """The agreement, in the order of ``params``, if it is about them (in any order) and
-        their gradients as they are now; else ``None``."""
+        """The agreement in the order of ``params`` if it still holds for their gradients, else ``None``."""
         if (check_finite and not self.agreement.checked) or len(params) != len(self.about):
             return None
         order = []
@@ -225,13 +191,9 @@ class _Held:
 
 
 class GradientAgreement:
-    """One optimizer's agreement on its gradients, and the checks that wait for it.
-
-    Every rank must make the same calls in the same order (each is collective where it reads).
-    An agreement is made once per set of gradients: clipping, which needs it first, makes it,
-    and the step that follows takes it over while the gradients are the ones agreed on (`keep`
-    after clipping scaled them). A copy of an optimizer starts with a fresh one.
-    """
+    """One optimizer's agreement on its gradients, and the checks that wait for it. Every rank makes the
+    same calls in the same order. Clipping makes the agreement and the step takes it over while the
+    gradients are unchanged (`keep`); a copy of an optimizer starts with a fresh one."""
 
     def __init__(self) -> None:
         self._held: _Held | None = None
@@ -242,27 +204,20 @@ class GradientAgreement:
         return {"_held": None, "_pending": []}
 
     def defer(self, flags: Tensor, then: Callable[[list[float]], None]) -> None:
-        """Run ``then`` with the maximum over the ranks of ``flags`` at the next agreement (or
-        `settle`), read with it, without a read of its own."""
+        """Run ``then`` with the ranks' maximum of ``flags`` at the next agreement or `settle`."""
         self._pending.append(_Verdict(flags.reshape(-1).float(), then))
 
     def settle(self) -> None:
-        """Agree on every deferred check now and run them (collective where any is pending: one
-        read of the device): before a checkpoint is written, at the end of training."""
+        """Read and run the deferred checks now (collective if any): before a checkpoint, at the end."""
         verdicts, self._pending = self._pending, []
         if verdicts:
             flags = torch.cat([verdict.flags for verdict in verdicts])
             _run(verdicts, _read(flags))
 
     def raise_on_every_rank(self, failure: BaseException | None, device: torch.device, what: str) -> None:
-        """Raise the same `RuntimeError` on every rank when ``failure`` happened on any, at the
-        next agreement or `settle` (nothing is read here); in a single process, at once.
-
-        Args:
-            failure: This rank's exception, or ``None``.
-            device: A device the process group's backend communicates on.
-            what: What failed, for the message (e.g. ``"Muon.step"``).
-        """
+        """Raise the same `RuntimeError` on every rank if ``failure`` happened on any, at the next
+        agreement or `settle` (in a single process, ``failure`` itself, at once). ``what`` names the work
+        (``"Muon.step"``); ``device`` is one the backend communicates on."""
         if not (dist.is_initialized() and dist.get_world_size() > 1):
             if failure is not None:
                 raise failure
@@ -275,17 +230,12 @@ class GradientAgreement:
         self.defer(torch.full((1,), float(failure is not None), device=device), then)
 
     def agree(self, named: Sequence[tuple[str, Tensor]], check_finite: bool = True) -> Agreement:
-        """Make every rank's view of the gradients of ``named`` consistent, and say what the
-        ranks agreed on (collective: one read, with every deferred check, which runs first;
-        none where the held agreement is about these gradients as they are).
-
-        Afterwards every gradient is ``None`` on every rank, or present on every rank in its
-        parameter's layout: a rank without one gets zeros, a gradient laid out unlike its
-        parameter is redistributed, and replicas take the gradient of the replica at coordinate 0.
+        """Agree on the gradients of ``named`` and make them consistent: each is then ``None`` on every
+        rank, or present on every rank in its parameter's layout (zeros where a rank had none, replicas
+        from coordinate 0). One read, with the deferred checks; none while the held agreement holds.
 
         Raises:
-            RuntimeError: On every rank, when ranks hold a gradient in different layouts; or what
-                a deferred check raises.
+            RuntimeError: When ranks hold a gradient in different layouts, or a deferred check raises.
         """
         params = [param for _, param in named]
         held = None if self._held is None else self._held.held_for(params, check_finite)
@@ -324,13 +274,8 @@ class GradientAgreement:
         return agreement
 
     def agree_for_step(self, named: Sequence[tuple[str, Tensor]], check_finite: bool = True) -> list[bool]:
-        """`agree` for a step, which consumes the agreement: per parameter, whether it has a
-        gradient (now on every rank).
-
-        Raises:
-            FloatingPointError: On every rank, when ``check_finite`` and a gradient is non-finite.
-            RuntimeError: As `agree`.
-        """
+        """`agree`, consuming the agreement: per parameter, whether it has a gradient. Raises
+        ``FloatingPointError`` on every rank when ``check_finite`` and a gradient is non-finite."""
         agreement = self.agree(named, check_finite)
         self._held = None
         for (name, param), is_bad in zip(named, agreement.non_finite):
@@ -343,15 +288,13 @@ class GradientAgreement:
         return agreement.present
 
     def keep(self) -> None:
-        """The held agreement still holds for its gradients as they are now (after an in-place
-        change that keeps every agreed fact, as clipping's scaling by a factor in [0, 1])."""
+        """Let the held agreement stand for its gradients as they are now (clipping scaled them)."""
         params = None if self._held is None else self._held.params()
         if self._held is not None and params is not None:
             self._held = _Held.of(self._held.agreement, params)
 
 
 def _run(verdicts: Sequence[_Verdict], values: Sequence[float]) -> None:
-    """Run each of ``verdicts`` with its part of ``values`` (their flags' agreed values, in order)."""
     start = 0
     for verdict in verdicts:
         end = start + verdict.flags.numel()
@@ -371,8 +314,7 @@ def _raise_everywhere(failure: BaseException | None, what: str) -> None:
 
 
 def _flags(params: Sequence[Tensor], check_finite: bool, device: torch.device) -> Tensor:
-    """This rank's four rows of flags (present, absent, suspect, foreign layout), built on the
-    device from host facts by fills."""
+    """This rank's rows of flags: present, absent, suspect (2-norm not finite), foreign layout."""
     present = _row([param.grad is not None for param in params], device)
     if check_finite:
         empty = torch.empty(0, device=device)
@@ -402,8 +344,7 @@ def _read(flags: Tensor) -> list[float]:
 
 
 def _confirmed(params: Sequence[Tensor], suspect: list[bool]) -> list[bool]:
-    """Which ``suspect`` gradients (a 2-norm not finite on some rank) hold NaN or Inf: checked by
-    their largest magnitude and agreed again (a second read, only for a non-finite or huge one)."""
+    """Which ``suspect`` gradients hold NaN or Inf, by their largest magnitude (a second read)."""
     indices = [index for index, flag in enumerate(suspect) if flag]
     empty = torch.empty(0, device=local_tensor(params[0]).device)
     grads = [local_tensor(params[i].grad) if params[i].grad is not None else empty for i in indices]
@@ -414,9 +355,7 @@ def _confirmed(params: Sequence[Tensor], suspect: list[bool]) -> list[bool]:
 
 
 def _redistribute(named: Sequence[tuple[str, Tensor]]) -> None:
-    """Bring gradients laid out unlike their parameters into the parameters' layouts, on every
-    rank; a rank without one joins with zeros in the layout the others hold (rare: one
-    ``all_gather_object``)."""
+    """Bring gradients into their parameters' layouts; a rank without one joins with zeros."""
     mine = [tuple(p.grad.placements) if p.grad is not None else None for _, p in named]
     everyone: list[list] = [None] * dist.get_world_size()  # type: ignore[list-item]
     dist.all_gather_object(everyone, mine)
@@ -455,13 +394,9 @@ def _broadcast_along_replicas(param: DTensor) -> None:
 def average_gradients(
     params: Sequence[Tensor], group: dist.ProcessGroup, agreement: GradientAgreement
 ) -> None:
-    """Average the gradients of ``params`` over ``group`` with one ``all_reduce``, a DTensor's by parts.
-
-    A rank without a gradient adds zeros, as under FSDP2. Every rank gets the average, and a
-    parameter without a gradient on every rank of ``group`` drops it again (``None``) once the
-    device says so: at ``agreement``'s next agreement, which reads it with its own flags, before
-    anything reads the gradient.
-    """
+    """Average the gradients of ``params`` over ``group`` in one ``all_reduce`` (a rank without one
+    adds zeros). A parameter without a gradient on every rank drops it again at ``agreement``'s next
+    agreement, which reads the presence flags with its own."""
     if not params:
         return
     device = params[0].device
@@ -486,8 +421,7 @@ def _drop_absent(params: list[Tensor], presence: list[float]) -> None:
 
 
 def _as_gradient_of(param: Tensor, values: Tensor) -> Tensor:
-    """``values``, this rank's part flattened, as ``param``'s gradient: shaped, typed and laid out
-    as its gradient is (as ``param`` is, where it has none)."""
+    """``values`` (flat) shaped, typed and laid out as ``param``'s gradient, or as ``param``."""
     like = param.grad if param.grad is not None else param
     local = values.view_as(local_tensor(like)).to(param.dtype)
     if not isinstance(like, DTensor):
@@ -498,18 +432,13 @@ def _as_gradient_of(param: Tensor, values: Tensor) -> Tensor:
 
 
 def check_gradients_agree(named: Sequence[tuple[str, Tensor]], agreement: GradientAgreement) -> None:
-    """Raise on every rank, naming them, when ranks hold different gradients of ``named``, at
-    ``agreement``'s next agreement (the check reads nothing itself).
-
-    One agreement on the maximum (`agreement.agree_on_maximum`) over all ranks of each
-    gradient's presence, sum and sum of absolute values, and of their negatives. Sums may
-    differ by `RELATIVE_TOLERANCE` of the largest sum of absolute values.
-
-    DTensors are left out: their parts differ across the ranks of their mesh by design.
-    """
+    """Raise on every rank, at ``agreement``'s next agreement, where ranks hold different gradients
+    of ``named`` (DTensors are left out: their parts differ by design). Sums may differ by
+    `RELATIVE_TOLERANCE` of the largest sum of absolute values."""
     named = [(name, param) for name, param in named if not isinstance(param, DTensor)]
     if not named:
         return
+    # Per gradient: presence, sum, sum of absolute values; their maximum and minimum over the ranks.
     rows = []
     for _, param in named:
         if param.grad is None:

@@ -1,13 +1,8 @@
 """Gradient clipping by norm across parameters that live on different device meshes.
 
-``torch.nn.utils.clip_grad_norm_`` stacks every gradient's norm into one tensor, which fails when
-DTensors live on different meshes (a 2-D DP×TP mesh for the blocks, a 1-D DP mesh for the
-embedding): DTensor refuses to mix them. Here each mesh's norm is reduced on its own mesh, and the
-per-mesh norms, now plain tensors, are combined.
-
-Given the optimizer's `GradientAgreement`, clipping adds no read of the device: the agreement
-on the gradients, which clipping needs first, is made here and taken over by the step; the norm
-stays a tensor, and the factor multiplies every gradient in one ``torch._foreach_mul_``.
+``torch.nn.utils.clip_grad_norm_`` fails where DTensors live on different meshes; here each mesh's
+norm is reduced on its own mesh and the per-mesh norms combined. Given the optimizer's
+`GradientAgreement`, clipping adds no read of the device.
 """
 
 from __future__ import annotations
@@ -46,12 +41,9 @@ def _agreement_for(agreement: GradientAgreement | None) -> Iterator[GradientAgre
 def total_grad_norm(
     parameters: Iterable[Tensor], norm_type: float = 2.0, agreement: GradientAgreement | None = None
 ) -> Tensor:
-    """The ``norm_type``-norm of all gradients together, as a plain tensor on every rank's device.
-
-    The ranks first agree on the gradients (``agreement``, the optimizer's that steps next, or
-    one of its own), so that every rank takes part in the same per-mesh reductions even where its
-    own gradient is ``None`` or laid out differently.
-    """
+    """The ``norm_type``-norm of all gradients together, as a plain tensor on every rank's device,
+    once the ranks agree on the gradients (with ``agreement``, the optimizer's that steps next, or
+    their own), so that every rank joins the same per-mesh reductions."""
     parameters = list(parameters)
     with _agreement_for(agreement) as agreed:
         _agree(agreed, parameters)
@@ -67,17 +59,13 @@ def clip_grad_norm_(
 ) -> Tensor:
     """Scale all gradients so that their total norm is at most ``max_norm``; return the norm.
 
-    As ``torch.nn.utils.clip_grad_norm_``: the factor ``max_norm / (norm + 1e-6)``, at most 1,
-    multiplies every gradient; a NaN norm leaves them as they are. ``agreement``: the
-    `GradientAgreement` of the optimizer that steps next (``optimizer.agreement``), which then
-    takes the clipping's agreement over; without one, clipping reads the device itself.
+    As ``torch.nn.utils.clip_grad_norm_`` (the factor ``max_norm / (norm + 1e-6)``, at most 1; a NaN
+    norm clips nothing). ``agreement``: the `GradientAgreement` of the optimizer that steps next
+    (``optimizer.agreement``), which then takes the clipping's agreement over.
 
     Raises:
-        RuntimeError: ``error_if_nonfinite`` and the norm is NaN or infinite (on every rank: the
-            norm is agreed), before any gradient changes, as ``torch.nn.utils.clip_grad_norm_``.
-            Where the agreement on the gradients cannot foresee it (a norm of another order than
-            2 that overflows, or squares that overflow only once summed over the ranks), the
-            gradients are left as they are and the error comes with the next agreement.
+        RuntimeError: ``error_if_nonfinite`` and the norm is NaN or infinite, on every rank before any
+            gradient changes (or, where the agreement cannot foresee it, at the next agreement).
     """
     parameters = list(parameters)
     with _agreement_for(agreement) as agreed:

@@ -1,12 +1,9 @@
 """Custody of matrix state: where each matrix's state lives, and moving it there.
 
-Matrix state (Shampoo's and SOAP's factors and bases, step counters) lives with the matrix's owner,
-in full, and nowhere else; a team's members hold their slices of what the rule slices
-(`MatrixRule.team_sliced_keys`) and the whole of the rest. When a rebuilt plan gives a matrix to
-other ranks, its state moves to them (`MatrixStateCustody.move`); checkpoints hold a team's state
-whole on its first member (`gather_team_state`, `scatter_team_state`); a full checkpoint loaded on
-every rank is trimmed to what each rank holds (`drop_foreign`). Every method that moves state is
-collective over the mesh.
+`MatrixStateCustody` moves a matrix's state (whole with its owner, or in slices with its team:
+docs/architecture.md#teams) when a new plan gives it to other ranks, puts a team's state whole on
+its first member for checkpoints and back, and trims a full checkpoint loaded on every rank.
+Every method that moves state is collective over the mesh.
 """
 
 from __future__ import annotations
@@ -31,13 +28,7 @@ Teams = dict[tuple[int, int | None], tuple[int, ...] | None]
 
 
 class MatrixStateCustody:
-    """The matrix state of one mesh's planned matrices in the optimizer's ``state``.
-
-    Args:
-        planned: The matrices as planned.
-        rules: Each entry's rule.
-        state: The optimizer's state, by parameter.
-    """
+    """The matrix state of one mesh's ``planned`` matrices (with ``rules``) in the optimizer's ``state``."""
 
     def __init__(
         self, planned: PlannedMatrices, rules: Sequence[MatrixRule], state: dict[Tensor, State]
@@ -50,8 +41,7 @@ class MatrixStateCustody:
         return {planned.key(index): planned.team(index) for index in range(len(planned.items))}
 
     def move(self, previous: Teams | None) -> None:
-        """Hand matrix state over where this plan gives a matrix to other ranks than
-        ``previous`` did (none: the first plan, whose state, if any, is a loaded checkpoint's)."""
+        """Hand matrix state over where this plan gives a matrix to other ranks than ``previous``."""
         planned = self.planned
         for index in range(len(planned.items)):
             old = (previous or {}).get(planned.key(index), planned.team(index))
@@ -62,9 +52,8 @@ class MatrixStateCustody:
             self.keep_loaded_stack_failures_on_one_owner()
 
     def hand_over(self, index: int, old: tuple[int, ...] | None, new: tuple[int, ...] | None) -> None:
-        """Move item ``index``'s matrix state from the ranks ``old`` to the ranks ``new`` (an
-        owner holds it whole, a team's members in slices; ``None``: every rank whole, as under
-        ``sync``). Every source broadcasts what it holds."""
+        """Move item ``index``'s matrix state from ranks ``old`` to ranks ``new`` (a team's in slices;
+        ``None``: every rank whole, as under ``sync``); every source broadcasts what it holds."""
         planned = self.planned
         item, param = planned.items[index], planned.entry_of(index).param
         held = self.state.get(param, {})
@@ -88,8 +77,7 @@ class MatrixStateCustody:
         self.state.setdefault(param, {}).update(moved)
 
     def state_keys(self, index: int) -> list[str]:
-        """The keys of item ``index``'s matrix state in its parameter's state: all of it, or
-        those of one matrix of a stack (`updates.member_prefix`)."""
+        """The keys of item ``index``'s matrix state: all its parameter's, or one stack matrix's."""
         item = self.planned.items[index]
         held = self.state.get(self.planned.entry_of(index).param, {})
         keys = list(self.rules[item.entry].matrix_state(held))
@@ -114,8 +102,7 @@ class MatrixStateCustody:
         ]
 
     def drop_foreign(self) -> None:
-        """Keep only the matrix state that this rank holds under the plan (a full, single-file
-        checkpoint loads every owner's state on every rank): a team member its slice of it."""
+        """Keep only the matrix state this rank holds (a full checkpoint loads all of it everywhere)."""
         planned = self.planned
         for index, item in enumerate(planned.items):
             if planned.owner(index) is None:
@@ -137,9 +124,8 @@ class MatrixStateCustody:
                 held.update(member)
 
     def keep_loaded_stack_failures_on_one_owner(self) -> None:
-        """After a load, leave a stack's failure count (one per parameter, the total of its
-        owners' in a checkpoint) with the owner of the stack's first matrix only: the other
-        owners count theirs from zero, and the next checkpoint adds them up (`owned`)."""
+        """After a load, leave a stack's failure count (its owners' total) with its first matrix's owner
+        only: the others count from zero, and the next checkpoint adds them up (`owned`)."""
         planned = self.planned
         first_owner: dict[int, int | None] = {}
         for index, item in enumerate(planned.items):
@@ -157,16 +143,14 @@ class MatrixStateCustody:
         return bool(sliced) and all(value.shape[dim] == shape[dim] for value in sliced)
 
     def gather_team_state(self) -> None:
-        """Put the matrix state of every matrix computed by a team whole on the team's first
-        member (its owner of record), as a checkpoint holds it."""
+        """Put every team's matrix state whole on its first member, as a checkpoint holds it."""
         for index in self.stateful_team_items():
             team = self.planned.team(index)
             assert team is not None
             self.hand_over(index, team, team[:1])
 
     def scatter_team_state(self) -> None:
-        """Give every team's members their slices of the state that its first member holds whole
-        (`gather_team_state`, or a loaded checkpoint); state already in slices stays."""
+        """Give every team's members their slices of the state its first member holds whole."""
         planned = self.planned
         for index in self.stateful_team_items():
             team = planned.team(index)
@@ -179,12 +163,9 @@ class MatrixStateCustody:
                 self.hand_over(index, team[:1], team)
 
     def owned(self) -> dict[int, State]:
-        """This rank's matrix state of the matrices it owns (a team's first member: its part, or
-        the whole after `gather_team_state`), by index of the parameter among the entries; under
-        a replicated plan, on the first replica only (the others hold the same).
-
-        A stack whose matrices several ranks own has a failure count on each: a checkpoint holds
-        their sum (`lightning_canzona.checkpoint.full_optimizer_state`)."""
+        """This rank's matrix state of the matrices it owns (a team's first member: its part, or all of
+        it after `gather_team_state`), by entry index; on the first replica only under a replicated plan.
+        A stack's failure count is each owner's own: a checkpoint holds their sum."""
         planned = self.planned
         if planned.plan.owners is None or planned.replica:  # another replica's are of record
             return {}
@@ -209,14 +190,10 @@ class _Spec(NamedTuple):
 def broadcast_state(
     state: State | None, source: int, group: dist.ProcessGroup, device: torch.device
 ) -> State:
-    """``state``, which rank ``source`` (global) passes, on every rank of ``group`` (collective;
-    ``None`` on the others).
-
-    Its keys, and each tensor's dtype and shape, travel as an object; the tensors' bytes as one
-    ``uint8`` tensor on ``device``, where the receivers get them. A tensor inside an object
-    collective would be pickled through the host and arrive on the sender's device index, and
-    an NCCL group takes no host tensor. A value that is no tensor travels as it is.
-    """
+    """``state``, passed by global rank ``source`` (``None`` elsewhere), on every rank of ``group``."""
+    # Keys, dtypes and shapes travel as an object, the bytes as one uint8 tensor on ``device``: a
+    # tensor inside an object collective is pickled through the host and arrives on the sender's
+    # device index, and an NCCL group takes no host tensor.
     layout: list[dict | None] = [None]
     if state is not None:
         layout[0] = {

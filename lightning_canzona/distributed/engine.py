@@ -1,10 +1,8 @@
 """The engine: one mesh's DTensor parameters, planned, stepped, and their matrix state kept.
 
-`MeshEngine` is what the optimizer talks to, one per device mesh. It builds itself from the mesh,
-the `PlanConfig` and the rules (process groups, prices), plans at the first step (and again when
-the parameter set changes, moving matrix state to the new owners: `custody`), runs each step
-(`MeshEngine.step`: AdamW on the shards, then the matrices through `runtime.StepRun`), and
-serves the optimizer's state dict (`owned_state`, `load_state`, team state whole or in slices).
+`MeshEngine` is what the optimizer talks to, one per device mesh: it plans at the first step (and
+again when the parameter set changes, moving matrix state: `custody`), runs each step
+(`runtime.StepRun`) and serves the optimizer's state dict.
 """
 
 from __future__ import annotations
@@ -63,9 +61,8 @@ def mesh_process_group(mesh: DeviceMesh) -> dist.ProcessGroup:
 
 
 def replica_ranks(mesh: DeviceMesh) -> tuple[tuple[int, ...], ...] | None:
-    """Each HSDP replica's global ranks, in order (a replica's plan numbers them so), where the
-    mesh has a dimension of replicas (named ``*replicate*``, torchtitan's and our strategies'
-    word) of more than one; else ``None``."""
+    """Each HSDP replica's global ranks, sorted, where the mesh has a dimension named ``*replicate*``
+    of more than one; else ``None``."""
     dims = [d for d, name in enumerate(mesh.mesh_dim_names or ()) if "replicate" in name]
     if not dims or mesh.size(dims[0]) == 1:
         return None
@@ -74,15 +71,13 @@ def replica_ranks(mesh: DeviceMesh) -> tuple[tuple[int, ...], ...] | None:
 
 
 def restricted(layout: MatrixLayout, ranks: Sequence[int]) -> MatrixLayout:
-    """``layout`` on the group ``ranks`` of its ranks (one HSDP replica's: whose shards tile the
-    matrix on their own), numbered in that order."""
+    """``layout`` on the ranks ``ranks`` of its group (one HSDP replica's), numbered in that order."""
     return MatrixLayout(layout.shape, tuple(layout.shards[rank] for rank in ranks))
 
 
 def mesh_sizes(mesh: DeviceMesh) -> tuple[int, int]:
-    """``(dp, tp)`` of a mesh, for the plan: tensor parallelism is the dimension named for it (a
-    2-D mesh without names: the second), data parallelism every other dimension together (HSDP's
-    replicate and shard dimensions)."""
+    """``(dp, tp)`` of a mesh: tp is the dimension named for tensor parallelism (a 2-D mesh without
+    names: the second), dp every other dimension together."""
     names = mesh.mesh_dim_names
     if not names:
         return (mesh.size(0), mesh.size(1)) if mesh.ndim == 2 else (mesh.size(), 1)
@@ -93,22 +88,13 @@ def mesh_sizes(mesh: DeviceMesh) -> tuple[int, int]:
 class MeshEngine:
     """Runs the optimizer step for all DTensor parameters that live on one device mesh.
 
-    It builds itself from the mesh, the plan's configuration and the rules: its process groups,
-    the prices it plans with (`distributed.prices`), and, at the first step or `prepare`, the
-    plan. It holds the matrix state's custody across plans and for checkpoints.
-
     Args:
-        mesh: The parameters' device mesh.
-        config: The plan's configuration.
         rules: The rules of the optimizer's matrix groups (their matmul dtypes weigh FLOPs).
         settings: How to plan; ``None``: ``config.settings()``.
-        batch_matrices: Update an owner's same-shape matrices of a micro-group in one call of
-            their rule where it allows (`MatrixRule.batches_matrices`); ``False`` calls it once per
-            matrix (the baseline that ``canzona bench step`` compares with).
-        devices_per_node: Ranks per node (consecutive global ranks share one), for the price of
-            a plan's gathers and scatters; ``None``: torchrun's ``LOCAL_WORLD_SIZE``, else one
-            node.
-        owner: The optimizer's name, for messages.
+        batch_matrices: Update an owner's same-shape matrices of a micro-group in one call of their
+            rule where it allows; ``False``: once per matrix (``canzona bench step``'s baseline).
+        devices_per_node: Ranks per node, to price a plan's exchanges; ``None``: torchrun's
+            ``LOCAL_WORLD_SIZE``, else one node.
     """
 
     def __init__(
@@ -175,12 +161,8 @@ class MeshEngine:
         return MatrixStateCustody(self.planned, [entry.rule for entry in self.planned.entries], state)
 
     def step(self, entries: Sequence[Entry], has_grad: Sequence[bool], state: dict[Tensor, State]) -> None:
-        """One optimizer step of ``entries`` (all on this engine's mesh).
-
-        ``has_grad`` tells, per entry, whether it has a gradient on every rank (the optimizer's
-        `agreement`). An exception of this rank's own work ends up in `failure` instead of being
-        raised.
-        """
+        """One optimizer step of ``entries`` (all on this mesh); ``has_grad`` says, per entry, whether
+        it has a gradient on every rank. An exception of this rank's own work lands in `failure`."""
         self.meter.restart()
         start = self.clock.mark()
         matrices = [entry for entry in entries if entry.rule is not None]
@@ -204,10 +186,7 @@ class MeshEngine:
         self.stats, self.failure = run.stats, run.failure
 
     def prepare(self, entries: Sequence[Entry], state: dict[Tensor, State]) -> Plan:
-        """Build the plan (sharing the layouts once) if the matrices changed, and return it.
-
-        Collective on the first call and whenever the parameter set changed.
-        """
+        """Build the plan if the matrices changed (collective then), and return it."""
         self._ensure_plan([entry for entry in entries if entry.rule is not None], state)
         assert self.planned is not None
         return self.planned.plan
@@ -226,20 +205,17 @@ class MeshEngine:
         return self.planned is not None and bool(self.custody(state).stateful_team_items())
 
     def gather_team_state(self, state: dict[Tensor, State]) -> None:
-        """Put every team's matrix state whole on its first member, as checkpoints hold it
-        (collective)."""
+        """Put every team's matrix state whole on its first member, as checkpoints hold it (collective)."""
         if self.planned is not None:
             self.custody(state).gather_team_state()
 
     def scatter_team_state(self, state: dict[Tensor, State]) -> None:
-        """Give every team's members their slices of the state its first member holds whole
-        (collective)."""
+        """Give every team's members their slices of the state its first member holds (collective)."""
         if self.planned is not None:
             self.custody(state).scatter_team_state()
 
     def load_state(self, entries: Sequence[Entry], state: dict[Tensor, State]) -> None:
-        """After ``state`` was loaded (a full checkpoint on every rank): re-read the param groups,
-        hand each team member its slices and drop what other ranks hold (collective)."""
+        """After a full checkpoint was loaded on every rank: re-plan, hand out and trim matrix state."""
         if self.planned is None:
             return
         self.prepare(entries, state)
@@ -290,9 +266,8 @@ class MeshEngine:
     def _plan(
         self, matrices: list[Entry], rules: list[MatrixRule], layouts: list[MatrixLayout]
     ) -> tuple[Plan, list[Item], tuple[tuple[int, ...], ...]]:
-        """The plan of this rank's copy of the matrices, its items, and the global rank of every
-        plan rank in each copy: one copy over the whole mesh, or under a replicated plan one per
-        HSDP replica (`planning.replication`), each planned alike over its own ranks."""
+        """The plan of this rank's copy of the matrices, its items, and each copy's global ranks: one
+        copy over the mesh, or one per HSDP replica under a replicated plan."""
         dp, tp = mesh_sizes(self.mesh)
         whole = (tuple(dist.get_global_rank(self.group, rank) for rank in range(self.world)),)
         if self.replicas is None or self.settings.policy == "sync":
@@ -331,8 +306,7 @@ class MeshEngine:
         tp: int,
         settings: PlanSettings,
     ) -> tuple[Plan, list[Item]]:
-        """The plan of ``matrices`` laid out as ``layouts`` on a ``dp × tp`` mesh, and their items
-        seen from ``rank``."""
+        """The plan of ``matrices`` laid out as ``layouts`` on ``dp × tp``, and their items from ``rank``."""
         items = build_items(matrices, layouts, rank)
         specs = [
             matrix_spec(
@@ -347,21 +321,18 @@ class MeshEngine:
         return self._local_team_members(build_plan(specs, dp, tp, settings), items), items
 
     def _priced_for(self, ranks: Sequence[int]) -> PlanSettings:
-        """The settings for a plan over the global ``ranks``, priced by whether they span nodes
-        (`planning.replication.priced_for`)."""
+        """The settings for a plan over the global ``ranks``, priced by whether they span nodes."""
         per_node = self.devices_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
         return priced_for(self.settings, len({rank // per_node for rank in ranks}) > 1)
 
     def _replica_group(self, replicas: tuple[tuple[int, ...], ...]) -> dist.ProcessGroup:
-        """The process group of this rank's replica (collective: every rank creates every
-        replica's, once)."""
+        """This rank's replica's process group (collective, once: every rank creates every replica's)."""
         if self._replica_groups is None:
             self._replica_groups = dist.new_subgroups_by_enumeration([list(ranks) for ranks in replicas])[0]
         return self._replica_groups
 
     def _local_team_members(self, plan: Plan, items: Sequence[Item]) -> Plan:
-        """``plan`` of ``items`` with each team's members on the ranks that hold their slices,
-        where members that cost alike can trade ranks (`planning.teams.local_members`)."""
+        """``plan`` with each team's members on the ranks that hold their slices, where they can trade."""
         if plan.teams is None:
             return plan
         teams = []
@@ -378,10 +349,8 @@ class MeshEngine:
         return replace(plan, teams=tuple(teams), owners=tuple(team[0] for team in teams))
 
     def _create_team_groups(self, copies: Sequence[Sequence[int]]) -> None:
-        """A process group for every set of ranks that forms a team of the plan, in each of its
-        ``copies`` (the global rank of every plan rank; one per replica under a replicated plan).
-        Collective: every rank of the job creates every group, in the same order; kept across
-        plans."""
+        """A process group for each team of the plan in each of ``copies`` (collective: every rank creates
+        every group, in the same order; kept across plans)."""
         assert self.planned is not None
         me = dist.get_rank()
         for team in sorted({team for team in self.planned.plan.teams or () if len(team) > 1}):
@@ -397,8 +366,6 @@ class MeshEngine:
 
 
 def _warn_unweighted(owner: str, dtypes: Sequence[torch.dtype]) -> None:
-    """Matmul FLOPs of different dtypes take different times, and team prices given as figures
-    say nothing of the dtypes' rates."""
     names = [str(dtype).removeprefix("torch.") for dtype in dtypes]
     warnings.warn(
         f"The param groups of this {owner} multiply in {', '.join(names)}, and team_prices are given "

@@ -1,16 +1,6 @@
-"""Where each rank's shard of a DTensor lies in the global tensor.
-
-A rank's local tensor holds, along each dimension, some *runs* of consecutive global indices, in
-local order: one run under ``Shard``, several under ``_StridedShard`` (transformers' packed
-gate/up experts give each TP rank one row block of the gate and one of the up projection). The
-local tensor is the product of its runs: a list of rectangular *pieces*, each a block of the
-global tensor and the block of the local tensor that holds it.
-
-Every rank asks DTensor itself where its indices lie (``distribute_tensor`` of index vectors,
-without communication); one ``all_gather_object`` when a plan is built shares those facts, so every
-rank knows every rank's pieces without deriving any layout by hand. The distinct pieces must tile
-the global tensor (replicas allowed); a layout that does not is rejected on every rank, naming the
-parameter and its placements.
+"""Where each rank's shard of a DTensor lies in the global tensor: a list of rectangular *pieces*,
+each a block of the global tensor, read off DTensor itself (`local_shard`) and shared once per plan
+(`exchange_layouts`). docs/architecture.md#layouts tells how.
 """
 
 from __future__ import annotations
@@ -105,20 +95,14 @@ NOTHING = LocalShard(((), ()))
 
 @dataclass(frozen=True)
 class MatrixLayout:
-    """The shards of one parameter on every rank of its group (indexed by group rank).
-
-    Attributes:
-        shape: Global shape.
-        shards: Each rank's local shard.
-    """
+    """The shards of one parameter of global ``shape`` on every rank of its group (``shards[rank]``)."""
 
     shape: tuple[int, ...]
     shards: tuple[LocalShard, ...]
 
     @cached_property
     def first_holders(self) -> dict[Block, int]:
-        """The lowest rank holding each distinct global block: it sends the block when the whole
-        matrix is gathered."""
+        """The lowest rank holding each distinct global block: the one that sends it in a gather."""
         first: dict[Block, int] = {}
         for rank, shard in enumerate(self.shards):
             for piece in shard.pieces:
@@ -146,13 +130,8 @@ def _runs(indices: Sequence[int]) -> tuple[Run, ...]:
 
 
 def planning_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh on which the parameters of ``mesh`` are planned: the mesh it was sliced from.
-
-    FSDP2 puts parameters that tensor parallelism leaves whole (the expert stacks of a bundled
-    MoE, say) on the data-parallel slice of a DP × TP mesh: each TP coordinate holds a replica.
-    Planned on the slice, every TP coordinate would compute every one of their updates; planned on
-    the whole mesh, as replicated over TP, each is computed once and sent to its replicas.
-    """
+    """The mesh on which the parameters of ``mesh`` are planned: the mesh it was sliced from, so that
+    a parameter replicated over TP has its update computed once (docs/architecture.md#one-step-on-a-mesh)."""
     root = root_mesh(mesh)
     names, root_names = mesh.mesh_dim_names, root.mesh_dim_names
     if root is mesh or not names or not root_names or not set(names) <= set(root_names):
@@ -161,8 +140,7 @@ def planning_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 
 def placements_on(param: DTensor, mesh: DeviceMesh) -> list[Placement]:
-    """``param``'s placements on ``mesh`` (its own mesh, or the mesh that was sliced into it):
-    replicated along the dimensions its own mesh lacks."""
+    """``param``'s placements on ``mesh`` (its own, or its root): replicated along the dimensions it lacks."""
     own = param.device_mesh
     if own == mesh:
         return list(param.placements)
@@ -173,15 +151,9 @@ def placements_on(param: DTensor, mesh: DeviceMesh) -> list[Placement]:
 
 
 def local_shard(param: DTensor, mesh: DeviceMesh | None = None, gathered: Collection[str] = ()) -> LocalShard:
-    """This rank's shard of ``param`` (seen on ``mesh``, by default its own), from DTensor's own
-    placement logic; with the mesh dimensions named in ``gathered`` taken as replicated (FSDP2's
-    ``"data_parallel"``: what a module computes with in its forward).
-
-    Dimension by dimension, the vector of global indices is distributed with the placements that
-    shard that dimension (the others replicated) and without communication: what stays on this
-    rank is where its indices lie, in the order of its local tensor, whatever the placements
-    (``_StridedShard`` included).
-    """
+    """This rank's shard of ``param`` seen on ``mesh`` (by default its own), with the dimensions named
+    in ``gathered`` taken as replicated (FSDP2's ``"data_parallel"``): each dimension's index vector
+    distributed by DTensor itself, without communication."""
     mesh = mesh or param.device_mesh
     names = mesh.mesh_dim_names or ()
     placements = [
@@ -225,13 +197,9 @@ def _tiles(shape: tuple[int, ...], blocks: set[Block]) -> bool:
 def exchange_layouts(
     names: Sequence[str], params: Sequence[DTensor], mesh: DeviceMesh, group: dist.ProcessGroup
 ) -> list[MatrixLayout]:
-    """Every rank's shard of every parameter, seen on ``mesh`` (see `planning_mesh`), after one
-    ``all_gather_object`` over ``group``, the ranks of ``mesh``.
-
-    Raises:
-        RuntimeError: On every rank, when ranks disagree on the parameters, or a layout does not
-            tile its global tensor or does not match a rank's local tensor.
-    """
+    """Every rank's shard of every parameter, seen on ``mesh``, after one ``all_gather_object``. Raises
+    ``RuntimeError`` on every rank when ranks disagree on the parameters, or a layout does not tile its
+    tensor or does not match a rank's local tensor."""
     mine = []
     for param in params:
         shard = local_shard(param, mesh)

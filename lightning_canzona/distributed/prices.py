@@ -1,9 +1,7 @@
 """What the planner charges for collectives and for each dtype's FLOPs, on the job's devices.
 
-`priced` turns a `PlanConfig`'s ``team_prices`` into the planner's settings: an H100's prices
-(`planning.devices.H100`) in FLOPs of the rule's dtype, figures measured on the job's own devices
-and links (`measure_team_costs`), or given figures; `flops_weights` weighs the FLOPs of rules that
-multiply in different dtypes by time.
+`priced` turns a `PlanConfig`'s ``team_prices`` into the planner's settings, `flops_weights` weighs
+the FLOPs of rules that multiply in different dtypes by time: docs/architecture.md#measured-prices.
 """
 
 from __future__ import annotations
@@ -33,20 +31,9 @@ def measure_team_costs(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.bfloat16,
 ) -> dict[str, float]:
-    """The planner's prices of collectives (`PlanSettings` ``flops_per_element`` and
-    ``flops_per_message``, and the gathers' and scatters' ``exchange_flops_per_element`` and
-    ``exchange_flops_per_message``), measured on this machine instead of the H100 defaults.
-
-    Times a square matmul in ``dtype`` (the compute rate, `_seconds_per_flop`), sums of one element
-    (latency) and of ``2²⁰`` elements (bandwidth) over ``group`` (the whole job by default: a
-    team's links are no faster), summed as teams sum ``dtype`` (`agreement.Reduction`, in
-    `rules.base.summed_dtype`: float32 for bf16), and turns the collectives into FLOPs of the
-    same time, per element of ``dtype`` (a float32 element sent is two of bf16, as
-    `rules.base.UpdateCost.team_numel` counts them). The gathers and scatters cross the same
-    links: their price per element is the same, and the measured latency is spread over the
-    peers that the planner charges an exchange a message for (`plan.estimated_step`).
-    Collective: the ranks agree on the slowest figures, so that all plan alike.
-    """
+    """The planner's prices of collectives (`PlanSettings` ``flops_per_element``, ``flops_per_message``
+    and their ``exchange_`` pair), measured over ``group`` in FLOPs of a matmul in ``dtype``.
+    Collective: the ranks agree on the slowest figures, so that all plan alike."""
     device = torch.device(device)
     matmul = _seconds_per_flop(device, dtype)
     summed = summed_dtype(dtype)
@@ -83,10 +70,7 @@ def _seconds(work: Callable[[], object], repeats: int, device: torch.device) -> 
 
 
 def _seconds_per_flop(device: torch.device, dtype: torch.dtype) -> float:
-    """Seconds per FLOP of a square matmul in ``dtype`` on ``device``: the first of 256, 512, …
-    up to `LARGEST_MATMUL` rows whose product takes `TIMED_MATMUL_SECONDS` (a rate read off a
-    fixed size would cost seconds where the dtype is slow, bf16 on a CPU without bf16
-    instructions, and be too short to time on a GPU)."""
+    """Seconds per FLOP of a square matmul in ``dtype``, at the first size that takes long enough."""
     size = 256
     while True:
         matrix = torch.randn(size, size, device=device).to(dtype)
@@ -99,11 +83,9 @@ def _seconds_per_flop(device: torch.device, dtype: torch.dtype) -> float:
 def flops_weights(
     prices: TeamPrices, group: dist.ProcessGroup, device: str, dtypes: Sequence[torch.dtype]
 ) -> dict[torch.dtype, float] | None:
-    """What one FLOP of each of ``dtypes`` (the rules' matmul dtypes) costs in FLOPs of the first
-    one's time: so that one plan weighs param groups that multiply in different dtypes by time
-    (float32 products are 14.8× slower than bf16's on an H100). From an H100's rates (``"h100"``),
-    measured on ``device`` (``"measure"``; collective: the ranks agree on the slowest rates), or
-    ``None`` where ``prices`` are given as figures, which say nothing of the dtypes' rates."""
+    """What one FLOP of each of ``dtypes`` costs in FLOPs of the first one's time, so that a plan
+    weighs param groups by time: from an H100's rates (``"h100"``), measured (``"measure"``;
+    collective), or ``None`` for prices given as figures, which say nothing of the rates."""
     if len(set(dtypes)) <= 1:
         return dict.fromkeys(dtypes, 1.0)
     if prices == "h100":
@@ -121,10 +103,9 @@ def flops_weights(
 def priced(
     settings: PlanSettings, prices: TeamPrices, group: dist.ProcessGroup, device: str, dtype: torch.dtype
 ) -> PlanSettings:
-    """``settings`` with the team prices ``prices``, in FLOPs of matrix products in ``dtype``
-    (the rule's `matmul_dtype`): ``"h100"``, the settings' own (an H100's by default) turned into
-    FLOPs of ``dtype`` for elements of ``dtype`` (`DeviceModel.repriced`); ``"measure"``,
-    measured by collectives over ``group`` on ``device``; or the given pair."""
+    """``settings`` with the team prices ``prices``, in FLOPs of matrix products in ``dtype`` (the
+    rule's `matmul_dtype`): an H100's (``"h100"``), measured over ``group`` (``"measure"``), or the
+    given pair."""
     if prices == "h100":
         return H100.repriced(settings, dtype)
     if prices == "measure":

@@ -1,22 +1,9 @@
 """One optimizer step of one mesh's matrices: prepare, gather, compute, scatter, apply.
 
-`StepRun.matrices` runs a step as the plan lays it out (docs/architecture.md#one-step-on-a-mesh):
-
-- **prepare**: each matrix's elementwise part (`MatrixRule.prepare`: Muon's momentum) on this
-  rank's shard (`prepare_matrices`), a micro-group's when its gather starts;
-- **gather**: one packed ``all_to_all_single`` sends every block of a micro-group's matrices to
-  the ranks that compute them (`MicroGroupExchange`);
-- **compute**: each owner assembles its full matrices and computes their directions
-  (`MatrixRule.direction`, same-shape matrices in one batched call), a team's members theirs
-  together (`team_collectives`);
-- **scatter**: one packed ``all_to_all_single`` returns every rank's blocks of the directions;
-- **apply**: each rank writes its blocks into its shards (`apply_matrices`).
-
-The micro-groups are pipelined (`run_pipeline`). AdamW parameters and plain tensors take the same
-per-parameter routines (`step_adamw`, `prepare_matrices`, `apply_matrices`). An exception in this
-rank's own work is kept in `StepRun.failure`; the rank joins the rest of the step's collectives
-with zeros, and the optimizer raises it on every rank
-(`agreement.GradientAgreement.raise_on_every_rank`).
+`StepRun.matrices` runs the plan's micro-groups through these phases, pipelined (`run_pipeline`):
+`MicroGroupStep` holds one group's phases, `MicroGroupExchange` its two packed all-to-alls. An
+exception in this rank's own work is kept in `StepRun.failure` while the rank joins the step's
+remaining collectives with zeros. docs/architecture.md#one-step-on-a-mesh tells the step.
 """
 
 from __future__ import annotations
@@ -74,20 +61,13 @@ class Entry:
 
 @dataclass(frozen=True)
 class Item:
-    """One matrix the plan assigns an owner: a parameter, or one matrix of a stack.
-
-    Each matrix of a ``[n, rows, cols]`` stack (mixture-of-experts experts) is planned, owned and
-    moved alone, so that an expert that FSDP2 leaves whole on one rank is updated where it lies.
-    Its matrix state (Shampoo's and SOAP's factors) lives with its owner, in its parameter's state
-    under the keys of `member_prefix`; a rule without matrix state (`MatrixRule.batches_matrices`:
-    Muon) updates an owner's same-shape matrices in one batched call.
+    """One matrix the plan assigns an owner: a parameter, or one matrix of a ``[n, rows, cols]`` stack.
 
     Attributes:
         entry: Index of the parameter among the engine's matrix entries.
-        member: Index in the stack (dim 0), or ``None`` for the whole parameter.
+        member: Index in the stack, or ``None`` for the whole parameter.
         layout: Every rank's block of this matrix.
-        local_index: This rank's index of ``member`` in its local shard (``None``: it holds none
-            of it, or the item is the whole parameter).
+        local_index: Where this rank's local shard holds ``member`` (``None``: nowhere, or no stack).
     """
 
     entry: int
@@ -111,19 +91,13 @@ def build_items(entries: Sequence[Entry], layouts: Sequence[MatrixLayout], rank:
 
 @dataclass
 class PlannedMatrices:
-    """The matrices of one mesh as planned, seen from this rank.
+    """The matrices of one mesh as planned (plan index = item index), seen from this rank.
 
     Attributes:
-        plan: The plan (plan index = item index).
-        entries: The matrix entries; replaced, not re-planned, when only the param groups are
-            new dicts (``load_state_dict``), so that hyperparameters are read from the current ones.
-        items: The matrices the plan covers.
-        first_item: Each entry's first item.
-        group: The process group of the plan's ranks: the mesh's, or this rank's HSDP
-            replica's under a replicated plan (`planning.replication`).
-        rank: This rank in ``group``.
-        replica: This rank's replica under a replicated plan (0 otherwise): each replica's
-            owners hold the same matrix state, the first replica's is the one of record.
+        entries: Replaced, not re-planned, when only the param groups are new dicts (``load_state_dict``).
+        group: The plan's ranks: the mesh's, or this rank's HSDP replica's under a replicated plan
+            (``rank`` is this rank in it).
+        replica: This rank's replica under a replicated plan (0 otherwise); the first's state is of record.
     """
 
     plan: Plan
@@ -143,13 +117,11 @@ class PlannedMatrices:
         return None if self.plan.teams is None else self.plan.teams[index]
 
     def holds_whole(self, index: int) -> bool:
-        """Whether this rank computes item ``index`` alone, and so holds its matrix state whole
-        (everyone under ``sync``)."""
+        """Whether this rank computes item ``index`` alone, and so holds its state whole (all: ``sync``)."""
         team = self.team(index)
         return team is None or team == (self.rank,)
 
     def entry_of(self, index: int) -> Entry:
-        """The entry of item ``index``."""
         return self.entries[self.items[index].entry]
 
     def key(self, index: int) -> tuple[int, int | None]:
@@ -158,11 +130,7 @@ class PlannedMatrices:
 
 
 class Clock:
-    """Marks moments of the work issued on ``device`` and measures intervals between them.
-
-    Args:
-        device: The device whose work is timed.
-    """
+    """Marks moments of the work issued on ``device``: host time on a CPU, events elsewhere."""
 
     def __init__(self, device: torch.device) -> None:
         self.on_host = device.type == "cpu"
@@ -191,7 +159,6 @@ class Intervals:
             self._events.append((start, end))  # type: ignore[arg-type]
 
     def extend(self, other: Intervals) -> None:
-        """Add ``other``'s intervals to these."""
         self._host += other._host
         self._events.extend(other._events)
 
@@ -206,13 +173,7 @@ class Intervals:
 
 
 class BufferMeter:
-    """Live and peak bytes of the tensors given to `track`.
-
-    Attributes:
-        live: Bytes of tracked tensors not yet freed.
-        peak: Largest ``live`` since the last `restart`.
-        total: Bytes tracked since the last `restart`.
-    """
+    """Live bytes of the tensors given to `track`, and their ``peak`` and ``total`` since `restart`."""
 
     def __init__(self) -> None:
         self.live = self.peak = self.total = 0
@@ -248,9 +209,7 @@ def _local_state(state: State) -> State:
 
 
 def shard_key(param: Tensor, name: str) -> str:
-    """A name for this rank's part of ``param`` (named ``name``): the same on every rank that holds
-    the same elements (its replicas, over the mesh dimensions that replicate it), different
-    on ranks that hold others."""
+    """A name for this rank's part of ``param``: the same on its replicas, different on other shards."""
     if not isinstance(param, DTensor):
         return name
     coordinate = param.device_mesh.get_coordinate() or []
@@ -260,8 +219,7 @@ def shard_key(param: Tensor, name: str) -> str:
 
 @contextmanager
 def _written(group: dict[str, Any], targets: list[Tensor], keys: list[str]) -> Iterator[list[Tensor]]:
-    """What a step updates in place for ``targets``: themselves, or under ``stochastic_rounding``
-    float32 copies of the bf16 ones, rounded into them at the end (`rules.base`)."""
+    """What a step writes: ``targets``, or under ``stochastic_rounding`` float32 copies rounded into them."""
     if not group.get("stochastic_rounding"):
         yield targets
         return
@@ -298,17 +256,9 @@ def step_adamw(
 def prepare_matrices(
     params: Sequence[Tensor], rule: MatrixRule, state: dict[Tensor, State], holds_matrix: Sequence[bool]
 ) -> list[Tensor]:
-    """``rule``'s elementwise part on this rank's parts of ``params`` (all of one param group, in
-    one call of the rule); creates the state they need.
-
-    Args:
-        params: The parameters (DTensors or plain tensors).
-        rule: Their matrix rule.
-        state: The optimizer's state.
-        holds_matrix: Per parameter, whether this rank computes the full matrix's update, and
-            so holds the matrix state (a stack's matrices create theirs when updated:
-            `member_direction`).
-    """
+    """``rule``'s elementwise part on this rank's parts of ``params`` (one param group, one call),
+    creating the state they need; ``holds_matrix`` says, per parameter, whether this rank computes its full
+    update and so holds its matrix state (a stack's matrices create theirs in `member_direction`)."""
     states = []
     for param, holds in zip(params, holds_matrix):
         param_state = state.setdefault(param, {})
@@ -327,8 +277,7 @@ def member_prefix(member: int) -> str:
 
 
 def member_direction(rule: MatrixRule, matrix: Tensor, param_state: State, member: int) -> Tensor:
-    """``rule``'s direction for matrix ``member`` of a stack, with that matrix's own matrix state
-    (kept in the stack's state under `member_prefix`, created on first use)."""
+    """``rule``'s direction for matrix ``member`` of a stack, with that matrix's own state."""
     prefix = member_prefix(member)
     part = state_part(param_state, prefix)
     if all(key == FAILURES for key in part):
@@ -339,9 +288,8 @@ def member_direction(rule: MatrixRule, matrix: Tensor, param_state: State, membe
 
 
 def full_direction(rule: MatrixRule, matrix: Tensor, param_state: State) -> Tensor:
-    """``rule``'s direction for a whole parameter: a matrix (a convolution's weight as its
-    `matrix_shape`), or a stack matrix by matrix (each with its own state, as the engine plans
-    them) unless the rule keeps no matrix state."""
+    """``rule``'s direction for a whole parameter: a matrix, or a stack matrix by matrix (each with its
+    own state) unless the rule keeps no matrix state."""
     if matrix.ndim != 3 or rule.batches_matrices:
         return rule.direction(as_matrix(matrix), param_state).reshape(matrix.shape)
     return torch.stack([member_direction(rule, m, param_state, e) for e, m in enumerate(matrix)])
@@ -355,9 +303,8 @@ def apply_matrices(
     group: dict[str, Any],
     members: Sequence[int | None] | None = None,
 ) -> None:
-    """Write ``updates`` (this rank's blocks of the full directions) into this rank's parts of
-    ``params`` (named ``names``; all of ``group``, in one call of the rule), or each into matrix
-    ``members[i]`` of its local part of a stack."""
+    """Write ``updates`` (this rank's blocks of the directions) into its parts of ``params`` (one
+    param group, one call of the rule), or each into matrix ``members[i]`` of a stack."""
     members = members or [None] * len(params)
     targets = [
         local_tensor(param) if member is None else local_tensor(param)[member]
@@ -375,16 +322,9 @@ def apply_matrices(
 class MicroGroupExchange:
     """The gather and scatter of one micro-group, seen from one rank.
 
-    Each member matrix goes to the ranks that compute it: its owner (the whole matrix), its
-    team (each member a slice, `lightning_canzona.geometry.member_blocks`), or, under
-    ``sync``, every rank (the whole matrix).
-
-    Args:
-        members: Engine indices of the group's matrices.
-        layouts: Layout of every engine matrix (indexed like ``members``' values).
-        teams: The group ranks that compute every engine matrix; ``None`` under ``sync``.
-        rank: This rank's group rank.
-        world: Group size.
+    Each member matrix goes to the ranks that compute it: its owner (whole), its team (each member a
+    slice, `geometry.member_blocks`), or every rank under ``sync`` (``teams is None``). ``members``
+    index ``layouts`` and ``teams``; ``rank`` and ``world`` are in the plan's group.
     """
 
     def __init__(
@@ -407,8 +347,7 @@ class MicroGroupExchange:
         self.scatters = teams is not None
 
         def sender(m: int, destination: int, block: Block) -> int:
-            """Who sends ``block`` of ``m`` to ``destination``: itself if it holds the block (a
-            replicated or whole-on-one-rank matrix moves nothing to it), else its lowest holder."""
+            """Who sends ``block`` of ``m`` to ``destination``: itself where it holds it, else the first."""
             if teams is not None and layouts[m].holds(destination, block):
                 return destination
             return layouts[m].first_holders[block]
@@ -482,8 +421,7 @@ class MicroGroupExchange:
     def assemble(
         self, received: Tensor, prepared: dict[int, Tensor], meter: BufferMeter
     ) -> dict[int, Tensor]:
-        """The blocks this rank computes (whole matrices, or a team member's slices), from the
-        gather's buffer and, for what this rank holds itself, its ``prepared`` shards."""
+        """The blocks this rank computes, from the gather's buffer and its own ``prepared`` shards."""
         pieces: dict[int, list[tuple[Block, Tensor]]] = {m: [] for m in self.computed}
         for m, block, chunk in _chunks(received, self.gather_recv):
             pieces[m].append((block, chunk))
@@ -505,8 +443,7 @@ class MicroGroupExchange:
         group: dist.ProcessGroup,
         meter: BufferMeter,
     ) -> tuple[Tensor, InFlight]:
-        """Start returning every rank's pieces of the computed ``directions`` (each of this rank's
-        `regions`)."""
+        """Start returning every rank's pieces of this rank's computed ``directions``."""
         pieces = (directions[m][block.slices] for ps in self.scatter_send for m, block in ps)
         send = meter.track(_packed(pieces, sum(self.scatter_send_sizes), dtype, device))
         receive = meter.track(torch.empty(sum(self.scatter_recv_sizes), dtype=dtype, device=device))
@@ -523,9 +460,8 @@ class MicroGroupExchange:
     def my_updates(
         self, received: Tensor | None, directions: dict[int, Tensor], dtype: torch.dtype
     ) -> dict[int, Tensor]:
-        """This rank's shard of each member's direction: from the scatter and, for the regions
-        it computed itself, its ``directions`` (in the scatter's ``dtype``, as if sent); or
-        (``sync``) cut out of the locally computed full directions."""
+        """This rank's shard of each member's direction: from the scatter and its own ``directions`` (in
+        ``dtype``, as if sent); under ``sync``, cut out of the full directions."""
         if received is None:
             return {
                 m: _local(shard, [(p.local, directions[m][p.block.slices]) for p in shard.pieces])
@@ -541,11 +477,7 @@ class MicroGroupExchange:
 
 
 def _packed(pieces: Iterable[Tensor], numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """One flat buffer of ``numel`` elements of ``dtype`` holding ``pieces`` in order: one
-    concatenation of them all (one batched copy on a GPU where they are contiguous and of
-    ``dtype``; it converts the dtype too), not a copy per piece from Python. A piece that is not
-    contiguous in its tensor (a team member's slice across the rows) is gathered by a copy of
-    its own first."""
+    """``pieces`` in one flat buffer of ``dtype``, by one concatenation rather than a copy per piece."""
     flat = [piece.reshape(-1) for piece in pieces]
     assert sum(piece.numel() for piece in flat) == numel, f"{len(flat)} pieces for a buffer of {numel}"
     buffer = torch.empty(numel, dtype=dtype, device=device)
@@ -562,8 +494,7 @@ def _chunks(buffer: Tensor, lists: list[list[tuple[int, Block]]]) -> Iterator[tu
 
 
 def _targets(shape: tuple[int, ...], team: tuple[int, ...] | None, world: int) -> list[tuple[int, Block]]:
-    """``(rank, block)`` for every rank that computes a matrix of ``shape``: each rank the whole
-    matrix (``sync``: ``team is None``), or each team member its slice."""
+    """``(rank, block)`` of every rank that computes a matrix: the whole (``sync``), or a member's slice."""
     if team is None:
         return [(rank, Block((0,) * len(shape), shape)) for rank in range(world)]
     return [(rank, Block(*block)) for rank, block in zip(team, member_blocks(shape, len(team)))]
@@ -581,8 +512,6 @@ def _relative(part: Block, region: Block) -> Block:
 
 
 def _local(shard: LocalShard, pieces: list[tuple[Block, Tensor]]) -> Tensor:
-    """A local shard from its pieces (flat, or of their blocks' shapes): the one piece that is
-    all of it, or the pieces placed (`_placed`)."""
     if len(pieces) == 1 and pieces[0][0].shape == shard.shape:
         return pieces[0][1].view(shard.shape)
     value = pieces[0][1]
@@ -590,11 +519,8 @@ def _local(shard: LocalShard, pieces: list[tuple[Block, Tensor]]) -> Tensor:
 
 
 def _placed(out: Tensor, pieces: list[tuple[Block, Tensor]]) -> Tensor:
-    """``out`` with each ``(block, value)`` of ``pieces`` (flat, or of the block's shape) copied
-    to its block, the blocks tiling ``out``. Blocks that each fill a run of ``out``'s memory (its
-    rows, or its stacked matrices: a slice of the first dimension they do not span) are placed
-    by one concatenation in memory order; other tilings (the columns of a row-wise
-    tensor-parallel shard) by a copy each."""
+    """``out`` with each ``(block, value)`` copied to its block: by one concatenation in memory order
+    where every block is a contiguous run of ``out``, else by a copy each."""
     if all(_contiguous_in(block, out.shape) for block, _ in pieces):
         ordered = sorted(pieces, key=lambda piece: piece[0].offset)
         torch.cat([value.reshape(-1) for _, value in ordered], out=out.view(-1))
@@ -605,8 +531,7 @@ def _placed(out: Tensor, pieces: list[tuple[Block, Tensor]]) -> Tensor:
 
 
 def _contiguous_in(block: Block, shape: Sequence[int]) -> bool:
-    """Whether ``block`` is a contiguous run of a row-major tensor of ``shape``: size 1 in every
-    dimension before some dimension, and whole in every dimension after it."""
+    """Whether ``block`` is a contiguous run of a row-major tensor of ``shape``."""
     dims = len(shape)
     first = next((d for d in range(dims) if block.shape[d] != 1), dims - 1)
     return all(block.shape[d] == shape[d] for d in range(first + 1, dims))
@@ -618,17 +543,14 @@ class StepStats:
 
     Attributes:
         step: The whole step: AdamW, preparation, the micro-group pipeline, the apply.
-        compute: The full-matrix updates this rank owns.
+        compute: The full-matrix updates this rank computes.
         wait: Blocked on gathers and scatters: communication that compute did not hide.
         matrices_computed: Full-matrix updates this rank computed.
-        decomposition_failures: Factor decompositions that failed in this step's updates (the
-            previous root or basis was kept; see `lightning_canzona.rules.kronecker`).
-        decomposition_retries: Factor decompositions of this step that failed in float32 and
-            were computed again in float64 (`lightning_canzona.rules.kronecker.decompose`).
+        decomposition_failures: Factor decompositions that failed (the previous root or basis was kept).
+        decomposition_retries: Factor decompositions that failed in float32 and were redone in float64.
         bytes_sent: Bytes this rank sent to other ranks in all-to-alls.
         all_to_alls: All-to-all collectives issued.
-        peak_buffer_bytes: Most bytes of the step's own buffers alive at once (prepared shards,
-            all-to-all buffers, full matrices, directions; `BufferMeter`).
+        peak_buffer_bytes: Most bytes of the step's own buffers alive at once (`BufferMeter`).
         team_matrices: Matrices whose update this rank computed a slice of, in a team.
         team_collectives: Collectives among team members that this rank took part in.
     """
@@ -662,20 +584,8 @@ class StepStats:
 
 @dataclass
 class StepRun:
-    """What one step of one mesh's matrices shares: the plan, the rules and state, and what the
-    step costs.
-
-    Attributes:
-        planned: The matrices as planned.
-        rules: Each matrix entry's rule.
-        state: The optimizer's state, by parameter.
-        team_groups: The process group of every team of the plan.
-        batch_matrices: Update an owner's same-shape matrices in one call where the rule allows.
-        clock: Times the step on the device.
-        meter: Counts the step's own buffers.
-        stats: What the step cost this rank.
-        failure: The first exception of this rank's own work in the step.
-    """
+    """What one step of one mesh's matrices shares: the plan, the rules and state, what the step
+    costs (``stats``) and the first exception of this rank's own work (``failure``)."""
 
     planned: PlannedMatrices
     rules: list[MatrixRule]
@@ -703,11 +613,7 @@ class StepRun:
         dtypes: Sequence[torch.dtype],
         overlap: bool,
     ) -> None:
-        """Prepare, gather, compute, scatter and apply every micro-group of the plan.
-
-        ``stepped`` tells, per matrix entry, whether it has a gradient; ``exchanges`` and
-        ``dtypes`` are each micro-group's all-to-alls and the dtype they travel in.
-        """
+        """Prepare, gather, compute, scatter and apply every micro-group (``stepped``: has a gradient)."""
         stepped_items = [stepped[item.entry] for item in self.planned.items]
         prepare = PreparedEntries(self, stepped)
         steps = [
@@ -720,10 +626,8 @@ class StepRun:
 
 
 class PreparedEntries:
-    """Each matrix entry's elementwise part on this rank's shard, run once per step, and each
-    item's piece of it: what the item's gather sends. The entries of a micro-group that are not
-    prepared yet are prepared together, one call of their rule per param group; an entry's
-    result is dropped once its last item has taken its piece."""
+    """Each matrix entry's elementwise part on this rank's shard, run once per step (a micro-group's
+    entries together, one call per param group), dropped once its last item has taken its piece."""
 
     def __init__(
         self,
@@ -778,7 +682,6 @@ class PreparedEntries:
 
 
 def _team_start(rule: MatrixRule, shape: tuple[int, ...], member: int, size: int) -> Callable[..., Any]:
-    """Starts ``rule``'s team computation of a matrix of ``shape`` on a member's slices and state."""
     return lambda matrix, state: rule.team_direction(matrix, shape, member, size, state)
 
 
@@ -787,11 +690,8 @@ def _zeros_like_each(tensors: Sequence[Tensor]) -> list[Tensor]:
 
 
 class MicroGroupStep:
-    """One micro-group's gather, compute, scatter and apply (`run_pipeline` calls them in order).
-
-    Each phase drops the buffers that later phases do not need, so that the step holds the
-    buffers of the groups in flight only, not of every group until the step ends.
-    """
+    """One micro-group's gather, compute, scatter and apply (`run_pipeline` calls them in order); each
+    phase drops the buffers that later phases do not need."""
 
     def __init__(
         self,
@@ -834,7 +734,6 @@ class MicroGroupStep:
         stats.compute.add(computing, clock.mark())
 
     def _own_batch(self, members: list[int], full: dict[int, Tensor]) -> None:
-        """The directions of one batch of matrices that this rank computes alone."""
         matrices = [full.pop(m) for m in members]
         zeros = functools.partial(_zeros_like_each, matrices)
         if self.stepped[members[0]]:
@@ -844,9 +743,7 @@ class MicroGroupStep:
             self.directions.update(zip(members, zeros()))
 
     def _team_directions(self, slices: dict[int, Tensor]) -> None:
-        """The slices of the updates that this rank computes in teams: per team, same-shape
-        matrices of a rule without matrix state in one batched computation, all teams in
-        lockstep (`distributed.team_collectives`)."""
+        """This rank's slices of the updates it computes in teams, all teams in lockstep."""
         run, planned = self.run, self.run.planned
         batches: dict[Any, list[int]] = {}
         for m in slices:
@@ -879,8 +776,7 @@ class MicroGroupStep:
         run.stats.team_collectives += collectives
 
     def _member_state(self, m: int, rule: MatrixRule, member: int, size: int, device: torch.device) -> State:
-        """This member's matrix state of team item ``m`` (created on first use), or ``{}`` for a
-        batch of a rule without matrix state."""
+        """This member's state of team item ``m`` (created on first use; ``{}`` for a stateless batch)."""
         if rule.batches_matrices:
             return {}
         item = self.run.planned.items[m]
@@ -900,8 +796,7 @@ class MicroGroupStep:
         return self.run.rules[self.run.planned.items[m].entry]
 
     def _batches(self, full: dict[int, Tensor]) -> list[list[int]]:
-        """The computed items, in batches that one call of their rule updates: matrices of the
-        same shape and rule (`MatrixRule.batches_matrices`: stacked, they are a stack), else one."""
+        """The computed items in batches for one call of their rule: same shape and rule, where it batches."""
         batches: dict[Any, list[int]] = {}
         batching = self.run.batch_matrices
         for m, matrix in full.items():
@@ -974,13 +869,11 @@ class MicroGroupStep:
 
 
 def run_pipeline(steps: Sequence[MicroGroupStep], overlap: bool) -> None:
-    """Run every micro-group's phases, pipelined when ``overlap``: the collectives are issued in
-    the same order on every rank::
+    """Run every micro-group's phases, pipelined when ``overlap``, with the collectives in the same
+    order on every rank::
 
         gather 0, gather 1, [compute 0], scatter 0, gather 2, [compute 1], scatter 1, [apply 0], …
-
-    so while group ``i`` computes, group ``i+1``'s shards travel to their owners and group
-    ``i−1``'s directions back to their shards."""
+    """
     if not overlap:
         for step in steps:
             step.launch_gather()

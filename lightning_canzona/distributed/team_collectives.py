@@ -1,20 +1,9 @@
 """Teams at work: the members of every team advance their computations in lockstep.
 
-A team computes a matrix's update together (`lightning_canzona.planning.teams`): each member runs
-the rule's generator on its slice (`MatrixRule.team_direction`), which yields what the team must
-combine. Per round, every computation of this rank yields its requests; the requests of one team
-travel packed — one sum (`agreement.Reduction`) and one all-gather of rows, per dtype — and every
-team's collectives are in flight together, so that teams on other ranks never wait for each
-other. Every member of a team runs the same computations in the same order (the plan and the
-micro-group fix them), so their packed buffers match.
-
-A computation that fails on this rank (out of memory) is started again on zeros and a scratch copy
-of its state, and fast-forwarded to the same round: the rank keeps joining its teams' collectives,
-as every rank must, and the failure is raised on every rank after the step
-(`agreement.GradientAgreement.raise_on_every_rank`).
-
-A member holds its slice of the matrix state that the rule slices (`MatrixRule.team_sliced_keys`)
-and the whole of the rest (`member_state`, `joined_state`).
+`run_teams` drives this rank's team computations of a micro-group round by round, every team's
+packed collectives in flight together; a computation that fails on this rank restarts on zeros,
+so that the rank keeps joining its teams' collectives. `member_state` and `joined_state` cut a
+matrix's state into members' slices and join it again (docs/architecture.md#teams).
 """
 
 from __future__ import annotations
@@ -58,19 +47,9 @@ class TeamGroup:
 
 @dataclass
 class TeamRun:
-    """One computation of this rank within a team.
-
-    Attributes:
-        team: The team's ranks (group ranks of the engine's mesh).
-        start: Starts the computation on an input (the member's slices) and the member's state.
-        input: The member's slices.
-        state: The member's matrix state of the matrix (empty for a rule without).
-        counters: The state's counters (Python numbers: step counts) as the computation
-            started: they decide its rounds, so a restart on zeros must begin from them.
-        computation: The running computation (``None`` before the first round).
-        answered: Rounds answered so far.
-        on_zeros: The computation failed on this rank and runs on zeros since.
-    """
+    """One computation of this rank within a team: ``start(input, state)`` makes its generator.
+    ``counters`` keeps the state's step counts as it started (they decide its rounds, so a restart on
+    zeros begins from them); ``on_zeros`` marks a run that failed on this rank."""
 
     team: tuple[int, ...]
     start: Callable[[Tensor, State], TeamComputation]
@@ -88,18 +67,9 @@ def run_teams(
     attempt: Callable[[Callable[[], object]], object],
     failed: Callable[[], bool],
 ) -> tuple[list[Tensor], int]:
-    """Drive ``runs`` to their results.
-
-    Args:
-        runs: This rank's computations, in the same order on every member of each team.
-        groups: The process group of each team.
-        attempt: Runs a callable and returns its result, or keeps its exception as this rank's
-            failure and returns ``None`` (`StepRun.attempt`).
-        failed: Whether this rank has failed in this step.
-
-    Returns:
-        Each run's result, and how many collectives this rank took part in.
-    """
+    """Drive ``runs`` (in the same order on every member of each team) to their results; return them
+    and how many collectives this rank took part in. ``attempt`` runs a callable or keeps its
+    exception as this rank's failure (`StepRun.attempt`); ``failed`` says whether this rank failed."""
     rounds: list[Round | None] = [None] * len(runs)
     results: list[Tensor | None] = [None] * len(runs)
 
@@ -172,12 +142,8 @@ def _placeholder(request: TeamRequest) -> Tensor:
 def _launch(
     rounds: Sequence[tuple[tuple[int, ...], Round]], groups: dict[tuple[int, ...], TeamGroup]
 ) -> list[tuple]:
-    """Launch the packed collectives that combine every round over its team.
-
-    Requests are packed per team, kind and the dtype they travel in (sums in `summed_dtype`: a
-    round's float32 norm and bf16 Gram matrix take one float32 collective), in the order of
-    ``rounds`` and of each round's requests, which every member of a team shares.
-    """
+    """Launch the packed collectives that combine every round over its team: one per team, kind and
+    dtype (sums in `summed_dtype`), in the order that every member shares."""
     packs: dict[tuple, list[tuple[int, int]]] = {}
     for i, (team, round_) in enumerate(rounds):
         for j, request in enumerate(round_):
@@ -241,9 +207,8 @@ def _padded_rows(request: TeamRows) -> Tensor:
 def member_state(
     whole: State, sliced: Collection[str], shape: Sequence[int], member: int, size: int
 ) -> State:
-    """Member ``member``'s matrix state in a team of ``size``: its slice (a copy) of the
-    ``sliced`` tensors of a matrix of ``shape``, the others whole; a failure count on member 0
-    only (`joined_state` adds the members' up)."""
+    """Member ``member``'s matrix state in a team of ``size``: its slice (a copy) of the ``sliced``
+    tensors, the others whole; a failure count on member 0 only."""
     offset, block = member_blocks(shape, size)[member]
     dim = long_dim(shape)
     part = {
@@ -256,9 +221,8 @@ def member_state(
 
 
 def joined_state(parts: Sequence[State], sliced: Collection[str], shape: Sequence[int]) -> State:
-    """The whole matrix state from every member's (`member_state`), in member order: the
-    ``sliced`` tensors joined, the failure counts added up (each factor is decomposed by one
-    member, which counts its failures), the rest (factors, step counters) member 0's."""
+    """The whole matrix state from every member's, in member order: the ``sliced`` tensors joined, the
+    failure counts added up, the rest member 0's."""
     dim = long_dim(shape)
     whole = {
         key: torch.cat([part[key].to(value.device) for part in parts], dim=dim) if key in sliced else value
