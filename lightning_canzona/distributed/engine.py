@@ -38,13 +38,12 @@ from lightning_canzona.distributed.runtime import (
 from lightning_canzona.distributed.team_collectives import TeamGroup
 from lightning_canzona.geometry import member_blocks
 from lightning_canzona.planning import Plan, PlanSettings, block_of, build_plan
-from lightning_canzona.planning.matrices import matrix_spec
+from lightning_canzona.planning.matrices import local_members, matrix_spec
 from lightning_canzona.planning.replication import (
     ReplicationChoice,
     choose_replication,
     priced_for,
 )
-from lightning_canzona.planning.teams import local_members
 from lightning_canzona.rules.base import MatrixRule, State
 
 

@@ -7,8 +7,7 @@ from __future__ import annotations
 import math
 
 from lightning_canzona.planning.matrices import MatrixSpec, Step
-from lightning_canzona.planning.plan import PlanSettings, member_loads, shortest_period
-from lightning_canzona.planning.schedule import averaged_over_period
+from lightning_canzona.planning.plan import PlanSettings, averaged_over_period, member_loads, shortest_period
 
 #: Classes of matrices as the team search sees them: ``(count, team size, member loads)``.
 Classes = list[tuple[int, int, tuple[float, ...]]]

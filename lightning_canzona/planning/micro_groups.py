@@ -41,7 +41,7 @@ import math
 import operator
 from collections.abc import Sequence
 
-from lightning_canzona.planning.teams import candidate_teams
+from lightning_canzona.planning.matrices import candidate_teams
 
 
 def sequential_groups(owners: Sequence[int], loads: Sequence[float], capacity: float) -> list[list[int]]:

@@ -26,9 +26,9 @@ from __future__ import annotations
 import collections
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import replace
 
-from lightning_canzona.planning import partition
 from lightning_canzona.planning.bounds import team_classes
 from lightning_canzona.planning.matrices import MatrixSpec
 from lightning_canzona.planning.micro_groups import balanced_groups, sequential_groups
@@ -177,11 +177,9 @@ def build_plan(matrices: list[MatrixSpec], dp: int, tp: int, settings: PlanSetti
         return Plan(settings, tuple(matrices), dp, tp, None, tuple(map(tuple, groups)), capacity)
     capacity = _capacity(settings, loads, sum(loads) / num_ranks)
     if settings.policy == "round_robin":
-        return _fixed_owner_plan(
-            settings, matrices, dp, tp, partition.round_robin(loads, num_ranks), capacity
-        )
+        return _fixed_owner_plan(settings, matrices, dp, tp, round_robin(loads, num_ranks), capacity)
     if settings.policy == "lpt":
-        owners = partition.longest_processing_time(loads, num_ranks)
+        owners = longest_processing_time(loads, num_ranks)
         return _fixed_owner_plan(settings, matrices, dp, tp, owners, capacity)
     # The greedy choice of teams is myopic: with and without the pair bound it can take other
     # paths, and it splits classes alike; those, the overflow's splits and the searched sizes
@@ -222,6 +220,30 @@ def build_plan(matrices: list[MatrixSpec], dp: int, tp: int, settings: PlanSetti
         shortens = step <= gain * whole_step
         plan = plan if (packs or shortens) and step <= whole_step else replace(whole, settings=settings)
     naive = _fixed_owner_plan(
-        settings, matrices, dp, tp, partition.round_robin(loads, num_ranks), capacity, fell_back=True
+        settings, matrices, dp, tp, round_robin(loads, num_ranks), capacity, fell_back=True
     )
     return plan if plan.average_makespan() <= naive.average_makespan() else naive
+
+
+# Owner assignment
+#
+# Owner assignment: which rank updates which matrix, for every policy but ``sync``.
+#
+# All functions are pure and deterministic: ties go to the lower index, so every rank computes the
+# same assignment from the same inputs without talking to the others.
+
+
+def round_robin(loads: Sequence[float], num_ranks: int) -> list[int]:
+    """Owner ``i mod R`` in model order: the layer-wise baseline, blind to cost."""
+    return [index % num_ranks for index in range(len(loads))]
+
+
+def longest_processing_time(loads: Sequence[float], num_ranks: int) -> list[int]:
+    """Largest load first onto the least-loaded rank (Graham's LPT, within 4/3 of optimal)."""
+    owners = [0] * len(loads)
+    rank_loads = [0.0] * num_ranks
+    for index in sorted(range(len(loads)), key=lambda i: (-loads[i], i)):
+        rank = min(range(num_ranks), key=lambda r: (rank_loads[r], r))
+        owners[index] = rank
+        rank_loads[rank] += loads[index]
+    return owners

@@ -25,7 +25,7 @@ class PlanReport:
         lower_bound: ``max(largest matrix, total / ranks)``: no plan of whole matrices does
             better.
         ideal: ``total / ranks``: the whole matrices' cost perfectly divided, which only teams
-            (`lightning_canzona.planning.teams`) can approach once a matrix exceeds it.
+            (`lightning_canzona.planning.matrices`) can approach once a matrix exceeds it.
         team_bound: No plan whose teams have at most the settings' ``max_team`` ranks does
             better, at the settings' prices of their collectives
             (`lightning_canzona.planning.bounds.team_bound`); at least the ideal.

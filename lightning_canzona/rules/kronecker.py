@@ -4,7 +4,7 @@ For gradients ``G`` of shape ``(…, m, n)`` the left factor ``L`` (``m × m``) 
 (``n × n``) are exponential moving averages of ``GGᵀ`` and ``GᵀG``. A side longer than
 ``max_precond_dim`` gets no factor: the rule leaves that side unpreconditioned (identity).
 
-Teams (`lightning_canzona.planning.teams`) slice a matrix along its long side, and the update
+Teams (`lightning_canzona.planning.matrices`) slice a matrix along its long side, and the update
 splits exactly. The short side's factor is a sum over the slices (``GᵀG = Σ GᵢᵀGᵢ``), whole on
 every member. The moments and the one-sided products by the short side's companion are the
 slices' own. A factor on the long side is held in rows: a member's rows of ``GGᵀ`` are

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from lightning_canzona.geometry import member_blocks, split_sizes
 from lightning_canzona.planning import PlanSettings, build_plan, describe, policies, report
 from lightning_canzona.planning.bounds import team_bound
-from lightning_canzona.planning.matrices import MatrixSpec
+from lightning_canzona.planning.matrices import TEAM_SIZES, MatrixSpec, candidate_teams, local_members
 from lightning_canzona.planning.micro_groups import balanced_groups, least_busy_block
 from lightning_canzona.planning.plan import estimated_step
 from lightning_canzona.planning.policies import STATE_BALANCE, STEP_TOLERANCE, team_plan
@@ -24,7 +24,6 @@ from lightning_canzona.planning.team_search import (
     sizes_of,
     team_sizes,
 )
-from lightning_canzona.planning.teams import TEAM_SIZES, candidate_teams, local_members
 from lightning_canzona.rules.base import UpdateCost
 from lightning_canzona.rules.muon import MuonRule
 from lightning_canzona.rules.newton_schulz import (

@@ -10,10 +10,10 @@ import torch
 
 from lightning_canzona.planning.bounds import team_bound
 from lightning_canzona.planning.devices import DeviceModel
+from lightning_canzona.planning.matrices import TEAM_SIZES
 from lightning_canzona.planning.plan import PlanSettings, ideal_load
 from lightning_canzona.planning.policies import build_plan
 from lightning_canzona.planning.report import report
-from lightning_canzona.planning.teams import TEAM_SIZES
 from lightning_canzona.rules import MatrixRule
 from lightning_canzona.tools.plan.analysis import Scenario, analyse
 from lightning_canzona.tools.plan.model_matrices import (

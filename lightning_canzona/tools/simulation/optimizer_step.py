@@ -26,8 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from lightning_canzona.planning.devices import DeviceModel
-from lightning_canzona.planning.plan import Plan
-from lightning_canzona.planning.schedule import averaged_over_period, pipelined_time, sequential_time
+from lightning_canzona.planning.plan import Plan, averaged_over_period, pipelined_time, sequential_time
 from lightning_canzona.rules.base import UpdateCost
 from lightning_canzona.tools.simulation.traffic import Exchange, Traffic, traffic
 
