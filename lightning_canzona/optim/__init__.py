@@ -1,4 +1,4 @@
-"""Matrix optimizers: per-matrix rules, Newton–Schulz, and the optimizer classes."""
+"""Matrix optimizers: the optimizer classes and their param groups."""
 
 from lightning_canzona.optim.optimizer import MatrixOptimizer
 from lightning_canzona.optim.optimizers import SOAP, Muon, NorMuon, Shampoo

@@ -1,9 +1,4 @@
-"""How a strategy takes the user's optimizer: `bind_optimizer`.
-
-A lightning_canzona optimizer adopts the strategy's `PlanConfig` (or keeps its own: two different
-ones are an error); a ``torch.optim.Muon`` becomes a `lightning_canzona.Muon`, group for group,
-with its learning-rate schedulers re-pointed at it. Shared by every strategy of the package.
-"""
+"""How a strategy takes the user's optimizer: `bind_optimizer`."""
 
 from __future__ import annotations
 
@@ -26,12 +21,7 @@ def bind_optimizer(
     schedulers: Sequence[LRScheduler] = (),
     source: str = "CanzonaStrategy",
 ) -> tuple[Optimizer, str | None]:
-    """``optimizer`` as the strategy ``source`` runs it, and a line to tell the user, if any.
-
-    A `MatrixOptimizer` adopts ``config`` where one is given (`MatrixOptimizer.adopt_plan_config`);
-    a ``torch.optim.Muon`` is converted (`convert_torch_muon`) and ``schedulers`` built on it are
-    re-pointed; any other optimizer is returned as it is.
-    """
+    """``optimizer`` as the strategy ``source`` runs it, and a line to tell the user, if any."""
     if isinstance(optimizer, MatrixOptimizer):
         if config is not None:
             optimizer.adopt_plan_config(config, source)
@@ -54,14 +44,7 @@ def is_torch_muon(optimizer: Optimizer) -> bool:
 
 
 def convert_torch_muon(optimizer: Optimizer, module: nn.Module, config: PlanConfig | None = None) -> Muon:
-    """A `Muon` with ``optimizer``'s param groups, one to one, and their hyperparameters.
-
-    `Muon` takes ``torch.optim.Muon``'s keywords with the same meaning, and computes in bfloat16 as
-    it does (not `Muon`'s ``"auto"``). Groups keep their order and every key (a scheduler's
-    ``initial_lr`` among them), so a learning-rate scheduler built on ``optimizer`` drives the new
-    one once re-pointed at it, and ``param_groups[i]`` edits keep working. Parameters are named
-    after ``module``'s.
-    """
+    """A `Muon` with ``optimizer``'s param groups, one to one, every key kept, in bfloat16 as torch's."""
     names = {id(param): name for name, param in module.named_parameters()}
     groups = [
         {
@@ -75,12 +58,6 @@ def convert_torch_muon(optimizer: Optimizer, module: nn.Module, config: PlanConf
 
 
 def repoint_scheduler(scheduler: LRScheduler, optimizer: Optimizer) -> None:
-    """Make ``scheduler`` drive ``optimizer`` (the conversion of the one it was built on).
-
-    The scheduler's groups are the optimizer's groups one to one, so its state carries over. Its
-    check that ``optimizer.step()`` runs before ``scheduler.step()`` watches a wrapper that
-    ``LRScheduler.__init__`` put on the old optimizer's ``step``; the same marks go on the new one,
-    or every run would warn that the order is wrong.
-    """
+    """Make ``scheduler`` drive ``optimizer``, with the step-order marks ``LRScheduler`` puts on it."""
     scheduler.optimizer = optimizer
     track_optimizer_steps(optimizer)

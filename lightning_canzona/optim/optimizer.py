@@ -1,12 +1,4 @@
-"""The base of ``Muon``, ``Shampoo`` and ``SOAP``: one optimizer for matrix and AdamW groups.
-
-Lightning's automatic optimization steps a single optimizer, so the weight matrices and everything
-else (embeddings, output head, norms, biases) live in one `torch.optim.Optimizer`. Each param
-group carries an ``"algorithm"``: the optimizer's matrix rule (``"muon"``, ``"shampoo"``, ``"soap"``)
-or ``"adamw"``. A group given without one is split by dimensionality: tensors with two or more
-dimensions take the matrix rule, the rest AdamW. `lightning_canzona.matrix_param_groups`
-splits a module more carefully (embeddings and output heads go to AdamW).
-"""
+"""The base of the optimizers: matrix groups by a `MatrixRule`, the rest by AdamW, in one optimizer."""
 
 from __future__ import annotations
 
@@ -46,13 +38,7 @@ PLAN_FIELDS = frozenset(f.name for f in fields(PlanConfig))
 
 
 class MatrixOptimizer(Optimizer):
-    """An optimizer whose matrix groups follow a `MatrixRule` and the rest AdamW.
-
-    Subclasses name their algorithm and declare their hyperparameter defaults; `matrix_rule`
-    builds the rule from a param group (by default `rule`'s `MatrixRule.from_group`), which is how
-    per-group settings take effect. A matrix group may declare ``row_blocks`` (``n`` equal blocks
-    or the blocks' row sizes): its fused weights are then updated block by block (`rule_of`,
-    `lightning_canzona.rules.blocks`).
+    """An optimizer whose matrix groups follow a `MatrixRule` (`rule`, `matrix_rule`) and the rest AdamW.
 
     Args:
         params: Tensors, ``(name, tensor)`` pairs or param-group dicts.
@@ -61,17 +47,9 @@ class MatrixOptimizer(Optimizer):
         adamw_betas: AdamW's ``(β₁, β₂)``.
         adamw_eps: AdamW's ε.
         adamw_weight_decay: AdamW's decoupled weight decay; ``None`` takes ``weight_decay``.
-        check_finite: Raise `FloatingPointError` naming the parameter when a gradient holds
-            NaN or Inf, instead of writing it into the weights. Costs a fused norm of the
-            gradients per step, read with the step's one host sync.
-        stochastic_rounding: Write each step into bf16 parameters rounded up or down at random
-            (unbiased), from a float32 computation of the decay and the step, instead of
-            rounding each operation to nearest as ``torch.optim`` does: bf16 weights then follow
-            updates below their precision on average (`lightning_canzona.rules.base`).
-            Other dtypes are unaffected.
-        plan: How the matrix updates of DTensor parameters are planned and run (`PlanConfig`);
-            ``None``: the defaults, or the strategy's ``plan`` when it gives one
-            (`adopt_plan_config`).
+        check_finite: Raise `FloatingPointError`, naming the parameter, for a NaN or Inf gradient.
+        stochastic_rounding: Round each step into bf16 parameters stochastically (unbiased).
+        plan: How DTensor parameters' updates are planned (`PlanConfig`); ``None``: the strategy's.
     """
 
     #: The value of ``param_groups[i]["algorithm"]`` for the matrix groups.
@@ -129,10 +107,7 @@ class MatrixOptimizer(Optimizer):
 
     @classmethod
     def check_keywords(cls, keywords: Iterable[str]) -> None:
-        """Raise a `TypeError` naming this class for a keyword it does not take, with the nearest
-        one: the class the user called, not this base, where a subclass's ``**kwargs`` end up.
-        (A model that receives an optimizer's settings can check them before any rank starts.)
-        """
+        """Raise a `TypeError` naming this class and the nearest keyword for one it does not take."""
         own = [n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "params", "kwargs")]
         shared = [
             name
@@ -156,13 +131,9 @@ class MatrixOptimizer(Optimizer):
         )
 
     def adopt_plan_config(self, config: PlanConfig, source: str) -> None:
-        """Take ``config`` (that of ``source``, a strategy) as this optimizer's plan configuration.
+        """Take the strategy ``source``'s ``config`` as this optimizer's plan configuration.
 
-        Raises:
-            ValueError: This optimizer was given a different one: the two would otherwise
-                silently disagree. Give it in one place.
-            RuntimeError: The optimizer has planned already (it stepped before the strategy
-                took it).
+        Raises `ValueError` if this optimizer was given a different one, `RuntimeError` once it planned.
         """
         if config == self.plan_config:
             return
@@ -184,24 +155,17 @@ class MatrixOptimizer(Optimizer):
         self.plan_config = config
 
     def matrix_rule(self, group: dict[str, Any]) -> MatrixRule:
-        """The rule for a matrix group, built from the group's hyperparameters: `rule`'s, read by
-        its `MatrixRule.from_group` (a subclass may build its rule otherwise)."""
+        """The rule for a matrix group, built from its settings (`MatrixRule.from_group` of `rule`)."""
         return self.rule.from_group(group)
 
     def rule_of(self, group: dict[str, Any]) -> MatrixRule:
-        """The rule that updates a matrix group's matrices: `matrix_rule`, applied block by
-        block where the group declares ``row_blocks`` (see `lightning_canzona.rules.blocks`)."""
+        """The rule of a matrix group: `matrix_rule`, block by block where it declares ``row_blocks``."""
         rule = self.matrix_rule(group)
         spec = group.get("row_blocks")
         return rule if spec is None else RowBlockRule(rule, as_row_blocks(spec))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group; without an ``"algorithm"`` it is split into matrix and AdamW groups.
-
-        A group without a ``"name"`` is named for its algorithm (``"muon"``, ``"adamw"``, then
-        ``"muon-2"``…), which logs show (Lightning's ``LearningRateMonitor``: ``lr-Muon/adamw``);
-        the parts of a named group that is split take the name and their algorithm.
-        """
+        """Add a group, split into matrix and AdamW groups without an ``"algorithm"``, and name it."""
         if "algorithm" not in param_group:
             params = param_group["params"]
             params = [params] if isinstance(params, Tensor) else list(params)
@@ -249,10 +213,7 @@ class MatrixOptimizer(Optimizer):
             group["name"] = next(name for name in names if name not in taken)
 
     def _misplaced_parameter(self, group: dict[str, Any], index: int) -> str | None:
-        """Why a parameter of ``group`` cannot be updated by it, or ``None``.
-
-        It reads global shapes only, so every rank finds the same answer before any collective.
-        """
+        """Why a parameter of ``group`` cannot be updated by it, or ``None``; from global shapes alone."""
         spec = group.get("row_blocks")
         matrices = group["algorithm"] != ADAMW
         for position, param in enumerate(group["params"]):
@@ -287,14 +248,7 @@ class MatrixOptimizer(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One optimization step; ``closure`` re-evaluates the loss with gradients enabled.
-
-        Every gradient is checked on every rank before any parameter changes (`agreement`): the
-        step's one read of the device. An error in the step's own work on some rank lets the
-        step's collectives finish and is raised on every rank by the next agreement, before the
-        next step (or clipping) changes anything, or before a checkpoint is written; in a single
-        process, at once.
-        """
+        """One optimization step; an error on any rank is raised on every rank before anything changes."""
         if self.qk_clip is not None and self.qk_clip_runtime is None:  # the same on every rank
             raise RuntimeError(
                 f"{type(self).__name__}(qk_clip=...) needs the model's attention layers: train with "
@@ -356,10 +310,7 @@ class MatrixOptimizer(Optimizer):
             apply_matrices(params, param_names, rule, directions, group)
 
     def plans(self) -> dict[Any, Plan]:
-        """The plan of every device mesh of the DTensor parameters, built now if need be.
-
-        Collective: every rank must call it (it shares the shards' layouts once).
-        """
+        """The plan of every device mesh of the DTensor parameters, built now if need be (collective)."""
         return {
             mesh: self._engine(mesh).prepare(entries, self.state)
             for mesh, entries in self._distributed_entries().items()
@@ -375,8 +326,7 @@ class MatrixOptimizer(Optimizer):
         }
 
     def owner_held_state(self) -> list[tuple[Tensor, dict[str, Tensor]]]:
-        """``(param, matrix state)`` of every matrix this rank owns (empty under ``sync``), as a
-        state dict holds it (counters as tensors: `lightning_canzona.rules.counters`)."""
+        """``(param, matrix state)`` of every matrix this rank owns, counters as tensors."""
         return [
             (param, counters.saved(matrix_state))
             for engine in self.engines.values()
@@ -385,13 +335,7 @@ class MatrixOptimizer(Optimizer):
 
     @contextlib.contextmanager
     def whole_team_state(self) -> Iterator[None]:
-        """Within the block, the matrix state of every matrix that a team computes is held whole
-        by the team's first member, as checkpoints hold it; after it, in slices again.
-
-        Collective: every rank must enter and leave it together (saving and loading a
-        checkpoint do). A failure of the latest step, which the next step would raise, is raised
-        first: a checkpoint never holds a failed step's state (`GradientAgreement.settle`).
-        """
+        """Within the block, each team's matrix state is whole on its first member (collective)."""
         self.agreement.settle()
         self.gather_team_state()
         try:
@@ -400,13 +344,11 @@ class MatrixOptimizer(Optimizer):
             self.scatter_team_state()
 
     def splits_matrix_state(self) -> bool:
-        """Whether a plan has teams whose members hold slices of a matrix's state (Shampoo's
-        and SOAP's; Muon's teams hold none)."""
+        """Whether a plan has teams whose members hold slices of a matrix's state."""
         return any(engine.splits_matrix_state(self.state) for engine in self.engines.values())
 
     def gather_team_state(self) -> None:
-        """Put every team's matrix state whole on its first member (collective; see
-        `whole_team_state`); the next step or load hands it out again (`scatter_team_state`)."""
+        """Put every team's matrix state whole on its first member (collective)."""
         for engine in self.engines.values():
             engine.gather_team_state(self.state)
 
@@ -416,8 +358,7 @@ class MatrixOptimizer(Optimizer):
             engine.scatter_team_state(self.state)
 
     def _distributed_entries(self) -> dict[Any, list[Entry]]:
-        """The DTensor parameters by the mesh they are planned on (`planning_mesh`), in
-        param-group order (the same on every rank), each with its group's rule (built once)."""
+        """The DTensor parameters by planning mesh, in param-group order, each with its group's rule."""
         distributed: dict[Any, list[Entry]] = {}
         for index, group in enumerate(self.param_groups):
             rule = None
@@ -430,8 +371,7 @@ class MatrixOptimizer(Optimizer):
         return distributed
 
     def plan_settings(self) -> PlanSettings:
-        """The planner's settings from `plan_config`, before its team prices are applied
-        (`distributed.prices.priced`), with `locality`."""
+        """The planner's settings from `plan_config`, before team prices, with `locality`."""
         return replace(self.plan_config.settings(), locality=self.locality)
 
     def _engine(self, mesh: Any) -> MeshEngine:
@@ -449,14 +389,7 @@ class MatrixOptimizer(Optimizer):
         return self.engines[mesh]
 
     def __getstate__(self) -> dict[str, Any]:
-        """Every attribute, for `copy.deepcopy` and pickling (``torch.optim.Optimizer`` keeps its
-        own three and would drop this class's settings); like torch's, without the hooks.
-
-        Raises:
-            TypeError: The optimizer has planned its step over a process group, or QK-clip is
-                attached to a model: a copy would share the plan's process groups or clip the
-                original's weights. Copy its ``state_dict()`` into a new optimizer instead.
-        """
+        """Every attribute but the hooks; a `TypeError` once planned over a process group or clipping."""
         bound = "planned its step over a process group" if self.engines else None
         if self.qk_clip_runtime is not None:
             bound = "QK-clip attached to a model's attention layers"
@@ -471,17 +404,14 @@ class MatrixOptimizer(Optimizer):
         return {key: value for key, value in vars(self).items() if key not in hooks}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """torch's, without the ``differentiable`` default it adds, which these optimizers do not
-        take (it would reach every param group loaded or added after)."""
+        """torch's, without the ``differentiable`` default it adds."""
         declared = "differentiable" in state.get("defaults", getattr(self, "defaults", {}))
         super().__setstate__(state)
         if not declared:
             self.defaults.pop("differentiable", None)
 
     def state_dict(self) -> dict[str, Any]:
-        """``torch.optim.Optimizer.state_dict``, with each counter a 0-dim tensor, as checkpoints
-        have always held them (the running state holds Python numbers:
-        `lightning_canzona.rules.counters`)."""
+        """``torch.optim.Optimizer.state_dict``, with each counter a 0-dim tensor."""
         state_dict = super().state_dict()
         state_dict["state"] = {
             key: counters.saved(state) if isinstance(state, dict) else state
@@ -490,14 +420,7 @@ class MatrixOptimizer(Optimizer):
         return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load state, keeping each state tensor in the dtype it was saved with, and each counter
-        a Python number on the host.
-
-        ``torch.optim.Optimizer`` casts floating-point state to the parameter's dtype, which would
-        truncate float32 Kronecker factors and eigenbases of bf16 parameters, and moves every
-        tensor but ``"step"`` to the parameter's device, where every read of a counter would wait
-        for it.
-        """
+        """Load state, each tensor in the dtype it was saved with, each counter a Python number."""
         names = [group.get("name") for group in self.param_groups]
         super().load_state_dict(state_dict)
         # Each counter from the state dict's (host) tensor, its parameter found as torch finds

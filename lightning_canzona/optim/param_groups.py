@@ -1,9 +1,4 @@
-"""Split a module's parameters into a matrix group and an AdamW group.
-
-Matrix rules are for the hidden layers' weight matrices. Embeddings, the output head, norms, biases
-and other 1-D tensors are better served by AdamW (Jordan et al., 2024; Liu et al., 2025): an
-embedding's rows are independent lookups, not a linear map, and the head's rows are per-token.
-"""
+"""Split a module's parameters into matrix groups and an AdamW group (`matrix_param_groups`)."""
 
 from __future__ import annotations
 
@@ -30,44 +25,19 @@ def matrix_param_groups(
     elementwise: Sequence[str] = (),
     row_blocks: Mapping[str, int | Sequence[int]] | None = None,
 ) -> list[dict[str, Any]]:
-    """Param groups for `lightning_canzona.Muon`, ``Shampoo`` or ``SOAP``.
-
-    By default these are matrices: the weights of ``nn.Linear`` layers and of ``transformers``'
-    ``Conv1D`` (GPT-2's linear layers, stored transposed), except an output head (a layer whose
-    own name is one of `HEAD_NAMES`), a router (`ROUTER_NAMES`) and a weight tied to an
-    ``nn.Embedding``; and the 3-D stacks
-    of mixture-of-experts layers (``[experts, rows, cols]``, in a module named ``experts`` or whose
-    class name ends in ``Experts``), which the matrix rule updates expert by expert. Every other
-    trainable parameter goes to AdamW, routers among them. Patterns (``fnmatch`` on the parameter's qualified
-    name, e.g. ``"*.experts.*"``) override the default; ``elementwise`` wins over ``matrix``.
-
-    Fused weights are split by rows (see `lightning_canzona.rules.blocks`): ``row_blocks`` maps
-    patterns to ``n`` equal row blocks (per head: the number of heads) or to the blocks' row sizes
-    (``(q_rows, k_rows, v_rows)`` for a fused QKV). By default a fused expert gate/up stack
-    (`GATE_UP_NAME`, ``[experts, 2·inner, hidden]`` beside a ``down_proj`` of
-    ``[experts, hidden, inner]``: gate rows, then up rows) is split into its halves, as a dense
-    model's separate ``gate_proj`` and ``up_proj`` are two matrices; ``{"*.gate_up_proj": 1}`` keeps
-    it whole. A stack stored the other way round (``[experts, hidden, 2·inner]``, Llama 4, and
-    GPT-OSS's interleaved columns) has no row halves and is left whole.
+    """Param groups for `lightning_canzona.Muon`, ``NorMuon``, ``Shampoo`` or ``SOAP`` (docs/models.md).
 
     Args:
-        module: The model.
-        matrix: Patterns of parameters to update with the matrix rule (e.g. 3-D expert stacks).
-        elementwise: Patterns of parameters to update with AdamW.
-        row_blocks: Patterns of matrices to update block by block, with their blocks; ``1`` keeps
-            a matrix whole. A parameter matched by patterns with different blocks is an error.
+        module: The model: linear weights (not heads, routers, tied ones) and expert stacks are matrices.
+        matrix: ``fnmatch`` patterns of parameters to update with the matrix rule.
+        elementwise: Patterns of parameters to update with AdamW (they win over ``matrix``).
+        row_blocks: Patterns of matrices to update block by block, with their blocks; ``1``: whole.
 
     Returns:
-        ``[{"params": [(name, param), …]}, {"params": [(name, param), …], "row_blocks": blocks}, …,
-        {"params": [(name, param), …], "algorithm": "adamw"}]``: the matrices, then one group per
-        distinct ``row_blocks``, then AdamW's, leaving out an empty group. Named entries let errors
-        name the parameter. A group may span device meshes (a 2-D DP×TP mesh and its 1-D DP
-        slice, say): the engine plans a mesh and its slices as one
-        (`lightning_canzona.distributed.layout.planning_mesh`).
+        The matrix group, one group per distinct ``row_blocks``, then the AdamW group, none empty.
 
     Raises:
-        ValueError: A ``row_blocks`` pattern matches no parameter or a parameter that is not a
-            matrix, or a parameter's patterns disagree.
+        ValueError: A ``row_blocks`` pattern matches nothing or a non-matrix, or patterns disagree.
     """
     embedding_weights = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
     default_matrices: set[int] = set()
@@ -128,13 +98,7 @@ def _row_blocks(
 
 
 def _fused_gate_up(module: nn.Module, matrices: list[tuple[str, nn.Parameter]]) -> list[str]:
-    """The fused expert gate/up stacks among ``matrices`` whose rows are gate, then up.
-
-    ``gate_up_proj`` is ``[E, 2·inner, hidden]`` when its rows are twice its sibling ``down_proj``'s
-    columns and its columns are ``down_proj``'s rows (``[E, hidden, inner]``). The transposed
-    layout (``[E, hidden, 2·inner]`` with ``down_proj`` ``[E, inner, hidden]``) never passes: its
-    rows would have to equal twice themselves.
-    """
+    """The fused expert gate/up stacks among ``matrices`` whose rows are gate, then up."""
     matrix_names = {name for name, _ in matrices}
     fused = []
     for prefix, child in module.named_modules():

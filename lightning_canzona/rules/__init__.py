@@ -1,8 +1,4 @@
-"""Per-matrix update rules (pure math on full matrices) and elementwise AdamW.
-
-`MatrixRule`, `UpdateCost`, `State` and `matrix_dims` are the public interface of a rule written
-outside the package (docs: "Write your own matrix optimizer").
-"""
+"""Per-matrix update rules and elementwise AdamW; `MatrixRule` and `UpdateCost` are a rule's contract."""
 
 from lightning_canzona.rules.adamw import adamw_step, init_adamw_state
 from lightning_canzona.rules.base import MatrixRule, State, UpdateCost, matrix_dims

@@ -1,13 +1,4 @@
-"""AdamW for every parameter that is not a weight matrix (Loshchilov & Hutter, 2019).
-
-Purely elementwise, so it runs on shards as they lie (DTensor or plain) and needs no owner::
-
-    W ← W·(1 − γλ)
-    M ← β₁·M + (1 − β₁)·G          V ← β₂·V + (1 − β₂)·G⊙G
-    W ← W − γ/(1 − β₁ᵗ) · M / (√V / √(1 − β₂ᵗ) + ε)
-
-This is ``torch.optim.AdamW``'s single-tensor algorithm, operation for operation.
-"""
+"""AdamW for every parameter that is not a weight matrix: ``torch.optim.AdamW``'s algorithm, on shards."""
 
 from __future__ import annotations
 
@@ -28,7 +19,7 @@ ALGORITHM = "adamw"
 
 
 def init_adamw_state(param: Tensor) -> State:
-    """Step counter (a Python number: see `lightning_canzona.rules.counters`) and both moments."""
+    """Step counter (a Python number) and both moments."""
     return {
         "step": 0.0,
         "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
@@ -46,14 +37,7 @@ def adamw_step(
     eps: float,
     weight_decay: float,
 ) -> None:
-    """One AdamW step of each of ``params`` in place (one param group's hyperparameters); counts
-    the step in each of ``states``.
-
-    The operations are ``torch.optim.AdamW``'s single-tensor ones, in the same order, each applied
-    to all the tensors by one ``torch._foreach_*`` call: one kernel launch per operation instead
-    of one per operation and parameter (the hundreds of norms and biases of an LLM), with the
-    same result bit for bit, bf16 and fp16 tensors included (`rules.base.scale_`).
-    """
+    """One AdamW step of ``params`` in place, ``torch.optim.AdamW``'s operations as one foreach call each."""
     if not params:
         return
     beta1, beta2 = betas

@@ -1,24 +1,10 @@
-"""The contract every matrix update rule fulfils, and the cost it reports to the planner.
+"""The contract of a matrix update rule (`MatrixRule`), and the cost it reports (`UpdateCost`).
 
-A rule splits one optimizer step of a weight matrix ``W`` (or a stack of them) into three parts, so
-that the distributed engine can run the cheap elementwise parts where the shards live and the
-expensive matrix part once, on one owner, on the whole matrix:
-
-1. `MatrixRule.prepare` — elementwise, on any shard: gradient → the matrix the rule needs
-   (Muon's Nesterov momentum; the plain gradient for Shampoo and SOAP).
-2. `MatrixRule.direction` — on the full matrix: that matrix → the update direction ``D``,
-   reading and writing the owner-held matrix state.
-3. `MatrixRule.apply` — elementwise, on any shard: ``W ← W·(1 − lr·λ) − lr·s(shape)·D`` with
-   decoupled weight decay ``λ`` and the rule's learning-rate scale ``s``.
-
-The elementwise parts take lists: an LLM has hundreds of matrices, and one ``torch._foreach_*``
-call per operation for all of a param group's shards costs one call where a loop costs hundreds
-(the same operations on each tensor).
-
-Below the contract: how rules write updates into parameters (rounded to nearest once per
-operation as ``torch.optim`` does, or stochastically: `StochasticRounding`), and the IEEE float32
-products their float32 math runs with whatever torch's TF32 switch says (`ieee_float32_products`).
-docs/optimizers.md explains both (*Low-precision weights*, *Float32 products and TF32*).
+A rule splits a step in three: `MatrixRule.prepare` (elementwise, on shards), `MatrixRule.direction`
+(the whole matrix, on its owner) and `MatrixRule.apply` (elementwise, on shards). Below the
+contract: writing updates into parameters (`scale_`, `StochasticRounding`) and IEEE float32
+products under TF32 (`ieee_float32_products`). docs/own-optimizer.md and docs/optimizers.md
+explain them.
 """
 
 from __future__ import annotations
@@ -69,8 +55,7 @@ def note_retry() -> None:
 
 
 def state_part(state: State, prefix: str) -> State:
-    """The part of ``state`` kept under keys that start with ``prefix`` (the prefix removed), with
-    the parameter's shared failure count: the state of one block, or one matrix of a stack."""
+    """The part of ``state`` under ``prefix`` (prefix removed), with the shared failure count."""
     part = {key[len(prefix) :]: value for key, value in state.items() if key.startswith(prefix)}
     if FAILURES in state:
         part[FAILURES] = state[FAILURES]
@@ -85,23 +70,19 @@ def store_state_part(state: State, prefix: str, part: State) -> None:
 
 @dataclass(frozen=True)
 class TeamSum:
-    """A partial result that the members of a team add up; each receives the sum (in the
-    partial result's dtype, added in `summed_dtype`)."""
+    """A partial result that a team's members add up; each receives the sum."""
 
     tensor: Tensor
 
 
 def summed_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype in which a team adds `TeamSum` tensors of ``dtype``: half precision in float32,
-    on every backend (NCCL would add ``k`` members' bf16 Gram matrices in bf16, rounding ``k − 1``
-    times; gloo widens them itself), so the sum is rounded once, as one device's product is."""
+    """The dtype a team adds `TeamSum` tensors of ``dtype`` in: float32 for half precision."""
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
 @dataclass(frozen=True)
 class TeamRows:
-    """This member's rows (dim -2) of a matrix whose rows the members hold in turn (``sizes``
-    rows each, in member order); each receives the whole matrix."""
+    """This member's rows (dim -2) of a matrix the members hold in turn; each receives the whole."""
 
     tensor: Tensor
     sizes: tuple[int, ...]
@@ -118,25 +99,15 @@ class UpdateCost:
     """What one step of a rule costs for one matrix (or stack) of a given shape.
 
     Attributes:
-        flops: Floating-point operations of `MatrixRule.direction` per step, with periodic
-            work (eigendecompositions, basis refreshes) amortised over its period.
-        numel: Elements of the matrix: what a gather or scatter of it moves.
-        matrix_state_bytes: Bytes of state held by the owner of the matrix.
-        elementwise_state_bytes: Bytes of state held alongside the parameter's shards, in total
-            over all shards.
-        team_messages: Collectives among a team's members per step (0 for a whole matrix; see
-            `MatrixRule.team_cost`).
-        team_numel: Elements each member of a team sends to the others per step, in elements of
-            the rule's matrix-product dtype (what the planner prices them at): a float32 sum of
-            bf16 partial results (`summed_dtype`) counts two per element.
-        member_flops: A team's FLOPs that single members carry on top of ``flops``, in member
-            order (each factor's decomposition falls to one member); empty: none. The busiest
-            member's FLOPs are ``flops + max(member_flops)``.
-        period: Steps between runs of the rule's periodic work (decompositions); 1: none.
-        periodic_flops: Each member's FLOPs of that work (one entry for a whole matrix) on a
-            step that runs it, which ``flops`` and ``member_flops`` count amortised, over
-            ``period``. Every matrix of a rule runs it on the same steps: those steps take
-            longer (`step_flops_of`).
+        flops: FLOPs of `MatrixRule.direction` per step, periodic work amortised.
+        numel: Elements of the matrix: what a gather or scatter moves.
+        matrix_state_bytes: Bytes of state held by the matrix's owner.
+        elementwise_state_bytes: Bytes of state held beside the shards, over all shards.
+        team_messages: Collectives among a team's members per step (0 for a whole matrix).
+        team_numel: Elements each team member sends per step, in the rule's matmul dtype.
+        member_flops: FLOPs single team members carry on top of ``flops``, in member order.
+        period: Steps between runs of the periodic work (decompositions); 1: none.
+        periodic_flops: Each member's FLOPs of that work on a step that runs it.
     """
 
     flops: float
@@ -150,20 +121,17 @@ class UpdateCost:
     periodic_flops: tuple[float, ...] = ()
 
     def member_flops_of(self, member: int) -> float:
-        """FLOPs of team member ``member`` per step, amortised: ``flops`` and its own share of
-        `member_flops`."""
+        """FLOPs of team member ``member`` per step, amortised."""
         return self.flops + (self.member_flops[member] if member < len(self.member_flops) else 0.0)
 
     def step_flops_of(self, member: int, periodic: bool) -> float:
-        """FLOPs of team member ``member`` on a step that runs the periodic work, or on one
-        that does not."""
+        """FLOPs of team member ``member`` on a step with (``periodic``) or without the periodic work."""
         work = self.periodic_flops[member] if member < len(self.periodic_flops) else 0.0
         steady = self.member_flops_of(member) - work / self.period
         return steady + work if periodic else steady
 
     def weighted(self, factor: float) -> UpdateCost:
-        """This cost with every FLOP counted ``factor`` times (FLOPs of a slower dtype, in
-        FLOPs of a faster one's time)."""
+        """This cost with every FLOP counted ``factor`` times (a slower dtype's FLOPs)."""
         return replace(
             self,
             flops=self.flops * factor,
@@ -178,9 +146,7 @@ class UpdateCost:
 
 
 def matrix_shape(shape: Sequence[int]) -> tuple[int, ...]:
-    """The shape a rule sees of a parameter of ``shape``: a convolution's weight ``(out, in,
-    *kernel)`` is the matrix ``(out, in·∏kernel)``, as the Muon reference flattens it; a matrix,
-    or a 3-D stack of them (experts), is itself."""
+    """The shape a rule sees: a conv weight ``(out, in, *kernel)`` as ``(out, in·∏kernel)``."""
     shape = tuple(int(size) for size in shape)
     return shape if len(shape) <= 3 else (shape[0], math.prod(shape[1:]))
 
@@ -212,16 +178,13 @@ def setting(
     read: bool = True,
     compare: bool = True,
 ) -> Any:
-    """A rule's dataclass field whose param-group setting differs from it (`MatrixRule.settings`):
-    named ``key`` in a group, holding ``group_default`` there (a name or ``"auto"`` that the rule
-    turns into the field's value), or not read from a group at all (``read=False``)."""
+    """A rule's field whose param-group key (``key``), group default or reading (``read``) differs."""
     metadata = {SETTING: (key, group_default, read)}
     return field(default=default, compare=compare, metadata=metadata)
 
 
 def check_non_negative(**settings: float | Tensor) -> None:
-    """A `ValueError` naming the first of ``settings`` that is not a finite number >= 0, or a
-    1-element tensor holding one (a learning rate, as ``torch.optim`` takes it)."""
+    """A `ValueError` naming the first of ``settings`` not a finite number (or 1-element tensor) >= 0."""
     for name, value in settings.items():
         if isinstance(value, Tensor) and value.numel() != 1:
             raise ValueError(f"Tensor {name} must be 1-element, got shape {tuple(value.shape)}")
@@ -252,7 +215,7 @@ def check_unit_interval(**settings: float) -> None:
 
 @functools.cache
 def _settings(rule: type) -> tuple[tuple[str, str, Any], ...]:
-    """``(field, key in a group, default in a group)`` of each setting of a dataclass ``rule``."""
+    """``(field, group key, group default)`` of each setting of a dataclass ``rule``."""
     found = []
     for each in fields(rule):
         key, group_default, read = each.metadata.get(SETTING, (None, MISSING, True))
@@ -279,14 +242,12 @@ class MatrixRule(ABC):
 
     @classmethod
     def settings(cls) -> dict[str, Any]:
-        """The param-group settings the rule is built from (`from_group`), with the defaults an
-        optimizer gives them: a dataclass rule's fields, as `setting` names them."""
+        """The param-group settings the rule is built from, with their defaults."""
         return {key: default for _, key, default in _settings(cls)}
 
     @classmethod
     def from_group(cls: type[Rule], group: Mapping[str, Any], **values: Any) -> Rule:
-        """The rule of a param group: its settings read from the group, ``values`` given (the
-        rule's own ``__post_init__`` checks them)."""
+        """The rule of a param group: its settings read from the group, ``values`` given."""
         read = {name: group[key] for name, key, _ in _settings(cls) if name not in values}
         return cls(**read, **values)
 
@@ -299,8 +260,7 @@ class MatrixRule(ABC):
         return {}
 
     def prepare(self, grads: Sequence[Tensor], states: Sequence[State]) -> list[Tensor]:
-        """Elementwise part, applied to gradient shards (one param group's, each with its state);
-        returns what `direction` needs of each."""
+        """Elementwise part on gradient shards (one param group's): what `direction` needs of each."""
         return list(grads)
 
     @abstractmethod
@@ -316,8 +276,7 @@ class MatrixRule(ABC):
         return torch.float32
 
     def exchange_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
-        """The dtype in which full matrices travel to and from the owner without changing the
-        result: what `direction` converts its input to first, and what it returns."""
+        """The dtype whole matrices travel in: `direction`'s input and output dtype."""
         return torch.promote_types(param_dtype, torch.float32)
 
     def lr_scale(self, shape: Sequence[int]) -> float:
@@ -333,11 +292,9 @@ class MatrixRule(ABC):
         weight_decay: float,
         shapes: Sequence[Sequence[int]],
     ) -> None:
-        """Decoupled weight decay, then the scaled step along each direction (one param group's
-        parameters and directions, either of which may be shards), each rounded once to the
-        parameter's dtype (`lightning_canzona.rules.base`).
+        """Decoupled weight decay, then the step along each direction, on shards, rounded once.
 
-        ``shapes`` are the full matrices' shapes, which the learning-rate scale depends on.
+        ``shapes`` are the whole matrices' shapes, which the learning-rate scale depends on.
         """
         if weight_decay:
             scale_(params, 1.0 - lr * weight_decay)
@@ -348,11 +305,9 @@ class MatrixRule(ABC):
             targets, steps = [], []
             for param, direction in zip((params[i] for i in indices), (directions[i] for i in indices)):
                 if direction.dtype != param.dtype:
-                    # Added in the wider of the two dtypes and rounded once to the parameter's
-                    # (a float32 direction into bf16 weights, as torch.optim), one tensor at a
-                    # time: a foreach add of mixed dtypes measured 2.7× slower on a CPU (0.56
-                    # against 0.21 ms for 2²⁰ bf16 elements into float32), and on a GPU it
-                    # leaves the fused kernels, which need one dtype.
+                    # Added in the wider dtype and rounded once, as torch.optim, one tensor at a
+                    # time: a mixed-dtype foreach add is slower on a CPU (docs/benchmarks.md) and
+                    # leaves the GPU's fused kernels.
                     param.add_(direction, alpha=-lr * scale)
                 else:
                     targets.append(param)
@@ -365,47 +320,32 @@ class MatrixRule(ABC):
         """Cost of one step on a matrix (or stack) of ``shape``."""
 
     def team_cost(self, shape: Sequence[int], size: int) -> UpdateCost | None:
-        """Cost to the busiest member when a team of ``size`` ranks computes the update of a
-        matrix of ``shape`` together (`team_direction`), or ``None`` where the rule cannot split
-        it exactly (the default)."""
+        """The busiest member's cost when a team of ``size`` computes the matrix; ``None``: no team form."""
         return None
 
     def init_team_state(self, shape: Sequence[int], member: int, size: int, device: torch.device) -> State:
-        """The matrix state that member ``member`` of a team of ``size`` holds for a matrix of
-        ``shape``: its slice of each `team_sliced_keys` tensor, the whole of the others (the
-        default: none)."""
+        """Member ``member``'s matrix state: its slice of each `team_sliced_keys` tensor, the rest whole."""
         return {}
 
     def team_sliced_keys(self, shape: Sequence[int]) -> tuple[str, ...]:
-        """The matrix-state keys of a matrix of ``shape`` whose tensors a team member holds a slice
-        of, cut along the matrix's long dimension (`lightning_canzona.geometry.long_dim`)
-        as the matrix is; the member holds the whole of every other."""
+        """The matrix-state keys a team member holds a slice of (along the long dimension)."""
         return ()
 
     def team_direction(
         self, matrix: Tensor, shape: Sequence[int], member: int, size: int, state: State
     ) -> TeamComputation:
-        """This member's slice of the update direction, computed with the other members.
+        """This member's slice of the direction, computed with the other members.
 
-        ``matrix`` is the member's slice (`lightning_canzona.geometry.member_blocks`) of
-        a matrix of global ``shape`` (or, for a rule that `batches_matrices`, a stack of such
-        slices). ``state`` is the member's matrix state (`init_team_state`). The generator
-        yields, round by round, what the team must combine (`TeamRequest`), receives the
-        combinations, and returns the slice of the direction. Only called where `team_cost` is
-        not ``None``.
+        ``matrix`` is the member's slice of a matrix of global ``shape`` (a stack of slices for a
+        rule that `batches_matrices`), ``state`` its `init_team_state`; the generator yields each
+        round's requests (`TeamRequest`), receives their combinations and returns the slice.
+        Called only where `team_cost` is not ``None``.
         """
         raise NotImplementedError(f"{type(self).__name__} does not split updates over teams")
 
 
 def norms_not_finite(tensors: Sequence[Tensor], order: float) -> Tensor:
-    """Which tensors' ``order``-norm is NaN or infinite, as one bool tensor on their device,
-    without a read of it: one ``torch._foreach_norm`` of the non-empty tensors (one fused kernel
-    on a GPU), in float32, or float64 where a tensor is float64; an empty tensor's is finite.
-
-    The largest magnitude (``order=inf``) is finite exactly when every element is. A 2-norm is
-    finite when every element is and their squares stay in range: a screen, ~25× faster than the
-    largest magnitude on a CPU (0.11 against 2.7 ms for 2²⁰ float32 elements), as fast on a GPU.
-    """
+    """Which tensors' ``order``-norm is NaN or infinite, as one bool tensor, without a read."""
     device = tensors[0].device if tensors else None
     held = [tensor for tensor in tensors if tensor.numel()]
     if not held:
@@ -419,13 +359,9 @@ def norms_not_finite(tensors: Sequence[Tensor], order: float) -> Tensor:
 
 
 def non_finite(tensors: Sequence[Tensor]) -> Tensor:
-    """Which tensors hold a NaN or Inf, as one bool tensor on their device (an empty tensor, a
-    rank's empty shard, is finite).
+    """Which tensors hold a NaN or Inf, as one bool tensor (an empty shard is finite).
 
-    By their largest magnitude (`norms_not_finite`). On a CPU, where that is slow, the 2-norms
-    screen the tensors first, and only those whose 2-norm is not finite (a NaN or Inf, or
-    squares past the dtype's range) are checked by their largest magnitude: the screen is read,
-    which on a CPU waits for nothing.
+    On a CPU the 2-norms screen the tensors first; only suspects are checked by their largest magnitude.
     """
     if not tensors or tensors[0].device.type != "cpu":
         return norms_not_finite(tensors, math.inf)
@@ -444,12 +380,10 @@ STOCHASTIC_DTYPES = (torch.bfloat16,)
 
 
 def scale_(tensors: Sequence[Tensor], factor: float) -> None:
-    """``tensor *= factor`` for each of ``tensors`` (on one device), rounded once as ``Tensor.mul_``.
+    """``tensor *= factor`` for each tensor, rounded once as ``Tensor.mul_`` with a Python scalar.
 
-    On a CPU the factor goes in as a 0-dim float64 tensor, which the kernels multiply in the
-    tensors' compute precision (float32 for bf16), bit for bit as ``Tensor.mul_`` with a Python
-    scalar; accelerators' foreach kernels already take a scalar at that precision (and a host
-    tensor would cost a copy to the device).
+    On a CPU the factor goes in as a 0-dim float64 tensor, which the foreach kernels multiply in
+    the tensors' compute precision; accelerators' kernels take the scalar at that precision.
     """
     if not tensors:
         return
@@ -471,11 +405,9 @@ class StochasticRounding:
 
     @contextlib.contextmanager
     def writes(self, targets: Sequence[Tensor], keys: Sequence[str]) -> Iterator[list[Tensor]]:
-        """Yield what to update in place instead of ``targets``: a float32 copy of each bf16
-        target, the others themselves; on exit each copy is rounded into its target.
+        """Yield float32 copies of bf16 ``targets`` to update, rounded into them on exit.
 
-        ``keys`` name each target's elements uniquely and alike on every rank that holds the
-        same elements (`lightning_canzona.distributed.runtime.shard_key`).
+        ``keys`` name each target's elements alike on every rank that holds them.
         """
         work = [t.float() if t.dtype in STOCHASTIC_DTYPES else t for t in targets]
         yield work
@@ -484,19 +416,13 @@ class StochasticRounding:
                 round_stochastically_(target, value, self.seed(key))
 
     def seed(self, key: str) -> int:
-        """A 63-bit seed for ``key`` at this step (the same in every process and on every rank)."""
+        """A 63-bit seed for ``key`` at this step, the same in every process."""
         digest = hashlib.blake2b(f"{self.step}:{key}".encode(), digest_size=8).digest()
         return int.from_bytes(digest, "little") >> 1
 
 
 def round_stochastically_(target: Tensor, value: Tensor, seed: int) -> None:
-    """Write float32 ``value`` into bf16 ``target``, rounded up or down at random: up with
-    probability equal to the fraction of the bf16 spacing that ``value`` lies above the lower one.
-
-    A bf16 value is a float32 value with the low 16 bits zero: adding 16 random bits to the
-    float32 bit pattern and truncating them rounds the magnitude up exactly with that
-    probability (a carry into the exponent is the next binade's first value).
-    """
+    """Write float32 ``value`` into bf16 ``target``, rounded up or down at random, unbiased."""
     generator = torch.Generator(device=value.device).manual_seed(seed)
     noise = torch.randint(
         0, 1 << 16, value.shape, generator=generator, device=value.device, dtype=torch.int32
@@ -516,14 +442,7 @@ Method = TypeVar("Method", bound=Callable[..., Any])
 
 @contextlib.contextmanager
 def ieee_float32() -> Iterator[None]:
-    """Float32 matmuls in IEEE float32 inside, the switch as it was after.
-
-    The switch is set in torch's two APIs: the legacy one (``set_float32_matmul_precision``,
-    ``allow_tf32``), which Lightning recommends and which ``torch.compile``'s guards read, and the
-    per-backend one (``torch.backends.cuda.matmul.fp32_precision``), which the kernels read;
-    torch refuses to read a legacy value that disagrees with the per-backend one, so both stay
-    consistent inside, and each gets its own value back after.
-    """
+    """Float32 matmuls in IEEE float32 inside (both of torch's APIs), the switch restored after."""
     try:
         legacy = torch.get_float32_matmul_precision()
     except RuntimeError:  # set through the per-backend API alone, which the legacy one contradicts
@@ -546,12 +465,9 @@ def ieee_float32() -> Iterator[None]:
 
 
 def ieee_float32_products(method: Method) -> Method:
-    """A `MatrixRule` method (``direction``, ``team_direction``) run in `ieee_float32` where the
-    rule's matmul dtype (`MatrixRule.matmul_dtype`) is float32.
+    """A `MatrixRule` method run in `ieee_float32` where the rule's matmul dtype is float32.
 
-    A team computation (a generator, `MatrixRule.team_direction`) runs in it each time it is
-    resumed, not while the engine holds it between rounds, where the teams' computations take
-    turns.
+    A team computation runs in it each time it is resumed, not between rounds.
     """
 
     @functools.wraps(method)

@@ -1,29 +1,8 @@
-"""Declared row blocks: a fused weight updated block by block, as separate matrices would be.
+"""Declared row blocks: a fused weight (QKV, gate/up, per head) updated block by block.
 
-A fused QKV projection stores ``[W_q; W_k; W_v]`` in one weight and a fused gate/up
-``[W_gate; W_up]``: linear maps that are separate in the model's math, stacked along the rows (the
-output features). Orthogonalised or preconditioned whole, they are coupled: Newton–Schulz mixes
-their singular vectors, Shampoo's left factor correlates their rows. `RowBlockRule` wraps any
-`MatrixRule` so that each contiguous row block is updated as the matrix it would be on its own;
-per-head attention is the same split with one block per head.
-
-The split happens inside `MatrixRule.direction`, on the owner, which holds the whole matrix: it
-needs no collective of its own, and the plan, gathers and scatters stay those of the fused weight.
-
-Blocks of one size are stacked along a new batch dimension, ``(…, k, size, cols)``, and go through
-one call of the inner rule: per-head Q is one batched call, a GQA QKV two (Q; K and V together).
-Matrix state (Shampoo's and SOAP's factors and moments) is the inner rule's state of each such
-stack, kept under keys prefixed ``rows<size>_``, so that it stays one flat dict of tensors that
-checkpoints and owner hand-overs move like any other. The prefix has no ``.``: torch's flattened
-optimizer state dicts split keys on dots.
-
-Learning-rate scale: Muon's depends on the matrix shape, so each block must move with the scale
-of its own shape. `MatrixRule.apply` runs on shards, which do not know which block a row belongs
-to, with one scale per parameter; `RowBlockRule.lr_scale` is the first block's, and a block whose
-own scale differs carries the ratio in its direction. When the blocks share one scale (equal
-blocks; for Muon's ``"original"`` every block no taller than wide) no ratio is applied. A ratio
-costs one rounding of the block's direction in the rule's exchange dtype (bfloat16 under Muon's
-default ``compute_dtype``), which separate matrices do not have.
+`RowBlockRule` wraps any `MatrixRule` and splits the whole matrix on its owner, so the plan,
+gathers and scatters stay the fused weight's. docs/models.md (Fused and per-head weights) says
+how blocks are stacked, where their state is kept and how their learning-rate scales apply.
 """
 
 from __future__ import annotations
@@ -41,11 +20,7 @@ RowBlocks = int | tuple[int, ...]
 
 
 def as_row_blocks(spec: object) -> RowBlocks:
-    """``spec`` as an ``int`` or a ``tuple`` of ints (hashable: part of a rule's identity).
-
-    Raises:
-        ValueError: ``spec`` is neither a positive int nor a non-empty sequence of positive ints.
-    """
+    """``spec`` as an ``int`` or a ``tuple`` of positive ints, else a `ValueError`."""
     if isinstance(spec, int) and not isinstance(spec, bool) and spec >= 1:
         return spec
     if (
@@ -61,11 +36,7 @@ def as_row_blocks(spec: object) -> RowBlocks:
 
 
 def row_block_sizes(spec: object, rows: int) -> tuple[int, ...]:
-    """The row sizes that ``spec`` declares for a matrix of ``rows`` rows.
-
-    Raises:
-        ValueError: ``spec`` is not a valid spec, or does not fit ``rows``.
-    """
+    """The row sizes ``spec`` declares for a matrix of ``rows`` rows; `ValueError` if they do not fit."""
     blocks = as_row_blocks(spec)
     if isinstance(blocks, int):
         if rows % blocks:
@@ -77,8 +48,7 @@ def row_block_sizes(spec: object, rows: int) -> tuple[int, ...]:
 
 
 def describe_row_blocks(blocks: Mapping[str, RowBlocks]) -> str:
-    """What is split and how, for a log: one line per distinct ``row_blocks``, with the first
-    matrix's name and how many more share it."""
+    """What is split and how, for a log: one line per distinct ``row_blocks``."""
     names: dict[RowBlocks, list[str]] = {}
     for name, spec in blocks.items():
         names.setdefault(spec, []).append(name)
@@ -98,8 +68,7 @@ class RowBlockRule(MatrixRule):
 
     Attributes:
         inner: The rule of each block.
-        row_blocks: ``n`` equal blocks (per head: the number of heads) or the blocks' row sizes
-            (``(q_rows, k_rows, v_rows)``), along dim -2 of each matrix of a stack.
+        row_blocks: ``n`` equal blocks or the blocks' row sizes, along dim -2.
     """
 
     inner: MatrixRule
@@ -118,7 +87,7 @@ class RowBlockRule(MatrixRule):
         return self.inner.batches_matrices
 
     def _sizes(self, rows: int) -> dict[int, list[int]]:
-        """Each distinct block size, in order of first appearance, with the first rows of its blocks."""
+        """Each distinct block size, in order, with the first rows of its blocks."""
         starts: dict[int, list[int]] = {}
         row = 0
         for size in row_block_sizes(self.row_blocks, rows):
@@ -153,8 +122,7 @@ class RowBlockRule(MatrixRule):
         return torch.cat([by_start[start] for start in sorted(by_start)], dim=-2)
 
     def _blocks_direction(self, blocks: Tensor, state: State, scale: float) -> Tensor:
-        """The inner direction of a ``(…, k, size, cols)`` stack of same-size blocks, rescaled from
-        the parameter's learning-rate scale ``scale`` to the blocks' own."""
+        """The inner direction of a ``(…, k, size, cols)`` stack, rescaled from ``scale`` to its own."""
         size = blocks.shape[-2]
         part = state_part(state, _prefix(size))
         direction = self.inner.direction(blocks, part)
@@ -171,8 +139,7 @@ class RowBlockRule(MatrixRule):
         weight_decay: float,
         shapes: Sequence[Sequence[int]],
     ) -> None:
-        """The inner rule's `apply` (with its own decay order, where it has one), at the
-        learning-rate scale of each matrix's first block, to which `direction` scaled the others."""
+        """The inner rule's `apply` at the learning-rate scale of each matrix's first block."""
         first_blocks = [
             (*shape[:-2], row_block_sizes(self.row_blocks, shape[-2])[0], shape[-1]) for shape in shapes
         ]

@@ -1,16 +1,7 @@
-"""Kronecker-factor statistics shared by Shampoo and SOAP.
+"""Kronecker-factor statistics shared by Shampoo and SOAP, whole and over teams.
 
-For gradients ``G`` of shape ``(…, m, n)`` the left factor ``L`` (``m × m``) and right factor ``R``
-(``n × n``) are exponential moving averages of ``GGᵀ`` and ``GᵀG``. A side longer than
-``max_precond_dim`` gets no factor: the rule leaves that side unpreconditioned (identity).
-
-Teams (`lightning_canzona.planning.matrices`) slice a matrix along its long side, and the update
-splits exactly. The short side's factor is a sum over the slices (``GᵀG = Σ GᵢᵀGᵢ``), whole on
-every member. The moments and the one-sided products by the short side's companion are the
-slices' own. A factor on the long side is held in rows: a member's rows of ``GGᵀ`` are
-``Gᵢ·Gᵀ``, and of ``L^(-1/4)·M`` are ``L^(-1/4)ᵢ·M``, so the team gathers ``G`` and ``M`` whole on
-every member each step (SOAP keeps that side's basis whole: see `lightning_canzona.rules.soap`).
-Each factor is decomposed by one member and the result shared (`shared_decompositions`).
+The left and right factors are moving averages of ``GGᵀ`` and ``GᵀG``; a side longer than
+``max_precond_dim`` gets none. How a team splits them: docs/optimizers.md (Teams for Shampoo and SOAP).
 """
 
 from __future__ import annotations
@@ -51,15 +42,9 @@ def init_state(
     companion: str,
     moments_shape: Sequence[int] | None = None,
 ) -> State:
-    """Owner-held state of a Kronecker-factored rule, all float32 and batched like ``shape``.
-
-    A step counter and a count of failed decompositions (Python numbers: see
-    `lightning_canzona.rules.counters`), the two moments (of
-    ``moments_shape``, a team member's slice, if given), and for each preconditioned side its
-    factor (``"left"``, ``"right"``) and the factor's companion (``"left_<companion>"``: an
-    inverse root for Shampoo, an eigenbasis for SOAP), starting as the identity, which is also
-    what a first decomposition that fails leaves in place.
-    """
+    """Owner-held float32 state, batched like ``shape``: counters, both moments (of ``moments_shape``
+    if given), and per preconditioned side its factor and companion (``"<side>_<companion>"``), the
+    companion starting as the identity."""
     full = dict(device=device, dtype=torch.float32)
     moments_shape = tuple(shape if moments_shape is None else moments_shape)
     state = {
@@ -80,8 +65,7 @@ PRECISIONS = (torch.float32, torch.float64)
 
 
 def eigh(factor: Tensor, dtype: torch.dtype, ridge: float = 0.0) -> tuple[Tensor, Tensor]:
-    """Eigenvalues (ascending) and eigenvectors of a symmetric ``factor`` (or stack) plus
-    ``ridge·I``, computed in ``dtype``: every eigendecomposition of Shampoo and SOAP."""
+    """Eigenvalues (ascending) and eigenvectors of symmetric ``factor + ridge·I``, computed in ``dtype``."""
     matrix = factor.to(dtype, copy=bool(ridge))
     if ridge:
         matrix.diagonal(dim1=-2, dim2=-1).add_(ridge)
@@ -91,17 +75,10 @@ def eigh(factor: Tensor, dtype: torch.dtype, ridge: float = 0.0) -> tuple[Tensor
 def decompose(
     state: State, key: str, compute: Callable[[torch.dtype], Tensor], fallback: Tensor | None = None
 ) -> None:
-    """``state[key] ← compute(float32)``, a decomposition of a factor; retried as
-    ``compute(float64)`` where that fails; kept where both fail.
+    """``state[key] ← compute(float32)``, else ``compute(float64)``; kept (or ``fallback``) if both fail.
 
-    An eigensolver or QR can fail to converge, or return NaN, on an ill-conditioned factor:
-    cuSOLVER more often than LAPACK, on rank-deficient factors such as SOAP's first of a tall
-    matrix. As Meta's Distributed Shampoo (``retry_double_precision``) and the SOAP authors'
-    code do, it is then computed again in float64 (its result rounded to the state's float32)
-    and counted (`rules.base.note_retry`), which telemetry reports. One factor that fails in both must not end
-    a long run: ``state[key]`` then keeps its value (or takes ``fallback``), the failure is
-    counted in ``state["decomposition_failures"]`` (which the engine reports in telemetry), and
-    a warning names the factor's shape.
+    A retry is counted (`rules.base.note_retry`), a failure in ``state["decomposition_failures"]``
+    with a warning (docs/optimizers.md, Safety).
     """
     for dtype in PRECISIONS:
         if dtype != PRECISIONS[0]:
@@ -134,13 +111,8 @@ def update_factors(state: State, grad: Tensor, beta: float) -> None:
 
 
 def cost(shape: Sequence[int], max_precond_dim: int, frequency: int, products: int) -> UpdateCost:
-    """Cost of a Kronecker-factored rule on a matrix (or stack) of ``shape``.
-
-    Per step and preconditioned side ``d ∈ {m, n}``: ``products`` one-sided ``d × d`` by ``m × n``
-    products (``2d·mn`` FLOPs each, the factor update among them) and a ``≈ 10d³`` eigensolve or
-    refresh every ``frequency`` steps (the periodic work); plus ``≈ 10·mn`` elementwise. State:
-    both moments, and a factor and its companion per side, in float32.
-    """
+    """Cost of a Kronecker-factored rule on a matrix (or stack) of ``shape``: ``products`` one-sided
+    products per preconditioned side, a ``≈ 10d³`` decomposition every ``frequency`` steps."""
     batch, rows, cols = matrix_dims(shape)
     sides = preconditioned_sides(rows, cols, max_precond_dim).values()
     flops = (
@@ -159,10 +131,8 @@ def cost(shape: Sequence[int], max_precond_dim: int, frequency: int, products: i
 
 
 def sliced_keys(shape: Sequence[int], max_precond_dim: int, companion: str | None) -> tuple[str, ...]:
-    """The state keys that a team member holds a slice of (along the matrix's long side): the
-    moments, and the long side's factor where that side has one, with its ``companion`` if given
-    (their rows, or their columns for a factor on the columns: the same numbers, the factor being
-    symmetric); a companion not given is held whole."""
+    """The state keys a team member holds a slice of: the moments, and the long side's factor (and
+    ``companion``, if given) where that side has one."""
     dim = long_dim(shape)
     if shape[dim] > max_precond_dim:
         return MOMENTS
@@ -180,18 +150,8 @@ def team_cost(
     gathers: int = 0,
     sliced_companion: bool = True,
 ) -> UpdateCost | None:
-    """Cost to the busiest member when a team of ``size`` computes the update of a matrix of
-    ``shape`` together, or ``None`` where it cannot exactly: a stack, more members than the long
-    side has slices, or a long side with a factor where the rule has no ``gathers`` for it.
-
-    Per member: its share of the one-sided products (``flops``), and the decompositions, each
-    factor's on one member (``member_flops``: the long side's on member 0, the short side's on
-    the last). ``rounds``: the team's collectives per step; the elements a member sends
-    count, as a ring does, the factor's sum, the decompositions' sharing amortised over
-    ``frequency``, the ``gathers`` of whole matrices per step that a long side's factor needs
-    (with two slices' worth before a decomposition), and two norms. The long side's companion is
-    held in rows if ``sliced_companion``, else whole.
-    """
+    """Cost to the busiest member when a team of ``size`` computes the matrix, or ``None`` where it
+    cannot exactly (a stack, too many members, a long side's factor without ``gathers``)."""
     if len(shape) != 2:
         return None
     long = shape[long_dim(shape)]
@@ -226,7 +186,7 @@ def team_cost(
 
 
 def _factor_numel(dim: int, long: bool, rows: int, sliced_companion: bool) -> int:
-    """Elements of a side's factor and companion on a team member (``rows`` of the long side's)."""
+    """Elements of a side's factor and companion on a team member."""
     if not long:
         return 2 * dim * dim
     return rows * dim + (rows if sliced_companion else dim) * dim
@@ -241,8 +201,7 @@ def init_team_state(
     companion: str,
     sliced: Sequence[str],
 ) -> State:
-    """A team member's state: its slice of the ``sliced`` keys (`sliced_keys`), the whole of the
-    others."""
+    """A team member's state: its slice of the ``sliced`` keys, the whole of the others."""
     offset, block = member_blocks(shape, size)[member]
     dim = long_dim(shape)
     state = init_state(shape, device, max_precond_dim, companion, moments_shape=block)
@@ -254,14 +213,8 @@ def init_team_state(
 def oriented(
     matrix: Tensor, state: State, shape: Sequence[int], sliced: Sequence[str] = MOMENTS
 ) -> tuple[Tensor, State]:
-    """A team member's slice and state, turned so that the sliced side is the rows.
-
-    Where a team slices the columns (`geometry.long_dim`), the transposed slice is worked
-    on: the left factor of ``Gᵀ`` is the right factor of ``G``, so the sides' keys swap, and the
-    ``sliced`` tensors are transposed views (updates write through to the state, and so does
-    what is set in the view: a counter). In the oriented view a left factor, where present, is
-    the member's rows of it.
-    """
+    """A team member's slice and state turned so that the sliced side is the rows (sides' keys swapped,
+    ``sliced`` tensors as transposed views that write through)."""
     if long_dim(shape) == len(shape) - 2:
         return matrix, state
     swapped = {"left": "right", "right": "left"}
@@ -273,8 +226,7 @@ def oriented(
 
 
 class _Turned(dict):
-    """``state`` seen under the view's ``names`` (view key → state key), its ``sliced`` tensors
-    transposed; setting a key sets the state's, turned back (see `oriented`)."""
+    """``state`` seen under the view's ``names``, its ``sliced`` tensors transposed (see `oriented`)."""
 
     def __init__(self, state: State, names: dict[str, str], sliced: frozenset[str]) -> None:
         super().__init__(
@@ -310,8 +262,7 @@ def combined(requests: dict[str, TeamRequest]) -> Rounds:
 
 
 def factor_requests(grad: Tensor, state: State, sizes: tuple[int, ...]) -> dict[str, TeamRequest]:
-    """What a member's oriented ``grad`` (its rows) contributes to the factors' updates: its
-    part of ``GᵀG = Σ GᵢᵀGᵢ``, and its rows of ``G``, which its rows of ``GGᵀ`` need whole."""
+    """A member's contributions to the factors: its part of ``GᵀG``, its rows of ``G``."""
     requests: dict[str, TeamRequest] = {}
     if "right" in state:
         requests["right"] = TeamSum(grad.mT @ grad)
@@ -321,8 +272,7 @@ def factor_requests(grad: Tensor, state: State, sizes: tuple[int, ...]) -> dict[
 
 
 def update_team_factors(state: State, grad: Tensor, replies: dict[str, Tensor], beta: float) -> None:
-    """`update_factors` on a member from the replies to `factor_requests`: ``R`` from the team's
-    sum, its rows of ``L`` from ``Gᵢ·Gᵀ``."""
+    """`update_factors` on a member from the replies to `factor_requests`."""
     if "right" in state:
         state["right"].lerp_(replies["right"], 1.0 - beta)
     if "left" in state:
@@ -330,16 +280,14 @@ def update_team_factors(state: State, grad: Tensor, replies: dict[str, Tensor], 
 
 
 def from_member(value: Tensor, source: int, member: int) -> TeamSum:
-    """Member ``source``'s ``value`` for every member: the sum of it and the others' zeros, which
-    is exact, so that the members' state stays equal bit for bit."""
+    """Member ``source``'s ``value`` for every member, as an exact sum with the others' zeros."""
     return TeamSum(value if member == source else torch.zeros_like(value))
 
 
 def short_side_decomposition(
     state: State, companion: str, member: int, size: int, decompose: Callable[[], None]
 ) -> dict[str, TeamRequest]:
-    """The short side's factor (the right one, whole on every member) decomposed by the last
-    member (``decompose()`` updates its companion), and the result to share; none without it."""
+    """The right factor decomposed by the last member (``decompose()``), and the result to share."""
     if "right" not in state:
         return {}
     if member == size - 1:
@@ -356,14 +304,8 @@ def shared_decompositions(
     sizes: tuple[int, ...],
     decompose: Callable[[State, str], None],
 ) -> Generator[tuple[TeamRequest, ...], tuple[Tensor, ...], None]:
-    """Every factor decomposed once, by one member, and the result shared with every member.
-
-    ``decompose(state, side)`` updates ``state[f"{side}_{companion}"]`` from ``state[side]``
-    (keeping the old value where it fails, and counting the failure on that member). The right
-    factor is decomposed by `short_side_decomposition`; the left factor (this member's rows of
-    it) is first gathered, with its companion's rows, and decomposed by member 0, so that a
-    two-sided team spreads its two decompositions. Every result is shared (`from_member`).
-    """
+    """Every factor decomposed by one member and shared: the right by the last member, the left
+    (gathered whole) by member 0."""
     results = short_side_decomposition(state, companion, member, size, lambda: decompose(state, "right"))
     left = f"left_{companion}"
     if "left" in state:

@@ -1,23 +1,7 @@
-"""Muon: momentum, orthogonalised by Newton–Schulz (Jordan et al., 2024).
+"""Muon: momentum orthogonalised by Newton–Schulz (Jordan et al., 2024), as ``torch.optim.Muon``.
 
-For gradient ``G`` of an ``m × n`` weight, momentum ``μ`` and learning rate ``γ``::
-
-    B ← μ·B + (1 − μ)·G                        (elementwise, on shards)
-    M ← (1 − μ)·G + μ·B  if nesterov else B    (elementwise, on shards)
-    O ← NS_k(M)                                (full matrix, on the owner)
-    W ← W·(1 − γλ) − γ·s(m, n)·O
-
-with ``s = √max(1, m/n)`` (``"original"``) or ``0.2·√max(m, n)`` (``"match_rms_adamw"``, which makes
-the update's RMS match AdamW's). This is ``torch.optim.Muon``'s algorithm, keyword for keyword.
-
-A team of ``t`` ranks can compute one matrix's update together
-(`newton_schulz.team_newton_schulz`): each member multiplies its ``1/t`` of ``X``, the members
-sum ``a × a`` Gram matrices (once per step in the standard form, once per restart in the Gram
-form); `newton_schulz.team_work` counts the FLOPs and collectives.
-
-Cost per step: ``k·(4a²b + 2a³)`` FLOPs with ``a = min(m, n)``, ``b = max(m, n)``, ``k`` = ns_steps
-(the standard form; the others cost `newton_schulz.flops`);
-``m·n`` elements moved; the momentum buffer (``m·n`` parameter-dtype elements) is elementwise state.
+The momentum is elementwise state on the shards (`MuonRule.prepare`); the owner orthogonalises the
+whole matrix (`MuonRule.direction`). The update, its cost and its team form: docs/optimizers.md#muon.
 """
 
 from __future__ import annotations
@@ -62,8 +46,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device | None = None) -> torch.dtype:
-    """A compute dtype from its name (``"bfloat16"``, ``"float32"``, ``"float64"``) or itself;
-    ``"auto"`` is `auto_dtype` of ``device`` (``None``: the CPU)."""
+    """A compute dtype from its name or itself; ``"auto"`` is `auto_dtype` of ``device`` (default CPU)."""
     if dtype == "auto":
         return auto_dtype(torch.device("cpu") if device is None else device)
     if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
@@ -74,9 +57,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device | None = None) 
 
 
 def auto_dtype(device: torch.device) -> torch.dtype:
-    """bfloat16 (``torch.optim.Muon``'s dtype) where ``device`` multiplies it in hardware: CUDA GPUs
-    from Ampere on, CPUs with AVX512-BF16 or AMX, other accelerators; float32 elsewhere, where
-    bfloat16 matmuls are emulated (20-50 times slower than float32 on an AVX2 CPU)."""
+    """bfloat16 where ``device`` multiplies it in hardware, float32 where it would be emulated."""
     if device.type == "cuda":
         fast = torch.cuda.is_bf16_supported(including_emulation=False)
     elif device.type == "cpu":
@@ -88,10 +69,7 @@ def auto_dtype(device: torch.device) -> torch.dtype:
 
 @dataclass(frozen=True)
 class MuonRule(MatrixRule):
-    """Muon's per-matrix math (see the module docstring for the formulas) and settings: a param
-    group's ``ns_coefficients`` (a preset's name or triples) become ``schedule``, its
-    ``compute_dtype`` a dtype (``"auto"`` by the group's device), its ``adjust_lr_fn=None``
-    ``"original"``."""
+    """Muon's per-matrix math and settings (``ns_coefficients`` becomes ``schedule``)."""
 
     schedule: NewtonSchulzSchedule = setting((3.4445, -4.7750, 2.0315), key="ns_coefficients")
     momentum: float = 0.95

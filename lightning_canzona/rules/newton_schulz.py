@@ -1,40 +1,9 @@
 """Newton–Schulz orthogonalisation: coefficient presets and the batched iteration.
 
-Each step applies the odd quintic ``p(X) = a·X + b·(XXᵀ)X + c·(XXᵀ)²X``, which maps every singular
-value ``σ`` of ``X`` to ``p(σ) = aσ + bσ³ + cσ⁵`` and leaves the singular vectors alone. After the
-input is scaled so that its singular values lie in ``(0, 1]``, a few steps push them towards 1, so
-the result approximates the polar factor ``UVᵀ`` of ``X = UΣVᵀ``.
-
-Two forms compute the same polynomial of ``X`` (`FORMS`):
-
-- ``"standard"``: each step forms the ``a × a`` Gram matrix (``2a²b`` FLOPs, ``a = min(m, n)``,
-  ``b = max(m, n)``), its square (``2a³``) and the product with ``X`` (``2a²b``): ``k·(4a²b + 2a³)``
-  for ``k`` steps.
-- ``"gram"`` (Gram Newton–Schulz, Dao AI Lab 2026): every step's polynomial ``P`` is a polynomial of
-  ``R = XXᵀ``, so the iteration runs on ``R`` alone — ``P = aI + bR + cR²``, ``R ← PRP``, the
-  products ``Q ← PQ`` accumulated — and touches ``X`` only to form ``R`` and, at the end,
-  ``X ← QX``: ``4a²b`` per (re)start plus at most ``8a³`` per step (`flops`), fewer FLOPs than the
-  standard form once ``b`` exceeds about ``1.5a``. In low precision ``R`` drifts from ``XXᵀ``
-  (spurious negative eigenvalues, eigenvectors that wander); restarting — ``X ← QX``,
-  ``R ← XXᵀ``, ``Q ← I`` — after the second step, as published, keeps it stable, with bf16
-  rounding 2–3 times the standard form's (``canzona bench ns``).
-
-Either form may compute its symmetric products — ``XXᵀ`` and ``R²`` (``R`` is symmetric) — by
-blocks of rows, only those on and below the diagonal, the rest mirrored (``"standard-symmetric"``,
-``"gram-symmetric"``; `symmetric_product`): with ``k = 4`` blocks ``(k + 1)/2k = 5/8`` of their
-FLOPs, the same result bit for bit where the blocks' dot products add up as the whole product's.
-In the standard form that is 2 of its 3 products per step.
-
-A team of ranks can run any form on one matrix together (`team_newton_schulz`): each member
-holds a slice of the wide orientation's columns, ``X = [X₁ … X_k]``, and the Gram matrix is the
-sum of the members' ``XⱼXⱼᵀ`` (an all-reduce of ``a²`` elements, in float32 for bf16:
-`rules.base.summed_dtype`). In the standard form each step
-sums it, every member forms the polynomial ``P = bA + cA²`` (or its ``1/k`` of the rows, gathered
-after, where the ``2a³`` would weigh: `splits_polynomial`), and updates its slice,
-``Xⱼ ← aXⱼ + PXⱼ``. The Gram form sums it once per (re)start and otherwise works on ``a × a``
-matrices on every member: two collectives in all. The result differs from the single-rank
-iteration's only in the order in which partial sums are added; `team_work` counts each member's
-FLOPs and collectives.
+`newton_schulz` approximates the polar factor ``UVᵀ`` of a matrix (or stack) in one of four
+`FORMS`; `team_newton_schulz` computes it over a team of ranks, each holding a slice, and
+`team_work` counts what that costs each member. docs/optimizers.md (Muon, Teams, Compiled
+Newton–Schulz) derives the forms and their FLOPs.
 """
 
 from __future__ import annotations
@@ -54,11 +23,10 @@ from lightning_canzona.geometry import split_sizes
 from lightning_canzona.rules.base import TeamComputation, TeamRows, TeamSum, summed_dtype
 
 Coefficients = tuple[float, float, float]
-#: The forms of the iteration (see the module docstring).
+#: The forms of the iteration (docs/optimizers.md#muon).
 FORMS = ("standard", "gram", "standard-symmetric", "gram-symmetric")
 #: Row blocks of `symmetric_product`: of its ``k²`` blocks the ``k(k + 1)/2`` on and below the
-#: diagonal are computed. Measured here (bf16, one thread, 512 × 2048 to 2048 × 2048): 0.65–0.72
-#: of the full product's time, against 0.76–0.80 with 2 blocks.
+#: diagonal are computed (docs/benchmarks.md: why four).
 SYMMETRIC_BLOCKS = 4
 #: Steps before which the Gram form restarts from ``X`` (0-based): after the second, as published.
 GRAM_RESTARTS = (2,)
@@ -76,9 +44,8 @@ def symmetric_product(
     alpha: float = 1.0,
     blocks: int = SYMMETRIC_BLOCKS,
 ) -> Tensor:
-    """``x @ x.mT`` (of a matrix or of each of a stack), or ``beta·added + alpha·x @ x.mT`` for a
-    symmetric ``added`` as one fused product per block, computing only the blocks of rows on and
-    below the diagonal and mirroring the others."""
+    """``x @ x.mT``, or ``beta·added + alpha·x @ x.mT`` for a symmetric ``added``, by blocks of rows
+    on and below the diagonal, the others mirrored."""
     sizes = split_sizes(x.size(-2), min(blocks, x.size(-2)))
     parts = x.split(sizes, dim=-2)
     starts = list(itertools.accumulate(sizes, initial=0))
@@ -104,10 +71,8 @@ def _add_product(added: Tensor, left: Tensor, right: Tensor, beta: float = 1.0, 
 
 
 def _left_product(left: Tensor, x: Tensor, beta: float | None, transposed: bool) -> Tensor:
-    """``beta·x + left·x`` (``left·x`` where ``beta`` is None), or its transpose where
-    ``transposed``, computed as ``β·xᵀ + xᵀ·leftᵀ``: a result contiguous in the orientation it is
-    returned in. (Added as a transposed view, a tall direction took 3.5 ms against 0.2 for 2²⁰
-    contiguous elements on a CPU.)"""
+    """``beta·x + left·x`` (``left·x`` where ``beta`` is None), transposed where ``transposed``,
+    computed so that the result is contiguous in that orientation."""
     if transposed:
         x, left = x.mT, left.mT
         return x @ left if beta is None else _add_product(x, x, left, beta=beta)
@@ -115,8 +80,7 @@ def _left_product(left: Tensor, x: Tensor, beta: float | None, transposed: bool)
 
 
 def _split_form(form: str) -> tuple[str, bool]:
-    """A form's iteration (``"standard"`` or ``"gram"``) and whether its symmetric products are
-    computed by blocks."""
+    """A form's iteration (``"standard"`` or ``"gram"``) and whether its products go by blocks."""
     if form not in FORMS:
         raise ValueError(f"Newton–Schulz form must be one of {FORMS}, got {form!r}")
     return form.removesuffix("-symmetric"), form.endswith("-symmetric")
@@ -134,8 +98,7 @@ def _polynomial(gram: Tensor, b: float, c: float, symmetric: bool) -> Tensor:
 
 
 def _gram_flops(rows: int, cols: int, symmetric: bool) -> int:
-    """FLOPs of ``X Xᵀ`` for a ``rows × cols`` ``X``: ``2·rows²·cols``, or by `symmetric_product`'s
-    blocks ``rᵢ`` (``Σ_{i≥j} 2rᵢrⱼ = rows² + Σrᵢ²``) ``cols·(rows² + Σrᵢ²)``."""
+    """FLOPs of ``X Xᵀ`` for a ``rows × cols`` ``X``, whole or by `symmetric_product`'s blocks."""
     if not symmetric:
         return 2 * rows * rows * cols
     sizes = split_sizes(rows, min(SYMMETRIC_BLOCKS, rows))
@@ -148,12 +111,9 @@ class NewtonSchulzSchedule:
 
     Attributes:
         name: Preset name, or ``"custom"``.
-        coefficients: ``(a, b, c)`` for step 1, 2, …; the last triple repeats for further steps.
-        norm_safety: The input is divided by ``norm_safety · ‖X‖_F``. A factor above 1 keeps
-            singular values below 1 despite rounding, which schedules tuned to the interval
-            ``(0, 1]`` rely on.
-        design_lower_bound: Smallest normalised singular value the schedule was designed for; the
-            band it promises (`singular_value_band`) is for inputs at or above it.
+        coefficients: ``(a, b, c)`` for step 1, 2, …; the last triple repeats.
+        norm_safety: The input is divided by ``norm_safety · ‖X‖_F`` (>= 1).
+        design_lower_bound: Smallest normalised singular value the schedule was designed for.
     """
 
     name: str
@@ -189,20 +149,8 @@ class NewtonSchulzSchedule:
     def singular_value_band(
         self, ns_steps: int, lower: float | None = None, samples: int = 200_001
     ) -> tuple[float, float]:
-        """The interval that output singular values lie in, for inputs in ``[lower, 1]``.
-
-        Every singular value evolves independently through the same scalar polynomials, so the
-        band is the range of their composition over the input interval, evaluated on a dense
-        geometric grid (the composition is smooth, and the grid includes both end points).
-
-        Args:
-            ns_steps: Number of iterations.
-            lower: Smallest normalised input singular value; defaults to ``design_lower_bound``.
-            samples: Grid size.
-
-        Returns:
-            ``(min, max)`` of the output singular values.
-        """
+        """``(min, max)`` of the output singular values after ``ns_steps`` for inputs in ``[lower, 1]``
+        (default ``design_lower_bound``), on a geometric grid of ``samples`` points."""
         lower = self.design_lower_bound if lower is None else lower
         if not 0.0 < lower <= 1.0:
             raise ValueError(f"lower must lie in (0, 1], got {lower}")
@@ -243,11 +191,7 @@ PRESETS: dict[str, NewtonSchulzSchedule] = {
 def resolve_schedule(
     ns_coefficients: str | Coefficients | Sequence[Coefficients] | NewtonSchulzSchedule,
 ) -> NewtonSchulzSchedule:
-    """Turn a preset name, one ``(a, b, c)`` triple or a per-step list into a schedule.
-
-    Raises:
-        ValueError: For an unknown preset name or malformed coefficients.
-    """
+    """A schedule from a preset name, one ``(a, b, c)`` triple or a per-step list; `ValueError` if neither."""
     if isinstance(ns_coefficients, NewtonSchulzSchedule):
         return ns_coefficients
     if isinstance(ns_coefficients, str):
@@ -280,15 +224,13 @@ def newton_schulz(
     """Approximate the polar factor of ``matrix`` (or of each matrix in a stack).
 
     Args:
-        matrix: A ``(..., m, n)`` tensor; leading dimensions are a batch, each matrix is
-            orthogonalised on its own in the same batched matmuls.
+        matrix: A ``(..., m, n)`` tensor; leading dimensions are a batch.
         schedule: The coefficients per step.
         ns_steps: Number of iterations.
         eps: Lower clamp of the normaliser, so that an all-zero input stays zero.
         dtype: Compute dtype of the iteration.
-        form: One of `FORMS` (see the module docstring).
-        compile: Run the steps compiled (`lightning_canzona.rules.newton_schulz`); the normalisation
-            stays eager, its reduction summed in eager's order.
+        form: One of `FORMS`.
+        compile: Run the steps compiled; the normalisation stays eager.
 
     Returns:
         A tensor of ``matrix``'s shape in ``dtype``.
@@ -317,8 +259,7 @@ def newton_schulz(
 def _steps(
     x: Tensor, schedule: NewtonSchulzSchedule, ns_steps: int, gram: bool, symmetric: bool, transposed: bool
 ) -> Tensor:
-    """`newton_schulz`'s steps on the normalised wide orientation ``x``: what it compiles (the
-    coefficients, read from ``schedule`` here, are the graph's constants)."""
+    """`newton_schulz`'s steps on the normalised wide ``x``: what it compiles."""
     iterate = _gram_steps if gram else _standard_steps
     return iterate(x, schedule.steps(ns_steps), symmetric, transposed)
 
@@ -330,8 +271,7 @@ class TeamWork:
     Attributes:
         flops: The busiest member's FLOPs.
         collectives: Collectives among the members.
-        numel: Elements each member sends to the others (ring all-reduce and all-gather), in
-            elements of the iteration's dtype (`rules.base.UpdateCost.team_numel`).
+        numel: Elements each member sends, in elements of the iteration's dtype.
     """
 
     flops: float
@@ -340,9 +280,7 @@ class TeamWork:
 
 
 def splits_polynomial(rows: int, cols: int, size: int) -> bool:
-    """Whether a team computes the standard form's polynomial by rows (one more collective per
-    step) rather than each member all of it: when the whole ``2a³`` would add more than a quarter
-    to a member's ``4a²b/k`` of products with ``X``, i.e. when ``2a(k − 1) > b``."""
+    """Whether a team splits the standard form's polynomial by rows: when ``2a(k − 1) > b``."""
     a, b = min(rows, cols), max(rows, cols)
     return 2 * a * (size - 1) > b
 
@@ -350,13 +288,7 @@ def splits_polynomial(rows: int, cols: int, size: int) -> bool:
 def team_work(
     rows: int, cols: int, ns_steps: int, form: str, size: int, dtype: torch.dtype = torch.bfloat16
 ) -> TeamWork:
-    """Cost of `team_newton_schulz` in ``dtype`` to each member of a team of ``size`` on one
-    ``rows × cols`` matrix.
-
-    The Gram matrices are summed in `summed_dtype` (float32 for bf16): each of their elements
-    counts as many elements of ``dtype`` as it has bytes for; the first round's float32 norm
-    travels with them, or apart beside a float64 Gram matrix. Gathered rows travel in ``dtype``.
-    """
+    """Cost of `team_newton_schulz` in ``dtype`` to each member of a team of ``size``."""
     iteration, symmetric = _split_form(form)
     summed = summed_dtype(dtype)
     norm = 1 if summed != torch.float32 else 0  # a collective of its own
@@ -394,25 +326,8 @@ def team_newton_schulz(
 ) -> TeamComputation:
     """Member ``member``'s slice of `newton_schulz`'s result, computed by a team of ``size``.
 
-    The first round sums the squared norm and the Gram matrix of the unnormalised slices
-    (``XXᵀ/‖X‖²`` is the normalised one's). The standard form then sums each later step's Gram
-    matrix, and gathers the polynomial's rows where `splits_polynomial`; the Gram form sums the
-    Gram matrix again only when it restarts, and iterates on it alone in between, on every member.
-
-    Args:
-        matrix: This member's slice of the matrix (or of each matrix of a stack): columns of a
-            wide matrix, rows of a tall one (`lightning_canzona.geometry.member_blocks`).
-        shape: The whole matrix's shape.
-        schedule: The coefficients per step.
-        ns_steps: Number of iterations.
-        eps: Lower clamp of the normaliser.
-        dtype: Compute dtype of the iteration.
-        member: This member's index in the team.
-        size: Members in the team.
-        form: One of `FORMS` (see the module docstring).
-
-    Returns:
-        This member's slice of the result, in ``dtype``.
+    ``matrix`` is this member's slice (columns of a wide matrix, rows of a tall one) of a matrix of
+    ``shape``; the other arguments are `newton_schulz`'s. Returns the slice of the result in ``dtype``.
     """
     transposed = shape[-2] > shape[-1]  # iterate on the wide orientation, as `newton_schulz`
     x = matrix.to(dtype)
@@ -457,8 +372,7 @@ def team_newton_schulz(
 
 
 def _standard_steps(x: Tensor, steps: list[Coefficients], symmetric: bool, transposed: bool) -> Tensor:
-    """The standard form's steps on the wide orientation ``x``; the result transposed back to
-    the matrix's own orientation where ``transposed`` (by the last product)."""
+    """The standard form's steps on the wide ``x``; transposed back by the last product if ``transposed``."""
     for step, (a, b, c) in enumerate(steps):
         polynomial = _polynomial(_gram(x, symmetric), b, c, symmetric)
         x = _left_product(polynomial, x, a, transposed and step == len(steps) - 1)
@@ -502,13 +416,12 @@ def check_compile(value: object) -> Compile:
 
 
 def compiles(setting: Compile, device: torch.device) -> bool:
-    """Whether ``setting`` compiles the rules' functions for tensors on ``device``: ``"auto"``
-    on CUDA only (see the module docstring)."""
+    """Whether ``setting`` compiles the rules' functions for tensors on ``device``: ``"auto"`` on CUDA."""
     return device.type == "cuda" if setting == "auto" else bool(setting)
 
 
 @functools.cache
 def compiled(function: Function) -> Function:
-    """``function`` compiled once for the process (see the module docstring for how)."""
+    """``function`` compiled once for the process, one graph per shape, dtype and form."""
     options = {"emulate_precision_casts": True}
     return compile_function(function, GRAPHS, fullgraph=True, dynamic=False, options=options)

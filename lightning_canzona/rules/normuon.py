@@ -1,26 +1,8 @@
-"""NorMuon: Muon's orthogonalised update, normalised per output neuron (Li et al., 2025).
+"""NorMuon: Muon's update normalised per output neuron (Li et al., 2025), in dion's form.
 
-For a matrix ``W`` (``m × n``, one row per output neuron) and Muon's ``O = NS_k(M)`` (see
-`lightning_canzona.rules.muon`), with ``β₂`` the decay of the neurons' second moments::
-
-    v ← β₂·v + (1 − β₂)·mean_j(O ⊙ O)           (one entry per row: matrix state on the owner)
-    Ô = O / (√v + ε)                              (each row by its own, ε = 1e-8)
-    D = Ô · ‖O‖_F / max(‖Ô‖_F, ε)                 (the orthogonalised update's Frobenius norm kept)
-    W ← W·(1 − γλ) − γ·s(m, n)·D                  (Muon's learning-rate scale s)
-
-Muon's orthogonalisation leaves some neurons with much larger updates than others; the second
-moment evens them out, and the rescale keeps the step's size Muon's, so Muon's learning rates and
-``adjust_lr_fn`` carry over. This is the update of the NorMuon paper (arXiv 2510.05491, Algorithm
-1) in the form of microsoft/dion's ``NorMuon`` (``dion/normuon.py``: the moment starts at zero
-without bias correction; the norm is restored, then the shape scale applied). dion normalises
-each rank's shard of a sharded matrix by its own rows' and its own Frobenius norm; here the owner
-holds the whole matrix, so the update is the one-process one on every mesh.
-
-A stack of matrices (experts) keeps one moment per matrix; a fused weight with row blocks
-(`lightning_canzona.rules.blocks`) normalises each block as the matrix it would be alone.
-
-Cost per step: Muon's, and ``≈ 8·mn`` FLOPs of normalisation (in float32); the moment (``m``
-float32 elements) is matrix state. No team form: every matrix is updated whole by one owner.
+Each row of Muon's orthogonalised update is divided by the root of its running second moment
+(matrix state on the owner), then the update is scaled back to Muon's Frobenius norm:
+docs/optimizers.md#normuon.
 """
 
 from __future__ import annotations
@@ -41,9 +23,8 @@ ROW_SECOND_MOMENT = "row_second_moment"
 
 
 def normalize_rows(orthogonal: Tensor, second_moment: Tensor, beta2: float) -> Tensor:
-    """``orthogonal`` (``(…, m, n)``) with each row divided by the root of its running second
-    moment, then scaled back to its Frobenius norm; updates ``second_moment`` (``(…, m, 1)``) in
-    place. Computes in ``second_moment``'s dtype."""
+    """``orthogonal`` with each row divided by its root second moment, rescaled to its Frobenius norm;
+    updates ``second_moment`` (``(…, m, 1)``) in place, computing in its dtype."""
     orthogonal = orthogonal.to(second_moment.dtype)
     second_moment.lerp_(orthogonal.square().mean(dim=-1, keepdim=True), 1.0 - beta2)
     normalized = orthogonal / (second_moment.sqrt() + EPSILON)
@@ -54,8 +35,7 @@ def normalize_rows(orthogonal: Tensor, second_moment: Tensor, beta2: float) -> T
 
 @dataclass(frozen=True)
 class NorMuonRule(MuonRule):
-    """NorMuon's per-matrix math (see the module docstring for the formulas): Muon's settings and
-    ``beta2``."""
+    """NorMuon's per-matrix math: Muon's settings and ``beta2``."""
 
     beta2: float = 0.95
     name = "normuon"

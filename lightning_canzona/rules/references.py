@@ -1,10 +1,5 @@
-"""Shampoo and SOAP written out from their papers' equations, in the dtype of their inputs: the
-references that the tests and ``canzona doctor`` check the rules (`shampoo`, `soap`) against.
-
-Nothing here is shared with the rules: plain tensors, explicit ``eigh`` and ``qr``, one matrix,
-one step after another. In float64 they are the float32 rules' exact results up to the
-references' own rounding.
-"""
+"""Shampoo and SOAP written out from their papers' equations: what the tests and ``canzona doctor``
+check the rules against. Nothing is shared with the rules; in float64 they give the exact results."""
 
 from __future__ import annotations
 
@@ -25,9 +20,8 @@ def reference_shampoo(
     max_dim: int,
     ridge: bool = False,
 ) -> Tensor:
-    """Shampoo with Adam grafting from its equations, with explicit ``eigh`` on the factors: their
-    eigenvalues floored at ``epsilon`` times the largest, or (``ridge``) ``eigh(F + εI)``, Meta's
-    Distributed Shampoo's. Returns the weight after the steps of ``grads``."""
+    """Shampoo with Adam grafting by explicit ``eigh``, eigenvalues floored relative to the largest
+    (or ``ridge``: ``eigh(F + εI)``). Returns the weight after the steps of ``grads``."""
 
     def eye(size: int) -> Tensor:
         return torch.eye(size, dtype=initial.dtype, device=initial.device)
@@ -74,14 +68,9 @@ def reference_soap(
     weight_decay: float,
     frequency: int,
 ) -> tuple[Tensor, list[Tensor]]:
-    """Algorithm 3 of Vyas et al. (2024), from its equations, in the order of the authors'
-    implementation: the first gradient only starts the factors and bases, and each later one is
-    rotated by the bases of the gradients before it. Returns the weight after the steps of
-    ``grads`` and the left basis after each step.
-
-    ``eigh``'s choice of eigenvectors inside a factor's null space is arbitrary: a reference that
-    is to agree with the rule on a rank-deficient factor (the first of a non-square matrix) must
-    see the same bits, in the same dtype."""
+    """SOAP (Vyas et al., 2024, Algorithm 3) in the order of the authors' code. Returns the weight
+    and the left basis after each step. Compare rank-deficient factors in the rule's dtype: ``eigh``'s
+    choice of null-space eigenvectors is arbitrary."""
 
     def eigenvectors_descending(factor: Tensor) -> Tensor:
         return torch.linalg.eigh(factor).eigenvectors.flip(-1)

@@ -1,29 +1,8 @@
 """Shampoo with Adam-norm grafting (Gupta et al., 2018; Anil et al., 2020).
 
-For gradient ``G`` (``m × n``) at step ``t``, betas ``(β₁, β₂)``, learning rate ``γ``::
-
-    L ← β₂·L + (1 − β₂)·GGᵀ        R ← β₂·R + (1 − β₂)·GᵀG       (Kronecker factors)
-    M ← β₁·M + (1 − β₁)·G          V ← β₂·V + (1 − β₂)·G⊙G       (momentum, grafting moment)
-    M̂ = M / (1 − β₁ᵗ)              A = M̂ / (√(V / (1 − β₂ᵗ)) + ε)  (the Adam direction)
-    P = L̃^(-1/4) · M̂ · R̃^(-1/4)                                   (once preconditioning started)
-    D = P · ‖A‖_F / ‖P‖_F  if t ≥ start_preconditioning_step, else D = A
-    W ← W·(1 − γλ) − γ·D
-
-``L̃^(-1/4) = Q·diag((max(λᵢ, 0) + δ·λ_max)^(-1/4))·Qᵀ`` from ``eigh(L) = (λ, Q)``, with ``δ`` the
-``epsilon`` relative to the factor's largest eigenvalue (``epsilon_mode="relative"``: the floor
-scales with the gradients), or ``(max(λᵢ, 0) + δ)^(-1/4)``, i.e. ``(L + δ·I)^(-1/4)``
-(``"absolute"``: Meta's Distributed Shampoo's ε, 1e-12 by default there), refreshed at
-``t = start_preconditioning_step`` and every ``precondition_frequency`` steps after. A side longer
-than ``max_precond_dim`` stays identity. Grafting gives the step Adam's per-matrix magnitude and
-Shampoo's direction, so learning rates tuned for Adam carry over.
-
-Cost per step, with ``f`` = precondition_frequency and sums over the preconditioned sides
-``d ∈ {m, n}``: factor updates ``Σ 2d·mn``, preconditioning ``Σ 2d·mn``, eigendecompositions
-``Σ 10d³ / f`` (the usual ≈10d³ for a symmetric eigensolver with vectors), ``≈ 10·mn`` elementwise.
-All of its state (factors, roots, both moments) is matrix state on the owner. A team can compute
-any matrix (`kronecker`): two collectives per step, the factors' contributions with the Adam
-direction's squared norm, then the preconditioned direction's; where the long side has a factor,
-the first gathers the gradient and the momentum whole on every member.
+Kronecker factors ``L``, ``R`` (`kronecker`) precondition the momentum by their inverse fourth roots,
+rescaled to the Adam direction's norm. The update, ``epsilon_mode``, its cost and its team form:
+docs/optimizers.md#shampoo-with-adam-grafting.
 """
 
 from __future__ import annotations
@@ -64,8 +43,8 @@ def _frobenius(matrix: Tensor) -> Tensor:
 def inverse_fourth_root(
     factor: Tensor, epsilon: float, mode: EpsilonMode = "relative", dtype: torch.dtype = torch.float32
 ) -> Tensor:
-    """``(F + δ·λ_max·I)^(-1/4)`` (``mode="relative"``) or ``(F + δ·I)^(-1/4)`` (``"absolute"``)
-    of a symmetric PSD ``factor`` (or stack) by ``eigh``, computed in ``dtype``."""
+    """``(F + δ·λ_max·I)^(-1/4)`` (``mode="relative"``) or ``(F + δ·I)^(-1/4)`` (``"absolute"``) of a
+    symmetric PSD ``factor`` (or stack) by ``eigh``, computed in ``dtype``."""
     eigenvalues, eigenvectors = kronecker.eigh(factor, dtype)
     eigenvalues = eigenvalues.clamp_min(0.0)
     if mode == "relative":
@@ -78,7 +57,7 @@ def inverse_fourth_root(
 
 @dataclass(frozen=True)
 class ShampooRule(MatrixRule):
-    """Shampoo's per-matrix math (see the module docstring for the formulas)."""
+    """Shampoo's per-matrix math and settings."""
 
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -133,9 +112,8 @@ class ShampooRule(MatrixRule):
     def team_direction(
         self, matrix: Tensor, shape: Sequence[int], member: int, size: int, state: State
     ) -> TeamComputation:
-        """Rounds: the factors' contributions (the short side's sum; the gradient and momentum
-        gathered where the long side has a factor) with the Adam direction's squared norm, the
-        roots' sharing on a decomposition step, the preconditioned direction's squared norm."""
+        """Rounds: the factors' contributions with the Adam direction's squared norm, the roots'
+        sharing on a decomposition step, the preconditioned direction's squared norm."""
         grad, state = kronecker.oriented(matrix.float(), state, shape, self.team_sliced_keys(shape))
         sizes = split_sizes(shape[long_dim(shape)], size)
         step, momentum, adam = self._moments(grad, state)

@@ -1,45 +1,9 @@
 """SOAP: Adam in the eigenbasis of Shampoo's preconditioner (Vyas et al., 2024).
 
-For gradient ``G`` (``m × n``), betas ``(β₁, β₂)``, factor decay ``β_s`` (``shampoo_beta``,
-default ``β₂``) and learning rate ``γ``, the first step only starts the preconditioner::
-
-    L = (1 − β_s)·GGᵀ        R = (1 − β_s)·GᵀG        Q_L, Q_R ← eigenvectors of L, R (eigh,
-                                                                largest eigenvalue first)
-
-and each later step, Adam's step ``t`` (the optimizer's step − 1), rotates with the bases of the
-gradients before it, then adds ``G`` to the factors::
-
-    G' = Q_Lᵀ·G·Q_R                  M ← β₁·M + (1 − β₁)·G          M' = Q_Lᵀ·M·Q_R
-    V ← β₂·V + (1 − β₂)·G'⊙G'
-    D = Q_L · (c·M' / (√V + ε)) · Q_Rᵀ   with  c = √(1 − β₂ᵗ) / (1 − β₁ᵗ)   (bias correction)
-    W ← W·(1 − γλ) − γ·D
-    L ← β_s·L + (1 − β_s)·GGᵀ        R ← β_s·R + (1 − β_s)·GᵀG
-    t ≡ 0 mod f:  Q ← QR(F·Q) for F = L, R: one power iteration, after ordering Q's columns (and
-                  V's matching axis) by the estimated eigenvalues diag(QᵀFQ), largest first
-
-This is the order of the authors' implementation: a basis never rotates a gradient it was
-computed from. The first bases diagonalise the first gradient exactly, so its rotation off the
-diagonal is rounding, which the Adam ratio would turn into ±1: measured, such a first step lay
-0.78–8.7× the norm of the step it stands for (``c·UVᵀ``) away from it, by the gradient's scale.
-The first step therefore moves the weights by the weight decay only.
-
-Weight decay comes first by default (``decay_first``, as ``torch.optim.AdamW`` and the other rules
-here). ``update_first`` is the authors' ``soap.py``: the updated weights are decayed,
-``W ← (W − γ·D)·(1 − γλ)``, and not at all on the first step, which only starts the
-preconditioner. The first step is the param group's (the same on every rank): a matrix whose
-first gradient comes later is decayed on its own first step.
-
-``M`` stays in the original coordinates, as in the paper's algorithm, so a basis refresh never
-mixes momenta from two bases; ``V`` lives in the rotated coordinates. A side longer than
-``max_precond_dim`` keeps the identity basis.
-
-Cost per step, summing over the preconditioned sides ``d ∈ {m, n}``: the factor update and the three
-one-sided rotations (of ``G``, ``M`` and back) cost ``Σ 8d·mn``; each refresh costs ``≈ 10d³`` per side
-(two ``d × d`` products for the eigenvalue estimate, one for the power iteration, a Householder
-QR), amortised over ``f`` = precondition_frequency. All of its state is matrix state on the owner.
-A team can compute any matrix (`kronecker`): one collective per step, the factors' contributions
-(the short side's sum; the gradient and momentum gathered where the long side has a factor, and
-then the rotated step for the way back).
+The first step only starts the factors and their eigenbases; each later step rotates the gradient
+and momentum with the bases of the gradients before it (the authors' order), takes Adam's step
+there and rotates it back, then refreshes the bases every ``precondition_frequency`` steps. The
+update, the weight-decay orders, its cost and its team form: docs/optimizers.md#soap.
 """
 
 from __future__ import annotations
@@ -78,13 +42,7 @@ WEIGHT_DECAY_ORDERS = ("decay_first", "update_first")
 
 def _project(matrix: Tensor, state: State, *, back: bool = False, rows: slice | None = None) -> Tensor:
     """``Q_Lᵀ·X·Q_R`` (or ``Q_L·X·Q_Rᵀ`` with ``back``), skipping sides without a basis; only the
-    result's ``rows`` (a team member's, of a whole ``X``) if given.
-
-    The rotation turns the long side first (`geometry.long_dim`; a member's ``rows`` are
-    of the long side), so that a team, which turns its slices of the long side first, forms the
-    same products: the Adam ratio that follows grows their rounding where a rotated entry is near
-    zero (where the gradient is close to the bases' own).
-    """
+    team member's ``rows`` of the result if given. The long side turns first, as a team's members do."""
     left, right = state.get("left_basis"), state.get("right_basis")
     if rows is not None and left is not None:
         left = left[rows] if back else left[:, rows]
@@ -107,8 +65,7 @@ RIDGE = 1e-30
 
 
 def _eigenbasis(factor: Tensor, dtype: torch.dtype) -> Tensor:
-    """Eigenvectors of a symmetric factor, columns ordered by decreasing eigenvalue, computed in
-    ``dtype``."""
+    """Eigenvectors of a symmetric factor, largest eigenvalue first, computed in ``dtype``."""
     _, eigenvectors = kronecker.eigh(factor, dtype, RIDGE)
     return eigenvectors.flip(-1)
 
@@ -118,9 +75,7 @@ def _power_iteration(factor: Tensor, basis: Tensor, dtype: torch.dtype) -> Tenso
 
 
 def _reordered_basis(state: State, side: str) -> tuple[Tensor, Tensor]:
-    """``side``'s basis with its columns ordered by the estimated eigenvalues ``diag(QᵀFQ)``,
-    largest first, and that order; ``exp_avg_sq``'s matching axis is reordered with them (in
-    ``state``)."""
+    """``side``'s basis ordered by ``diag(QᵀFQ)``, largest first, and that order (``exp_avg_sq`` with it)."""
     factor, basis = state[side], state[f"{side}_basis"]
     estimated = torch.diagonal(basis.mT @ factor @ basis, dim1=-2, dim2=-1)
     order = estimated.argsort(dim=-1, descending=True)
@@ -142,14 +97,14 @@ def _refreshed_basis(state: State, side: str, basis: Tensor) -> None:
 
 @dataclass(frozen=True)
 class SOAPRule(MatrixRule):
-    """SOAP's per-matrix math (see the module docstring for the formulas)."""
+    """SOAP's per-matrix math and settings."""
 
     betas: tuple[float, float] = (0.95, 0.95)
     shampoo_beta: float | None = None
     eps: float = 1e-8
     precondition_frequency: int = 10
     max_precond_dim: int = 10_000
-    #: ``"decay_first"`` or ``"update_first"`` (the authors' order; see the module docstring).
+    #: ``"decay_first"`` or ``"update_first"`` (the authors' order: docs/optimizers.md#soap).
     weight_decay_order: str = "decay_first"
     #: This step is the param group's first, whose update is zero: ``update_first`` skips its decay.
     #: Not part of the rule's identity: a plan is built for the rules, and this changes each step.
@@ -187,8 +142,7 @@ class SOAPRule(MatrixRule):
         weight_decay: float,
         shapes: Sequence[Sequence[int]],
     ) -> None:
-        """`MatrixRule.apply`, or in ``update_first`` order the step, then the decay of the
-        updated weights, none of either on the group's first step."""
+        """`MatrixRule.apply`, or for ``update_first`` the step, then the decay, neither on the first step."""
         if self.weight_decay_order == "decay_first":
             super().apply(params, directions, lr=lr, weight_decay=weight_decay, shapes=shapes)
         elif not self.first_step:
@@ -224,10 +178,8 @@ class SOAPRule(MatrixRule):
     def team_direction(
         self, matrix: Tensor, shape: Sequence[int], member: int, size: int, state: State
     ) -> TeamComputation:
-        """Rounds: the factors' contributions (the short side's sum; the gradient, and after the
-        first step the momentum, gathered where the long side has a factor), then after the first
-        step, where the long side has a factor, the rotated step gathered for the rotation back,
-        and the bases' sharing on a basis step (after gathering the long side's factor)."""
+        """Rounds: the factors' contributions, the rotated step gathered for the way back where the long
+        side has a factor, and the bases' sharing on a basis step."""
         grad, state = kronecker.oriented(matrix.float(), state, shape, self.team_sliced_keys(shape))
         sizes = split_sizes(shape[long_dim(shape)], size)
         rows = slice(sum(sizes[:member]), sum(sizes[: member + 1]))
@@ -252,22 +204,18 @@ class SOAPRule(MatrixRule):
         return kronecker.unoriented(direction, shape)
 
     def _whole_step(self, grad: Tensor, state: State, step: int) -> Tensor:
-        """The optimizer's ``step`` (Adam's ``step − 1``) from this rank's gradient and momentum
-        alone: the whole matrix's, or a member's slice where the long side has no factor."""
+        """Adam's step ``step − 1`` from this rank's gradient and momentum alone."""
         return _project(self._rotated_step(grad, state["exp_avg"], state, step - 1), state, back=True)
 
     def _refreshes(self, step: int) -> bool:
-        """Whether the bases are refreshed after the optimizer's ``step`` (Adam's ``step − 1``)."""
+        """Whether the bases are refreshed after the optimizer's ``step``."""
         return step > 1 and (step - 1) % self.precondition_frequency == 0
 
     def _shared_bases(
         self, state: State, first: bool, member: int, size: int, sizes: tuple[int, ...], rows: slice
     ) -> Generator[tuple[TeamRequest, ...], tuple[Tensor, ...], None]:
-        """The bases' first eigendecompositions or refreshes, each computed by one member and
-        shared: the short side's (whole on every member) by the last member; the long side's
-        (a member holds its rows of the factor and the whole basis) by member 0, on the factor
-        and, for a refresh, the second moment gathered whole, as one rank computes them. The
-        refresh's new column order reorders every member's rows of the second moment."""
+        """The bases' first decompositions or refreshes, each by one member (the long side's by member 0,
+        on the factor and second moment gathered whole), and shared with every member."""
         decompose = functools.partial(_first_basis, state, "right")
         if "right" in state and not first:  # every member reorders its own slice, all alike
             decompose = functools.partial(
@@ -309,8 +257,7 @@ class SOAPRule(MatrixRule):
     def _rotated_step(
         self, grad: Tensor, momentum: Tensor, state: State, step: int, rows: slice | None = None
     ) -> Tensor:
-        """Adam's ``step`` in the eigenbasis, ``c·M' / (√V + ε)``, updating ``V``; a team
-        member's ``rows`` of it from the whole gradient and momentum, if given."""
+        """Adam's step in the eigenbasis, ``c·M' / (√V + ε)``, updating ``V``; a member's ``rows``."""
         beta2 = self.betas[1]
         exp_avg_sq = state["exp_avg_sq"]
         rotated_grad = _project(grad, state, rows=rows)
