@@ -1,6 +1,4 @@
-"""Lower bounds on the makespan of plans: what no plan with teams of at most ``max_team`` ranks
-beats, at the prices of their collectives (`team_bound`, `average_bound`), and the bounds that
-the team search ranks sizes by (`packing_bound`)."""
+"""Lower bounds on the makespan: of plans (`team_bound`, `average_bound`), of team sizes (`packing_bound`)."""
 
 from __future__ import annotations
 
@@ -25,9 +23,7 @@ def team_classes(
     busiest: bool = False,
     step: Step = "amortised",
 ) -> tuple[list[list[int]], list[list[int]], list[dict[int, tuple[float, ...]]]]:
-    """The matrices of equal cost as classes: each class's indices, its team sizes (1 only for a
-    matrix that some ranks hold whole) and its member loads on the ``step`` at each size (each
-    the busiest member's if ``busiest``)."""
+    """Matrices of equal cost as classes: indices, team sizes, member loads by size (``busiest``: max)."""
     classes: dict[tuple, list[int]] = {}
     for index, matrix in enumerate(matrices):
         key = (matrix.cost, matrix.team_costs, bool(matrix.holders))
@@ -51,15 +47,7 @@ def team_classes(
 def team_bound(
     matrices: list[MatrixSpec], num_ranks: int, settings: PlanSettings, step: Step = "amortised"
 ) -> float:
-    """A lower bound on the makespan of every plan whose teams have at most ``settings.max_team``
-    ranks, at the settings' prices of their collectives (`member_loads`), on the ``step``.
-
-    Whatever the team sizes, the makespan is at least the largest member load and the mean
-    member load over the ranks. For each limit on the former, each matrix takes the size within
-    it that adds the least load (a team adds its collectives); the bound is the least over the
-    limits. Unlike the ideal ``total / ranks``, no plan beats it: where it exceeds the ideal, the
-    excess is what teams' collectives cost at the least to bring every item under the ideal.
-    """
+    """A lower bound on the ``step``'s makespan of every plan with teams of at most ``max_team`` ranks."""
     classes = list(zip(*team_classes(matrices, num_ranks, settings, step=step)))
     best = math.inf
     for limit in sorted({max(load) for _, _, loads in classes for load in loads.values()}):
@@ -75,10 +63,7 @@ def team_bound(
 
 
 def average_bound(matrices: list[MatrixSpec], num_ranks: int, settings: PlanSettings) -> float:
-    """A lower bound on `Plan.average_makespan` of every plan whose teams have at most
-    ``settings.max_team`` ranks: `team_bound` of the steps without the periodic work and of the
-    step with it, averaged over the period. Where one decomposition outweighs a rank's share of
-    that step, no placement of it does better."""
+    """A lower bound on `Plan.average_makespan`: `team_bound` of steady and peak steps, averaged."""
     period = shortest_period(matrices)
     if period == 1:
         return team_bound(matrices, num_ranks, settings)
@@ -87,11 +72,8 @@ def average_bound(matrices: list[MatrixSpec], num_ranks: int, settings: PlanSett
 
 
 def packing_bound(classes: Classes, num_ranks: int, pairs: bool = True) -> float:
-    """A lower bound on the makespan of classes of ``(count, team size, member loads)``: the mean
-    load, the largest member load, per class its items on the aligned blocks (``count · size``
-    member slots over ``num_ranks`` ranks: some rank takes ``⌈count · size / ranks⌉``, each at
-    least the least member load), and if ``pairs`` the pair bound: of the ``ranks + 1`` largest
-    member loads, two share a rank."""
+    """The largest of the mean load, the largest member load, each class's ``⌈count · size / ranks⌉``
+    least member loads on one rank and (if ``pairs``) `pair_bound`."""
     largest = max((max(loads) for _, _, loads in classes), default=0.0)
     packed = max((math.ceil(n * k / num_ranks) * min(loads) for n, k, loads in classes), default=0.0)
     pair = pair_bound(classes, num_ranks) if pairs else 0.0

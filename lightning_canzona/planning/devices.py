@@ -1,22 +1,7 @@
-"""What a GPU and its interconnect can do: the prices the planner charges for collectives, and
-the numbers the simulator (`lightning_canzona.tools.simulation`) turns work into time.
-
-Defaults are datasheet peaks scaled by an achievable fraction, never measurements:
-
-- **H100 SXM5** (NVIDIA H100 Tensor Core GPU datasheet): dense BF16 tensor-core matmul
-  989.4 TFLOP/s (1,979 with 2:4 sparsity), FP32 (CUDA cores, what ``torch`` uses for float32 matmul
-  unless TF32 is enabled, and what the float32 rules use even then: `lightning_canzona.rules.base`)
-  67 TFLOP/s, FP64 (tensor cores) 67 TFLOP/s, HBM3 3.35 TB/s, NVLink 4
-  900 GB/s per GPU in total, i.e. 450 GB/s per direction.
-- **H200 SXM** (NVIDIA H200 datasheet): the same GH100 compute (989 / 67 TFLOP/s) and NVLink 4,
-  with HBM3e at 4.8 TB/s.
-- **Between nodes**: one ConnectX-7 InfiniBand NDR port per GPU (DGX/HGX H100 and H200
-  reference designs), 400 Gb/s = 50 GB/s per direction.
-- **Latencies**: about 3 µs per NVLink message and 6 µs per InfiniBand message: the order of
-  magnitude of small-message NCCL latencies, an assumption rather than a datasheet figure.
-- **Achievable fraction**: 0.6 of peak for the optimizer's large matmuls (Newton–Schulz chains and
-  Kronecker products on ≥1k-sized matrices) — an assumption.
-"""
+"""What a GPU and its interconnect can do: the prices the planner charges for collectives
+(`CollectivePrices`), and the rates the simulator (`lightning_canzona.tools.simulation`) turns
+work into time with. `H100` and `H200` are datasheet peaks scaled by an assumed achievable
+fraction; docs/planning.md#device-model gives each figure and its source."""
 
 from __future__ import annotations
 
@@ -36,8 +21,7 @@ class CollectivePrices:
     Attributes:
         flops_per_element: One element sent to another rank of a team (within a node).
         flops_per_message: One collective's latency, within a node.
-        exchange_flops_per_element: One element that a micro-group's gather or scatter moves
-            for its busiest rank (across nodes).
+        exchange_flops_per_element: One element a gather or scatter moves for its busiest rank.
         exchange_flops_per_message: One peer that a gather or scatter exchanges with.
     """
 
@@ -63,21 +47,10 @@ _Settings = TypeVar("_Settings", bound=_HoldsPrices)
 
 @dataclass(frozen=True)
 class DeviceModel:
-    """A GPU type and the links between GPUs.
-
-    Attributes:
-        name: Label for reports.
-        bf16_flops: Peak dense BF16 matmul FLOP/s.
-        fp32_flops: Peak FP32 matmul FLOP/s (no TF32).
-        fp64_flops: Peak FP64 matmul FLOP/s.
-        achievable_fraction: Fraction of peak the optimizer's matmuls reach.
-        hbm_bandwidth: Memory bandwidth in bytes/s (elementwise work is bound by it).
-        intra_node_bandwidth: NVLink bytes/s per GPU per direction.
-        intra_node_latency: Seconds per NVLink message.
-        inter_node_bandwidth: InfiniBand bytes/s per GPU per direction.
-        inter_node_latency: Seconds per InfiniBand message.
-        gpus_per_node: GPUs that share one NVLink domain.
-    """
+    """A GPU type and the links between GPUs: peak FLOP/s of dense matmuls (``fp32_flops``
+    without TF32), the fraction of peak the optimizer's matmuls reach, HBM bytes/s, and per GPU
+    and direction the bytes/s and seconds per message of NVLink (within a node of
+    ``gpus_per_node``) and of InfiniBand (across nodes)."""
 
     name: str
     bf16_flops: float
@@ -105,12 +78,7 @@ class DeviceModel:
         return peaks[dtype] * self.achievable_fraction
 
     def prices(self, matmul_dtype: str, element_bytes: int) -> CollectivePrices:
-        """The planner's prices of collectives on this device, in FLOPs of its matmuls in
-        ``matmul_dtype`` (the rule's) for elements of ``element_bytes``: a team's within a node,
-        the gathers' and scatters' across nodes.
-
-        A float32 rule's FLOPs are slower than bf16's (67 against 989 TFLOP/s on an H100), so
-        the same collective costs it fewer of them; `PlanSettings`' defaults are bf16's."""
+        """Prices of collectives in FLOPs of ``matmul_dtype`` matmuls, for elements of ``element_bytes``."""
         rate = self.matmul_flops(matmul_dtype)
         _, team_bandwidth, team_latency = self.link(self.gpus_per_node)
         _, mesh_bandwidth, mesh_latency = self.link(self.gpus_per_node + 1)
@@ -126,21 +94,14 @@ class DeviceModel:
         return asdict(self.prices(matmul_dtype, element_bytes))
 
     def repriced(self, settings: _Settings, matmul_dtype: torch.dtype) -> _Settings:
-        """``settings`` (a `PlanSettings`) with its prices of collectives, given in this device's
-        bf16 FLOPs of 2-byte elements (as `PlanSettings`' defaults are an H100's), turned into
-        the FLOPs of the same time in ``matmul_dtype`` (a rule's) for elements of that dtype
-        (`prices`); prices of zero stay zero."""
+        """``settings`` with its prices (bf16 FLOPs, 2-byte elements) turned into ``matmul_dtype``'s."""
         name = str(matmul_dtype).removeprefix("torch.")
         target, reference = self.plan_prices(name, matmul_dtype.itemsize), self.plan_prices("bfloat16", 2)
         given = asdict(settings.prices)
         return replace(settings, **{key: given[key] * target[key] / reference[key] for key in given})
 
     def link(self, num_ranks: int) -> tuple[str, float, float]:
-        """``(name, bytes/s, seconds per message)`` of a collective among ``num_ranks`` GPUs.
-
-        A collective spanning more than one node runs at the slowest link it crosses:
-        InfiniBand.
-        """
+        """``(name, bytes/s, seconds per message)`` of the slowest link ``num_ranks`` GPUs span."""
         if num_ranks > self.gpus_per_node:
             return "InfiniBand", self.inter_node_bandwidth, self.inter_node_latency
         return "NVLink", self.intra_node_bandwidth, self.intra_node_latency

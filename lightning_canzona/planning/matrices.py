@@ -20,15 +20,11 @@ class MatrixSpec:
     """One weight matrix (or stack of matrices) to be updated by one owner.
 
     Attributes:
-        name: Qualified parameter name (for reports and errors).
-        shape: Global shape.
-        bucket: The unit its gradients arrive in (an FSDP unit or a layer); the α-balanced
-            partition splits each bucket evenly when α = 0.
+        bucket: The unit its gradients arrive in (an FSDP unit or a layer), which α = 0 spreads.
         cost: The rule's cost of one update of this matrix.
-        holders: Ranks that hold the whole matrix in their shard (an expert of a stack that
-            FSDP2 splits on the expert dimension): owned by one of them, it moves no bytes.
-        team_costs: The busiest member's cost when a team of each of `teams.TEAM_SIZES` ranks
-            computes the update together (``None``: the rule cannot split it; empty: none can).
+        holders: Ranks that hold the whole matrix (an expert that FSDP2 left on one rank).
+        team_costs: The cost to a team of each of `TEAM_SIZES` ranks (``None``: the rule cannot
+            split it; empty: none can).
     """
 
     name: str
@@ -39,8 +35,7 @@ class MatrixSpec:
     team_costs: tuple[UpdateCost | None, ...] = ()
 
     def weighted(self, factor: float) -> MatrixSpec:
-        """This spec with its FLOPs, alone and in teams, counted ``factor`` times
-        (`UpdateCost.weighted`)."""
+        """This spec with its FLOPs, alone and in teams, counted ``factor`` times."""
         teams = tuple(cost.weighted(factor) if cost is not None else None for cost in self.team_costs)
         return replace(self, cost=self.cost.weighted(factor), team_costs=teams)
 
@@ -58,15 +53,11 @@ class MatrixSpec:
         return tuple(size for size, cost in zip(TEAM_SIZES, self.team_costs) if cost is not None)
 
     def load(self, kind: CostKind, team: int = 1) -> float:
-        """The cost the planner balances, to the busiest member of a team of ``team``: FLOPs of
-        the update, or elements of the matrix."""
+        """The cost the planner balances (FLOPs or elements) to a team of ``team``'s busiest member."""
         return max(self.member_loads(kind, team))
 
     def member_loads(self, kind: CostKind, team: int = 1, step: Step = "amortised") -> tuple[float, ...]:
-        """The cost to each member of a team of ``team``, in member order (members differ in
-        FLOPs where single members carry a decomposition: `UpdateCost.member_flops`), on the
-        ``step``: any, with the periodic work amortised, one that runs it (``"peak"``), or one
-        that does not (``"steady"``)."""
+        """The cost to each member of a team of ``team``, in member order, on the ``step``."""
         cost = self.member_cost(team)
         if kind == "flops":
             if step == "amortised":
@@ -80,8 +71,8 @@ class MatrixSpec:
 def matrix_spec(
     name: str, shape: Sequence[int], rule: MatrixRule, bucket: str | None = None, holders: Sequence[int] = ()
 ) -> MatrixSpec:
-    """The spec of a matrix of ``shape`` updated by ``rule``, with its team costs (a
-    convolution's weight costs what its `matrix_shape` does, and is computed by one rank)."""
+    """The spec of a matrix of ``shape`` updated by ``rule`` (a convolution: its `matrix_shape`'s
+    cost, no teams)."""
     shape = tuple(int(size) for size in shape)
     teams = tuple(rule.team_cost(shape, size) for size in TEAM_SIZES) if len(shape) <= 3 else ()
     return MatrixSpec(
@@ -95,8 +86,7 @@ def matrix_spec(
 
 
 def block_of(name: str) -> str:
-    """The bucket of a parameter: its transformer block (``layers.3`` of ``layers.3.mlp.up.weight``),
-    or its parent module when the name has no numbered block."""
+    """A parameter's bucket: its block (``layers.3`` of ``layers.3.mlp.up.weight``), else its module."""
     parts = name.split(".")
     for index, part in enumerate(parts[:-1]):
         if part.isdigit():
@@ -113,19 +103,8 @@ def describe(
     return [matrix_spec(name, shape, rule, bucket_of(name)) for name, shape in named_shapes]
 
 
-# Teams
-#
-# Teams: ranks that compute one matrix's update together (beyond the paper).
-#
-# Whole-matrix ownership stops scaling where one matrix's update costs more than a rank's fair share
-# of the step: the step can then never be shorter than that matrix alone. A rule whose update
-# splits exactly (`MatrixRule.team_cost`) lets a *team* of ``k`` ranks compute it: each member
-# holds one slice of the matrix along its long dimension (`geometry.member_blocks`) and the members combine
-# small partial results through collectives among themselves.
-#
-# Teams are aligned blocks of consecutive ranks (`candidate_teams`): few distinct teams, so few
-# process groups, and on a ``dp × tp`` mesh whose ``tp`` ranks share a node a team of up to ``tp``
-# ranks stays within the node. How a team slices a matrix is `lightning_canzona.geometry`'s.
+# Teams: ranks that compute one matrix's update together, aligned blocks of consecutive ranks
+# (docs/architecture.md#planning, "Teams"; how a team slices a matrix is `lightning_canzona.geometry`'s).
 
 
 #: The team sizes the planner considers (powers of two, so that aligned blocks nest).
@@ -141,20 +120,8 @@ def candidate_teams(num_ranks: int, size: int) -> tuple[tuple[int, ...], ...]:
 def local_members(
     team: tuple[int, ...], member_loads: Sequence[Hashable], held: Sequence[Sequence[int]]
 ) -> tuple[int, ...]:
-    """``team``'s ranks in a member order that computes each slice where it lies, as far as the
-    plan's balance allows.
-
-    Members whose loads are alike may trade ranks without changing any rank's load; within each
-    such class the members, in order, take the rank of the class that holds most of their slice
-    (ties: the plan's own). Where a team is all the ranks that hold a matrix, sharded along the
-    long side as the slices are (FSDP2 or tensor parallelism on a small mesh), the slices then
-    need not travel at all.
-
-    Args:
-        team: The ranks of the team, in the plan's member order.
-        member_loads: What each member costs its rank (on every step the plan balances).
-        held: Per member, the elements of its slice that each rank of ``team`` holds.
-    """
+    """``team``'s ranks reordered so that members of alike ``member_loads`` compute where their
+    slices lie; ``held[m][p]``: the elements of member ``m``'s slice that ``team[p]`` holds."""
     ranks = list(team)
     classes: dict[Hashable, list[int]] = {}
     for member, load in enumerate(member_loads):

@@ -1,37 +1,8 @@
 """Micro-groups: batches of matrices that share one packed gather and one packed scatter.
 
-A micro-group's step takes as long as its busiest host, so the pipeline's latency is the
-*synchronized makespan* ``Σ_g max_h load(g, h)``. Two schedulers:
-
-- `sequential_groups` keeps given owners and cuts the model-order sequence into groups: a group
-  closes when the next matrix would push a host past the capacity (greedy rollback). It serves the
-  baselines.
-- `balanced_groups` is Canzona's: it chooses owners and groups together. Matrices are visited
-  largest first (LPT); each goes to the host that scores lowest on
-  ``α·load_h + (1 − α)·R·bucket_load_h`` — α = 1 balances the ranks' total loads, α = 0 spreads
-  every bucket (FSDP unit) evenly so that its collectives are uniform — and into the earliest group
-  where that host still has room (first-fit decreasing); when none has, a new group opens.
-  Locality goes beyond the paper, which assumes every matrix is fragmented over all ranks: a
-  matrix that some ranks hold whole (experts that FSDP2 splits on the expert dimension) chooses
-  among those ranks only, by the same score, so that its update moves no bytes. Those matrices
-  are placed first; the fragmented ones, free to go anywhere, then even out the loads of the
-  groups of ranks that hold matrices together (a data-parallel row of experts); last, with the
-  fragmented ones kept where they went, the held ones are placed again, so that within a group
-  the ranks that took a large fragmented matrix take fewer held ones. Held matrices count in the
-  ranks' loads but not in their buckets': the bucket term evens out collectives, in which a
-  matrix updated where it lies takes no part (counted, it pushed 30B-A3B's attention matrices
-  away from the ranks of their layer's experts whatever their loads: 1.054 × the bound at
-  dp 32 × tp 8 instead of 1.008).
-
-A matrix that a team of ranks computes together (`teams`) goes to the aligned block of ranks
-whose busiest member scores lowest, into the first group where every member has room, and adds
-each member's cost to its rank. Where members cost differently (one carries a factor's
-decomposition), the busier members go to the block's less loaded ranks: the team's ranks are
-then listed in member order, not in rank order.
-
-In both, a matrix costlier than the capacity on its own forms its own group. A group's average
-host load never exceeds its largest, so bounding the largest bounds both.
-"""
+`sequential_groups` cuts the baselines' fixed owners in model order; `balanced_groups` is
+Canzona's packer, choosing owners (single ranks, holders, or aligned teams) and groups together.
+docs/architecture.md#planning ("Canzona", "Experts", "Teams") describes both."""
 
 from __future__ import annotations
 
@@ -72,21 +43,13 @@ def balanced_groups(
     capacity: float,
     holders: Sequence[Sequence[int]] | None = None,
 ) -> tuple[list[list[int]], list[tuple[int, ...]]]:
-    """Canzona's joint choice of owners and micro-groups (see the module docstring).
+    """Canzona's joint choice of owners and micro-groups: the groups (indices in model order) and
+    each matrix's ranks in member order.
 
     Args:
-        loads: Cost of each matrix to each rank that computes it, in member order: one load for
-            a matrix that one rank computes, one per member for a team's.
-        buckets: Bucket of each matrix.
-        num_ranks: Number of hosts ``R``.
-        alpha: Balance between per-bucket uniformity (0) and global balance (1).
+        loads: Each matrix's cost to each rank that computes it (one per team member).
         capacity: Largest load a host may take within one group.
-        holders: For each matrix, the ranks that hold it whole (empty: any rank); ``None``
-            ignores locality.
-
-    Returns:
-        The groups (matrix indices in model order within each group) and the ranks that compute
-        each matrix, in member order (its owner alone, or its team).
+        holders: Per matrix, the ranks that hold it whole (empty: any); ``None`` ignores locality.
     """
     _check_capacity(capacity)
     if not 0.0 <= alpha <= 1.0:
@@ -115,8 +78,7 @@ def _place(
     order: Sequence[int],
     fixed: dict[int, tuple[int, ...]],
 ) -> tuple[list[list[int]], list[tuple[int, ...]]]:
-    """Visit the matrices in ``order``, each to its ``fixed`` ranks or to the best-scoring of its
-    candidates (its holders, every rank, or every aligned team), into the first group with room."""
+    """Place the matrices in ``order`` (each to its ``fixed`` ranks or the best-scoring candidate)."""
     rank_loads = [0.0] * num_ranks
     bucket_loads: dict[str, list[float]] = {}
     group_loads: list[list[float]] = []
@@ -141,9 +103,7 @@ def _place(
     spread_weight = (1.0 - alpha) * num_ranks
 
     def best_rank(candidates: Sequence[int], bucket: str) -> int:
-        """The candidate of the least ``α·load + (1 − α)·R·bucket load``. Ties (always, at
-        α = 0, between ranks without a share of this bucket) go to the rank with the least total
-        load, then the least loaded group, then the lowest rank."""
+        """The candidate of the least ``α·load + (1 − α)·R·bucket load``, then least loaded."""
         spread = bucket_loads[bucket]
         scores = [alpha * rank_loads[rank] + spread_weight * spread[rank] for rank in candidates]
         least = min(scores)
@@ -200,20 +160,14 @@ def least_busy_block(
     rank_loads: Sequence[float],
     load: Sequence[float],
 ) -> tuple[int, ...]:
-    """The block of ``blocks`` whose busiest rank, with a team of member loads ``load`` on it
-    (its busier members on the block's less loaded ranks: no other order is less busy), is the
-    least busy; the first on a tie. ``maxima`` and ``minima`` are the blocks' largest and least
-    rank loads.
-
-    Members that cost alike: the block of the least maximum. Otherwise a block's busiest rank is
-    at least its most loaded rank plus the lightest member, and its least loaded rank plus the
-    heaviest member (one that decomposes), so the blocks are tried in the order of that bound
-    until it exceeds the best found: one sort of the blocks, not a sort of each block's loads.
-    """
+    """The block least busy with a team of member loads ``load`` on it (the first on a tie), given
+    the blocks' largest and least rank loads."""
     heaviest_first = sorted(load, reverse=True)
     if heaviest_first[0] == heaviest_first[-1]:
         return blocks[min(range(len(blocks)), key=maxima.__getitem__)]
     heaviest, lightest, best = heaviest_first[0], heaviest_first[-1], (math.inf, 0)
+    # A block's busiest rank is at least its most loaded rank plus the lightest member and its
+    # least loaded plus the heaviest: blocks are tried in the order of that bound.
     bounds = [max(most + lightest, least + heaviest) for most, least in zip(maxima, minima)]
     for index in sorted(range(len(blocks)), key=bounds.__getitem__):  # stable: ties by index
         if (bounds[index], index) > best:  # neither it nor any after can be less busy, or tie first
@@ -226,8 +180,7 @@ def least_busy_block(
 def _members_on(
     block: tuple[int, ...], load: tuple[float, ...], rank_loads: Sequence[float]
 ) -> tuple[int, ...]:
-    """The ranks of ``block`` in member order: the busier members on the less loaded ranks where
-    that lowers the busiest rank, else in rank order."""
+    """``block`` in member order: busier members on less loaded ranks where that helps."""
     if min(load) == max(load):
         return block
     ranks = sorted(block, key=lambda rank: (rank_loads[rank], rank))

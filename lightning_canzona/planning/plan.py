@@ -1,11 +1,7 @@
 """A plan: who computes which matrix's update, in which micro-group, and what that costs.
 
-`PlanSettings` says how to plan, `Plan` is the outcome (owners, teams, micro-groups), with the
-measures every report and choice reads: per-rank loads and state, the makespan averaged over the
-periodic work, the estimated pipelined step (`estimated_step`). Building plans is
-`lightning_canzona.planning.policies`'s; lower bounds are `bounds`', the search over team sizes
-`team_search`'s.
-"""
+`PlanSettings` says how to plan, `Plan` is the outcome with its measures (loads, state,
+`estimated_step`); `policies.build_plan` builds it (docs/architecture.md#planning)."""
 
 from __future__ import annotations
 
@@ -25,38 +21,25 @@ DEFAULT_PRICES: CollectivePrices = H100.prices("bfloat16", 2)
 
 @dataclass(frozen=True)
 class PlanSettings:
-    """How to plan.
+    """How to plan. The prices of collectives default to an H100's in bf16 FLOPs
+    (docs/planning.md#device-model, "Prices of collectives").
 
     Attributes:
         policy: One of ``canzona``, ``lpt``, ``round_robin``, ``sync``.
         alpha: ``canzona``'s balance between per-bucket uniformity (0) and global balance (1).
         cost: What to balance: ``flops`` of the updates or ``numel`` of the matrices.
         capacity: Largest host load of a micro-group, in the cost's unit; ``None`` derives it from
-            the model: 1.25 × half the mean per-rank load (the whole of it where a group's compute
-            could not hide its two collectives' latency, ``flops_per_message``), at least the
-            largest matrix.
-        locality: ``canzona`` gives a matrix that some ranks hold whole to one of them (see
-            `micro_groups.balanced_groups`); ``False`` plans as if every matrix were fragmented.
+            the model (about two groups per rank, at least the largest matrix).
+        locality: ``canzona`` gives a matrix that some ranks hold whole to one of them; ``False``
+            plans as if every matrix were fragmented.
         max_team: Most ranks that ``canzona`` lets compute one matrix's update together (a power
             of two; 1 keeps every matrix whole). The default keeps a team within a node of 8.
-        flops_per_element: What sending one element to another rank costs, in FLOPs of the same
-            time (``flops`` cost only; it prices teams' collectives). Default: an H100's
-            effective bf16 matmul rate (593.6 TFLOP/s) over NVLink's 450 GB/s, at 2 bytes per
-            element (`devices.DeviceModel.prices` gives a device's, in a rule's dtype).
-        flops_per_message: What one collective costs in latency, in FLOPs (default: 3 µs at
-            593.6 TFLOP/s; it prices teams' collectives and sets how many micro-groups pay).
-        exchange_flops_per_element: What a micro-group's gather or scatter costs per element
-            that its busiest rank sends or receives, in FLOPs (``flops`` cost only). Default: an
-            H100's 593.6 TFLOP/s over InfiniBand's 50 GB/s, at 2 bytes per element (a mesh past
-            one node).
-        exchange_flops_per_message: What a gather or scatter costs per peer a rank exchanges
-            with, in FLOPs (default: 6 µs at 593.6 TFLOP/s). With the element price, it decides
-            between the micro-groups that teams' smaller items allow and the fewer that whole
-            matrices get (`estimated_step`).
-        prices: The four prices above as one `devices.CollectivePrices` record: what the
-            settings hold, and what a device reprices (`DeviceModel.repriced`). The four are
-            keywords of the constructor and of ``dataclasses.replace``, and read-only
-            attributes.
+        flops_per_element: One element sent within a team, in FLOPs of the same time (``flops`` cost).
+        flops_per_message: One collective's latency, in FLOPs (teams' and micro-groups').
+        exchange_flops_per_element: One element a gather or scatter moves for its busiest rank.
+        exchange_flops_per_message: One peer a rank exchanges with in a gather or scatter.
+        prices: The four prices as one `devices.CollectivePrices` (what a device reprices); the
+            four are keywords of the constructor and of ``dataclasses.replace``, and read-only.
     """
 
     policy: str = "canzona"
@@ -109,19 +92,14 @@ class Plan:
     """The outcome of planning.
 
     Attributes:
-        settings: The settings it was built with.
         matrices: The matrices, in model order.
-        dp: Data-parallel size of the mesh.
         tp: Tensor-parallel size of the mesh; rank ``r = d·tp + t``.
-        owners: Owner rank of each matrix (a team's first member); ``None`` under ``sync``
-            (every rank computes all).
+        owners: Owner rank of each matrix (a team's first member); ``None`` under ``sync``.
         micro_groups: Matrix indices of each micro-group, in pipeline order.
-        capacity: The capacity used.
         fell_back: ``canzona`` did not beat round-robin and took its owners.
-        teams: The ranks that compute each matrix, in member order; ``None`` under ``sync``.
-            Defaults to each owner alone.
-        loads: Each matrix's cost to each rank that computes it, in member order, per step
-            (periodic work amortised; `steady` and `peaks`: on a step without it, with it).
+        teams: The ranks that compute each matrix, in member order (default: each owner alone).
+        loads: Each matrix's cost to each rank that computes it, in member order, periodic work
+            amortised (`steady` and `peaks`: on a step without it, with it).
     """
 
     settings: PlanSettings
@@ -185,8 +163,7 @@ class Plan:
         return self._host_loads(range(len(self.matrices)), self.peaks)
 
     def rank_state_bytes(self) -> list[int]:
-        """Optimizer-state bytes each rank holds: the matrix state of what it computes (a
-        member's part of a team's) and its even share of every matrix's elementwise state."""
+        """Optimizer-state bytes per rank: its matrices' matrix state, a share of elementwise state."""
         num_ranks = self.num_ranks
         state = [sum(m.cost.elementwise_state_bytes for m in self.matrices) // num_ranks] * num_ranks
         for index, matrix in enumerate(self.matrices):
@@ -201,18 +178,13 @@ class Plan:
         return max_over_mean(self.rank_state_bytes())
 
     def average_makespan(self) -> float:
-        """The busiest rank's cost averaged over a period of the periodic work: ``p − 1`` steps
-        of the busiest rank without it and one of the busiest with it. Every rank waits for the
-        busiest at each step, so a plan balanced only in amortised loads takes longer where the
-        decompositions crowd onto a few ranks."""
+        """The busiest rank's cost averaged over a `period`: ``p − 1`` steady steps and one peak."""
         return self.averaged(
             lambda loads: max(self._host_loads(range(len(self.matrices)), loads), default=0.0)
         )
 
     def averaged(self, time: Callable[[Sequence[Sequence[float]]], float]) -> float:
-        """``time`` of member loads averaged over a `period`: of the `steady` loads on all steps
-        but one, of the `peaks` on that one (where rules differ in period, as if all had the
-        shortest)."""
+        """``time`` of the `steady` loads on ``p − 1`` steps and of the `peaks` on one, averaged."""
         if self.period == 1:
             return time(self.loads)
         return averaged_over_period(time(self.steady), time(self.peaks), self.period)
@@ -247,9 +219,7 @@ def ideal_load(matrices: Sequence[MatrixSpec], num_ranks: int, cost: CostKind) -
 def member_loads(
     matrix: MatrixSpec, team: int, settings: PlanSettings, step: Step = "amortised"
 ) -> tuple[float, ...]:
-    """What ``matrix`` costs each member of a team of ``team`` ranks on the ``step``
-    (`MatrixSpec.member_loads`), in member order and the cost's unit: under ``flops``, its FLOPs
-    plus the team's collectives at the settings' exchange rates."""
+    """What ``matrix`` costs each member of a team of ``team`` on the ``step``, collectives included."""
     loads = matrix.member_loads(settings.cost, team, step)
     if team > 1 and settings.cost == "flops":
         cost = matrix.member_cost(team)
@@ -266,18 +236,8 @@ def shortest_period(matrices: Iterable[MatrixSpec]) -> int:
 
 
 def estimated_step(plan: Plan, replicas: int = 1) -> float:
-    """The plan's pipelined optimizer step in the cost's unit (`pipeline.pipelined_time`),
-    averaged over a period of the periodic work (`Plan.averaged`).
-
-    A micro-group computes as long as its busiest rank; under ``flops`` its gather and its
-    scatter each cost the busiest rank's elements (what it receives of the slices it computes,
-    or its shards of the group's matrices) and a message to every other rank, at the settings'
-    exchange prices. Where the plan's ranks hold ``replicas`` copies of every matrix (HSDP's
-    replicas, a matrix planned once over all of them), one copy's holders send each matrix and
-    its computing ranks send the update to every copy. Cheap (linear in the matrices; a matrix
-    that its owner holds whole counted as moved): an estimate to choose between plans, not the
-    traffic or the step that ``canzona plan`` simulates.
-    """
+    """The plan's estimated pipelined step, averaged over the period, with ``replicas`` copies of
+    every matrix (HSDP's, spread): docs/architecture.md#planning, "Estimated step"."""
     settings = plan.settings
 
     def computes(loads: Sequence[Sequence[float]]) -> list[float]:
@@ -300,18 +260,8 @@ def estimated_step(plan: Plan, replicas: int = 1) -> float:
     return plan.averaged(lambda loads: pipelined_time(gathers, computes(loads), scatters))
 
 
-# The micro-group pipeline's schedules
-#
-# Schedules of the micro-group pipeline: gather → compute → scatter per group.
-#
-# Two resources: the network, which runs one collective at a time, and the compute units. Without
-# the pipeline every phase waits for the one before it. With it, the network runs
-# ``gather 0, gather 1, scatter 0, gather 2, scatter 1, …, scatter n−1``: the gather of group
-# ``i + 1`` overlaps the compute of group ``i``, and the scatter of group ``i`` overlaps the compute
-# of group ``i + 1`` (at most two groups' buffers in flight). At every instant the network or the
-# compute is busy — a waiting scatter means its compute is running, a waiting compute means its
-# gather (earlier in the network order) is running — so the pipelined time never exceeds the
-# sequential one.
+# The micro-group pipeline's schedules: gather → compute → scatter per group. The network's order,
+# and why pipelining never takes longer: docs/architecture.md#planning, "Estimated step".
 
 
 def sequential_time(gathers: Sequence[float], computes: Sequence[float], scatters: Sequence[float]) -> float:
@@ -320,13 +270,12 @@ def sequential_time(gathers: Sequence[float], computes: Sequence[float], scatter
 
 
 def averaged_over_period(steady: float, peak: float, period: int) -> float:
-    """A step's time averaged over ``period`` steps: ``steady`` on all but one, ``peak`` on the
-    one that runs the periodic work (Shampoo's and SOAP's decompositions)."""
+    """A step's time averaged over ``period`` steps: ``steady`` on all but one, ``peak`` on one."""
     return ((period - 1) * steady + peak) / period
 
 
 def pipelined_time(gathers: Sequence[float], computes: Sequence[float], scatters: Sequence[float]) -> float:
-    """Time of the overlapped schedule described in the module docstring."""
+    """Time when the network runs ``gather 0, gather 1, scatter 0, gather 2, …`` beside compute."""
     count = len(gathers)
     if not (len(computes) == len(scatters) == count):
         raise ValueError("gathers, computes and scatters need one entry per micro-group")

@@ -1,25 +1,7 @@
 """Building plans (`build_plan`): who updates which matrix, in which micro-group, under each policy.
 
-Policies:
-
-- ``sync``: every rank updates every matrix (the redundant baseline: ``torch.optim.Muon`` on
-  DTensors behaves like this);
-- ``round_robin``: owner ``i mod R`` in model order (the layer-wise baseline, blind to cost);
-- ``lpt``: largest cost first onto the least-loaded rank, one global pass;
-- ``canzona``: owners and micro-groups chosen together, α-balanced between per-bucket uniformity
-  and global balance (see `micro_groups.balanced_groups`); kept only if its makespan beats
-  round-robin's.
-
-Beyond the paper, ``canzona`` gives the costliest matrices to *teams* of ranks that compute one
-update together, where the rule allows (`teams`, `MatrixRule.team_cost`) and the cost model says
-it pays (`team_search`). Without teams, the step can never be shorter than the largest matrix's
-update, and matrices larger than half a rank's share cannot be packed evenly.
-
-The baselines are cut into micro-groups in model order under the same capacity. Under FSDP2 × TP
-every matrix is spread over the whole mesh, so any rank can own any matrix and the mesh is planned
-as one set of ``dp·tp`` ranks. A plan is a pure function of the matrices, the mesh shape and the
-settings: every rank builds the same plan alone.
-"""
+Policies ``sync``, ``round_robin``, ``lpt`` and ``canzona`` (docs/architecture.md#planning). A
+plan is a pure function of its inputs: every rank builds the same one alone."""
 
 from __future__ import annotations
 
@@ -86,12 +68,10 @@ def team_plan(settings: PlanSettings, matrices: list[MatrixSpec], dp: int, tp: i
     whole_loads = [m.load(settings.cost) for m in matrices]
     buckets = [m.bucket for m in matrices]
     holders = [m.holders for m in matrices] if settings.locality else None
-    # Teams' smaller items let the packer cut more micro-groups than whole matrices get; more
-    # groups overlap more, but each waits for its own busiest rank's gather and scatter. Both
-    # capacities are planned where they differ, and the shorter estimated step is kept. Where
-    # members cost differently, the packer places them as they cost and, as a second candidate,
-    # as if each cost the busiest's: it places each item once, largest first, so lighter items
-    # can pack worse (Qwen3 32B with Shampoo at 128 ranks: 1.028 × the ideal against 1.010).
+    # Teams' smaller items allow more micro-groups, each waiting for its busiest rank's exchange:
+    # both capacities are planned where they differ. Members that cost differently are placed as
+    # they cost and as if each cost the busiest's (LPT places each item once: lighter items can
+    # pack worse). The shorter estimated step is kept.
     per_rank = sum(whole_loads) / num_ranks
     busiest = [max(load) for load in loads]
     capacities = {_capacity(settings, each, per_rank) for each in (busiest, whole_loads)}
@@ -120,15 +100,7 @@ def _descend(
     settings: PlanSettings,
     scored: dict[tuple[int, ...], tuple[float, Plan]],
 ) -> None:
-    """Adds to ``scored`` (team sizes → estimated step and plan) the plans of a descent on the
-    estimated step over team sizes set class by class.
-
-    The candidates are chosen by the compute they pack (`team_sizes`, `searched_sizes`), blind
-    to the gathers and scatters that the estimated step prices, which at hundreds of ranks are
-    most of it. From the shortest candidate, each class at its most common size, every change
-    of one class's size is planned, and the shortest is taken while it shortens the step, for
-    at most `DESCENT_ROUNDS` rounds (Qwen3 8B with Muon at 256 ranks: 9 % shorter).
-    """
+    """Adds to ``scored`` the plans of a descent on the estimated step, one class's size at a time."""
     members, options, _ = team_classes(matrices, dp * tp, settings)
 
     def step_of(choice: tuple[int, ...]) -> float:
@@ -155,17 +127,7 @@ def _descend(
 
 
 def build_plan(matrices: list[MatrixSpec], dp: int, tp: int, settings: PlanSettings | None = None) -> Plan:
-    """Plan the updates of ``matrices`` on a ``dp × tp`` mesh.
-
-    Args:
-        matrices: The matrices in model order.
-        dp: Data-parallel size (1 for a tensor-parallel-only mesh).
-        tp: Tensor-parallel size (1 for a data-parallel-only mesh).
-        settings: Policy, α, cost and capacity.
-
-    Returns:
-        The plan; identical for identical inputs.
-    """
+    """Plan the updates of ``matrices`` (in model order) on a ``dp × tp`` mesh."""
     settings = settings or PlanSettings()
     if dp < 1 or tp < 1:
         raise ValueError(f"mesh sizes must be >= 1, got dp={dp}, tp={tp}")
@@ -181,14 +143,10 @@ def build_plan(matrices: list[MatrixSpec], dp: int, tp: int, settings: PlanSetti
     if settings.policy == "lpt":
         owners = longest_processing_time(loads, num_ranks)
         return _fixed_owner_plan(settings, matrices, dp, tp, owners, capacity)
-    # The greedy choice of teams is myopic: with and without the pair bound it can take other
-    # paths, and it splits classes alike; those, the overflow's splits and the searched sizes
-    # (members priced as they are, and each as the busiest) are planned (where they differ), with
-    # those of a descent from the shortest (`_descend`), and of the plans within `STEP_TOLERANCE`
-    # of the shortest estimated step one that balances the state, then the one of the shortest
-    # makespan on average, is kept. By makespan alone, sizes that balance the compute better but
-    # make the busiest rank receive more were kept: Qwen3 14B with Muon at 256 ranks, a makespan
-    # of 1.30 × the ideal against 1.42, and a simulated step of 26.2 ms against 20.2.
+    # Candidate team sizes (the greedy's with and without the pair bound, the overflow's splits,
+    # the searched sizes, a descent): of the plans within `STEP_TOLERANCE` of the shortest
+    # estimated step, one that balances the state, then the shortest makespan on average. By
+    # makespan alone, plans whose busiest rank receives more would win.
     candidates = dict.fromkeys(
         [
             *(tuple(team_sizes(matrices, num_ranks, settings, pairs)) for pairs in (True, False)),
@@ -225,12 +183,7 @@ def build_plan(matrices: list[MatrixSpec], dp: int, tp: int, settings: PlanSetti
     return plan if plan.average_makespan() <= naive.average_makespan() else naive
 
 
-# Owner assignment
-#
-# Owner assignment: which rank updates which matrix, for every policy but ``sync``.
-#
-# All functions are pure and deterministic: ties go to the lower index, so every rank computes the
-# same assignment from the same inputs without talking to the others.
+# Owner assignment of the baselines: pure, ties to the lower index, so every rank agrees.
 
 
 def round_robin(loads: Sequence[float], num_ranks: int) -> list[int]:

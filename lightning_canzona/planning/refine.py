@@ -1,28 +1,6 @@
-"""Swaps that finish a packed plan: a lower makespan first, then less optimizer state per rank.
-
-The packer (`micro_groups.balanced_groups`) places each matrix once, largest first, and never
-looks back: a few ranks may end above the rest (Qwen3 32B with SOAP at 256 ranks: two ranks at
-1.071 × the ideal, none other above 1.02), and it sees neither state (Shampoo's factors grow
-with the square of a side, its FLOPs with the cube, so ranks of the same load hold up to 1.49 ×
-the mean state) nor the steps that decompose (it balances their work amortised, so that
-decompositions can crowd onto a few ranks, which every rank waits for on those steps).
-`refine` moves matrices that one rank computes alone:
-
-1. while a swap (or a move) between the busiest rank and another brings both below the
-   makespan, it takes the one that leaves the lower of the two;
-2. where rules decompose periodically, the same for the loads of the steps without
-   decompositions (``Plan.steady``), then of the steps with them (``Plan.peaks``), the
-   makespan and the other's maximum kept; this, or skipping it, whichever plan is shorter on
-   average (``Plan.average_makespan``; state swaps alone can happen to lower it more);
-3. then, those loads kept within their maxima, while a swap brings the rank with the most
-   matrix state and another below that, it takes the one that leaves the lower.
-
-No swap raises a micro-group's busiest load, the most that a rank receives in a micro-group's
-gather (so neither the synchronized makespan nor the estimated step grows) or the busiest load
-of a bucket (what α = 0 spreads), and a matrix that some ranks hold whole stays on one of them.
-Only the `CANDIDATES` least loaded (or least stateful) ranks are tried as partners, so that a
-swap costs little however many ranks there are. Pure and deterministic, like the rest of planning.
-"""
+"""Swaps that finish a packed plan (`refine`): a lower makespan first, then less optimizer state
+per rank, moving only matrices that one rank computes alone and raising no micro-group's or
+bucket's busiest load. docs/architecture.md#planning ("Refine") gives the order and the limits."""
 
 from __future__ import annotations
 
@@ -40,7 +18,7 @@ Limit = tuple[Sequence[float], Sequence[float], float]
 
 
 def refine(plan: Plan) -> Plan:
-    """``plan`` with its single-owner matrices swapped between ranks (see the module docstring)."""
+    """``plan`` with its single-owner matrices swapped between ranks."""
     if plan.teams is None:
         return plan
     refined = _swapped(plan, periodic=False)
@@ -52,9 +30,7 @@ def refine(plan: Plan) -> Plan:
 
 
 def _swapped(plan: Plan, periodic: bool) -> Plan:
-    """``plan`` after the makespan's swaps, then if ``periodic`` those of the steady and the peak
-    loads, each kept within the other's maximum, then the state's, every load kept within its
-    maximum so far."""
+    """``plan`` after the makespan's swaps, the steady and peak loads' (if ``periodic``), the state's."""
     swaps = _Swaps(plan)
     swaps.lower(swaps.rank_loads, swaps.cost, limits=())
     makespan: Limit = (swaps.rank_loads, swaps.cost, max(swaps.rank_loads))
@@ -138,8 +114,7 @@ class _Swaps:
         self.teams[index] = (target,)
 
     def _fits(self, index: int, rank: int, leaving: int | None) -> bool:
-        """Whether matrix ``index`` may join ``rank``'s part of its micro-group, where matrix
-        ``leaving`` (or none) leaves it."""
+        """Whether matrix ``index`` may join ``rank``'s part of its group as ``leaving`` leaves."""
         if self.allowed[index] is not None and rank not in self.allowed[index]:
             return False
         g, bucket = self.group[index], self.bucket[index]
@@ -155,9 +130,7 @@ class _Swaps:
         )
 
     def lower(self, totals: list[float], values: Sequence[float], limits: Sequence[Limit]) -> None:
-        """Swap while the rank with the largest of ``totals`` (loads, peaks or states, the sums
-        of the matrices' ``values``) can shed some to another with both ending below it; the
-        ``limits`` (other totals, their values, their bound) hold."""
+        """Swap while the top of ``totals`` can shed ``values`` to another rank within ``limits``."""
         for _ in range(len(self.teams)):  # each swap lowers the sorted totals: this bounds it loosely
             top = max(range(len(totals)), key=lambda r: (totals[r], -r))
             others = [r for r in range(len(totals)) if r != top]
@@ -184,8 +157,7 @@ class _Swaps:
                 self._move(taken, partner, top)
 
     def _single(self, rank: int) -> list[int]:
-        """The matrices that ``rank`` computes alone, the first of each kind: a swap of another
-        of the same kind has the same outcome and, tried later, would not be taken."""
+        """The matrices that ``rank`` computes alone, the first of each kind (the rest swap alike)."""
         firsts: dict[tuple, int] = {}
         for index in self.items[rank]:
             if len(self.teams[index]) == 1:
@@ -202,8 +174,7 @@ class _Swaps:
         taken: int | None,
         limits: Sequence[Limit],
     ) -> float | None:
-        """The larger of the two ranks' new totals if the swap is allowed and lowers the top,
-        else ``None``."""
+        """The larger of the two ranks' new totals if the swap is allowed and lowers the top."""
 
         def after(totals: Sequence[float], values: Sequence[float]) -> float:
             back = values[taken] if taken is not None else 0.0

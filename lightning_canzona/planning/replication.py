@@ -1,20 +1,6 @@
-"""HSDP's replicas and the optimizer: plan each replica's matrices over its own ranks, or spread
-them over all replicas.
-
-Under HSDP every replica holds the same weights and, once FSDP2 has all-reduced them, the same
-gradients. The optimizer can then
-
-- **replicate** the plan: each replica computes every update over its own shard × TP ranks (as
-  HSDP's AdamW steps every replica's shards); the gathers and scatters stay within a replica —
-  within a node where a replica is one — and each replica holds all matrix state; or
-- **spread** it: each matrix is computed once over all ranks of all replicas and its update is
-  sent to every replica; the compute and the matrix state are divided by the replicas, but the
-  gathers and scatters cross nodes and each update travels once per replica.
-
-`choose_replication` picks the one whose estimated step (`plan.estimated_step`) is shorter, each
-priced over the links it crosses; ties go to the replicated plan, which keeps the traffic off the
-slower links.
-"""
+"""HSDP's replicas and the optimizer: plan each replica's matrices over its own ranks
+(``replicated``) or once over all replicas (``spread``); `choose_replication` picks by estimated
+step. docs/multinode.md#the-optimizer-under-hsdp-replicated-or-spread describes the trade."""
 
 from __future__ import annotations
 
@@ -28,8 +14,7 @@ REPLICATIONS: tuple[str, ...] = ("auto", "replicated", "spread")
 
 
 def within_node(settings: PlanSettings) -> PlanSettings:
-    """``settings`` whose gathers and scatters are priced as its teams' collectives: a plan whose
-    ranks share a node's links (NVLink) rather than cross nodes (InfiniBand)."""
+    """``settings`` with gathers and scatters priced as its teams' collectives (within a node)."""
     return replace(
         settings,
         exchange_flops_per_element=settings.flops_per_element,
@@ -38,8 +23,7 @@ def within_node(settings: PlanSettings) -> PlanSettings:
 
 
 def priced_for(settings: PlanSettings, spans_nodes: bool) -> PlanSettings:
-    """``settings`` for a plan whose ranks span several nodes (as they are: gathers and scatters
-    at the exchange prices) or share one (`within_node`)."""
+    """``settings`` for a plan whose ranks span several nodes (as they are) or share one."""
     return settings if spans_nodes else within_node(settings)
 
 
@@ -48,12 +32,8 @@ class ReplicationChoice:
     """How the optimizer's plan uses HSDP's replicas, and why.
 
     Attributes:
-        mode: ``replicated`` (each replica plans over its own ranks) or ``spread`` (one plan over
-            every replica's ranks).
-        replicas: The number of replicas.
         setting: What the plan configuration asked for (`REPLICATIONS`).
-        replicated_step: The replicated plan's estimated step in the cost's unit (``None``: not
-            planned, the setting chose).
+        replicated_step: The replicated plan's estimated step (``None``: the setting chose).
         spread_step: The spread plan's, likewise.
     """
 
@@ -87,18 +67,9 @@ class ReplicationChoice:
 def choose_replication(
     setting: str, replicas: int, replicated: Plan | None, spread: Plan | None
 ) -> ReplicationChoice:
-    """The replication that ``setting`` asks for, or under ``auto`` the plan with the shorter
-    estimated step (ties: ``replicated``).
-
-    Args:
-        setting: ``auto``, ``replicated`` or ``spread``.
-        replicas: The number of replicas.
-        replicated: The plan of one replica's matrices over its ranks, its exchanges priced over
-            the links a replica spans (`within_node` where it fits a node); needed unless
-            ``setting`` is ``spread``.
-        spread: The plan over every replica's ranks, priced over the links the whole mesh spans;
-            needed unless ``setting`` is ``replicated``.
-    """
+    """The replication that ``setting`` asks for, or under ``auto`` the shorter estimated step
+    (ties: ``replicated``); each plan priced over the links its ranks span (`priced_for`).
+    ``replicated`` is needed unless ``setting`` is ``spread``, ``spread`` unless ``replicated``."""
     if setting not in REPLICATIONS:
         raise ValueError(f"replicas must be one of {REPLICATIONS}, got {setting!r}")
     if setting != "auto":

@@ -17,29 +17,16 @@ class PlanReport:
 
     Attributes:
         policy: The plan's policy (``canzona*`` when it fell back to round-robin owners).
-        cost: The balanced cost kind.
-        rank_loads: Cost each rank computes per step.
-        rank_matrices: Matrices each rank computes per step.
-        rank_state_bytes: Optimizer-state bytes each rank holds: the owned matrices' matrix state
-            plus its even share of every matrix's elementwise state.
-        lower_bound: ``max(largest matrix, total / ranks)``: no plan of whole matrices does
-            better.
-        ideal: ``total / ranks``: the whole matrices' cost perfectly divided, which only teams
-            (`lightning_canzona.planning.matrices`) can approach once a matrix exceeds it.
-        team_bound: No plan whose teams have at most the settings' ``max_team`` ranks does
-            better, at the settings' prices of their collectives
-            (`lightning_canzona.planning.bounds.team_bound`); at least the ideal.
+        rank_state_bytes: Optimizer-state bytes each rank holds (`Plan.rank_state_bytes`).
+        lower_bound: ``max(largest matrix, total / ranks)``: no plan of whole matrices does better.
+        ideal: ``total / ranks``: the whole matrices' cost perfectly divided.
+        team_bound: No plan with teams of at most ``max_team`` ranks does better (`bounds.team_bound`).
         makespan: The largest rank load (periodic work amortised).
-        average_makespan: The busiest rank's load averaged over a period of the rules' periodic
-            work (`Plan.average_makespan`): what a step takes on average where every step waits
-            for its busiest rank.
+        average_makespan: The busiest rank's load averaged over the period (`Plan.average_makespan`).
         peak_makespan: The largest rank load on a step that runs the periodic work.
-        average_bound: No plan whose teams have at most ``max_team`` ranks has a shorter
-            average makespan (`lightning_canzona.planning.bounds.average_bound`).
+        average_bound: No such plan has a shorter average makespan (`bounds.average_bound`).
         period: Steps between runs of the periodic work (1: none).
-        synchronized_makespan: Σ over micro-groups of the group's largest host load: the makespan
-            when every group waits for its slowest host.
-        num_micro_groups: Number of micro-groups.
+        synchronized_makespan: Σ over micro-groups of the group's largest host load.
         split_matrices: Team size → matrices that teams of that size compute together.
     """
 

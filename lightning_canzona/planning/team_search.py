@@ -1,9 +1,5 @@
-"""How many ranks compute each matrix: the team sizes that `policies.build_plan` plans.
-
-Matrices of the same cost form a class (`bounds.team_classes`). `team_sizes` splits classes
-greedily by the packing bound, `overflow_sizes` only what does not fit one to a rank, and
-`searched_sizes` packs combinations of sizes (`greedy_makespan`) and moves matrices between sizes.
-"""
+"""How many ranks compute each matrix: the candidate team sizes that `policies.build_plan` plans
+(docs/architecture.md#planning, "Teams")."""
 
 from __future__ import annotations
 
@@ -25,14 +21,8 @@ SEARCH_LIMIT = 64
 def team_sizes(
     matrices: list[MatrixSpec], num_ranks: int, settings: PlanSettings, pairs: bool = True
 ) -> list[int]:
-    """How many ranks compute each matrix (see the module docstring).
-
-    Teams trade a larger total (their collectives) for smaller items. Matrices of the same cost
-    form a class, split alike. Greedily, the class and team size that lower `packing_bound` (with
-    its pair bound if ``pairs``) the most are taken, while one lowers it (or keeps it at no cost:
-    free collectives). A matrix that some ranks hold whole stays whole: updated where it lies, it
-    moves nothing.
-    """
+    """Team sizes that greedily lower `packing_bound` (with its pair bound if ``pairs``), class by
+    class; a matrix that some ranks hold whole stays whole."""
     members, options, loads = team_classes(matrices, num_ranks, settings)
     chosen = [1] * len(members)
 
@@ -62,16 +52,7 @@ def team_sizes(
 
 
 def overflow_sizes(matrices: list[MatrixSpec], num_ranks: int, settings: PlanSettings) -> list[list[int]]:
-    """Team sizes that split only what does not fit one to a rank: candidates beside `team_sizes`.
-
-    Each class starts at its smallest team size whose member load is within the ideal (its
-    least load if none is). Where those leave more members costing over half the ideal than
-    there are ranks, two of them share a rank however the rest is packed. `team_sizes` splits a
-    class alike, every matrix of it paying its team's collectives; it suffices to split the
-    overflow. For each such class and each larger size whose members cost at most half the
-    ideal, as many of its matrices as free the overflow (evenly spaced in model order, so that
-    blocks keep their share) go to teams of that size.
-    """
+    """Team sizes that split only what does not fit one to a rank: candidates beside `team_sizes`."""
     members, options, loads = team_classes(matrices, num_ranks, settings)
     ideal = ideal_load(matrices, num_ranks, settings.cost)
     busiest = [{size: max(load) for size, load in load.items()} for load in loads]
@@ -102,25 +83,8 @@ def overflow_sizes(matrices: list[MatrixSpec], num_ranks: int, settings: PlanSet
 def searched_sizes(
     matrices: list[MatrixSpec], num_ranks: int, settings: PlanSettings, busiest: bool = False
 ) -> list[list[int]]:
-    """Team sizes found by packing them (`greedy_makespan`): candidates beside `team_sizes`.
-
-    `packing_bound` cannot see that ranks holding an item above half the makespan have room for
-    few others (Qwen3 14B with Muon at 512 ranks: a bound of 1.40 × the ideal for sizes that pack
-    at 1.68). First, one size per class: combinations in the order of their packing bound, each
-    packed, until the bound reaches the best makespan found (no later one packs shorter) or
-    `SEARCH_LIMIT` were packed (`team_sizes`' choice where there are more than
-    `SEARCH_COMBINATIONS`). Then, from the best, some matrices of a class move to the next
-    larger or smaller size (1, 2, 4, … of them at a time) while a move shortens the packed
-    makespan (or keeps it for less total load). The moved matrices are spread evenly over the
-    class in model order, as `overflow_sizes` spreads them.
-
-    Where a team's members cost differently (one carries a decomposition), the greedy packing
-    puts each member on any of the least loaded ranks, but the packer gives a team an aligned
-    block, every rank of which takes a member: the greedy then misjudges sizes whose light
-    members must share blocks with busy ranks (Qwen3 32B with Shampoo at 1,024 ranks: 1.25 ×
-    the ideal packed greedily, 1.69 by the packer). With ``busiest``, every member is priced as
-    the busiest, as if each carried the decomposition: sizes that blocks pack as judged.
-    """
+    """Team sizes found by packing them (`greedy_makespan`): the best one size per class, then the
+    best after moving matrices between sizes. With ``busiest``, every member priced as the busiest."""
     members, options, loads = team_classes(matrices, num_ranks, settings, busiest)
 
     def packed(counts: list[dict[int, int]]) -> tuple[float, float]:
@@ -169,9 +133,7 @@ def searched_sizes(
 
 
 def sizes_of(members: list[list[int]], counts: list[dict[int, int]], num_matrices: int) -> list[int]:
-    """Each matrix's team size, with ``counts[c][size]`` of class ``c``'s matrices at ``size``,
-    the sizes interleaved evenly over the class in model order: each matrix takes the size whose
-    share of the class so far is furthest behind (the smaller on a tie)."""
+    """Each matrix's team size: ``counts[c][size]`` of class ``c`` at ``size``, spread evenly."""
     sizes = [1] * num_matrices
     for group, by_size in zip(members, counts):
         taken = dict.fromkeys(by_size, 0)
@@ -186,10 +148,7 @@ def sizes_of(members: list[list[int]], counts: list[dict[int, int]], num_matrice
 
 
 def greedy_makespan(classes: Classes, num_ranks: int) -> float:
-    """The makespan of classes of ``(count, team size, member loads)`` packed busiest member
-    first, each item on the ``size`` least loaded ranks, its busier members on the less loaded:
-    the packer's (`balanced_groups`), less its alignment of teams and its micro-groups, in
-    ``O(n log ranks)``."""
+    """The makespan of classes packed busiest first onto the least loaded ranks (no aligned blocks)."""
     ranks = [0.0] * num_ranks
     for count, size, loads in sorted(classes, key=lambda c: -max(c[2])):
         heaviest_first = sorted(loads, reverse=True)
