@@ -119,6 +119,7 @@ class VariantResult:
     plan_max_over_mean: float | None
     peak_buffer_bytes: int | None
     matrix_bytes_per_rank: float
+    over_adamw: float | None
     sent_bytes: int | None
     split_matrices: dict[int, int]
 
@@ -220,6 +221,16 @@ def _state_bytes(optimizer: object) -> int:
     return total
 
 
+def _adamw_state_bytes(model: nn.Module) -> int:
+    """What ``torch.optim.AdamW`` would hold for ``model``'s parameters on this rank: two moments in
+    each parameter's dtype, and a float32 step count per parameter."""
+    total = 0
+    for param in model.parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param
+        total += 2 * local.numel() * local.element_size() + 4
+    return total
+
+
 def _gather(value: object) -> list:
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, value)
@@ -312,11 +323,14 @@ def _worker(
                 peaks[variant] = max(peaks[variant], step_peak)
     matrices = [p for g in lc.matrix_param_groups(model) if "algorithm" not in g for _, p in g["params"]]
     matrix_bytes = sum(p.numel() * p.element_size() for p in matrices)
+    adamw_bytes = _adamw_state_bytes(model)
     results = []
     for variant, optimizer in optimizers.items():
         rank_busy = _gather(statistics.median(busy[variant]))
         mean_busy = sum(rank_busy) / len(rank_busy)
         engines = list(optimizer.engines.values())
+        # The busiest rank's state and step buffers together, against AdamW's state on that rank.
+        held = _gather((_state_bytes(optimizer) + peaks[variant]) / adamw_bytes)
         results.append(
             VariantResult(
                 name=variant,
@@ -327,6 +341,7 @@ def _worker(
                 plan_max_over_mean=report(engines[0].plan).max_over_mean if engines else None,
                 peak_buffer_bytes=max(_gather(peaks[variant])) if engines else None,
                 matrix_bytes_per_rank=matrix_bytes / world,
+                over_adamw=max(held) if engines else None,
                 sent_bytes=max(_gather(sum(e.stats.bytes_sent for e in engines))) if engines else None,
                 split_matrices=report(engines[0].plan).split_matrices if engines else {},
             )
@@ -400,11 +415,13 @@ def format_table(
     for result in results:
         busy = f"{result.busy_max_over_mean:.2f}" if result.busy_max_over_mean else "-"
         planned = f"{result.plan_max_over_mean:.2f}" if result.plan_max_over_mean else "-"
-        peak, relative = "-", "-"
+        peak, relative, over_adamw = "-", "-", "-"
         sent = f"{result.sent_bytes / 2**20:.2f}" if result.sent_bytes is not None else "-"
         if result.peak_buffer_bytes is not None:
             peak = f"{result.peak_buffer_bytes / 2**20:.2f}"
             relative = f"{result.peak_buffer_bytes / result.matrix_bytes_per_rank:.2f}"
+        if result.over_adamw is not None:
+            over_adamw = f"{result.over_adamw:.2f}"
         rows.append(
             [
                 result.name,
@@ -416,12 +433,14 @@ def format_table(
                 planned,
                 peak,
                 relative,
+                over_adamw,
                 sent,
                 " ".join(f"{b / 2**20:.2f}" for b in result.state_bytes),
             ]
         )
     headers = ["variant", "step ms", "÷ canzona", "CPU ms", "÷ canzona", "busy max/mean", "plan max/mean"]
-    headers += ["peak buffers MiB", "÷ matrix bytes/rank", "sent MiB", "state MiB per rank"]
+    headers += ["peak buffers MiB", "÷ matrix bytes/rank", "state + peak ÷ AdamW's", "sent MiB"]
+    headers += ["state MiB per rank"]
     lines = [
         f"preset {preset}, {optimizer}: optimizer step{on}, median over ranks' slowest",
         table(headers, rows, margin=1),
