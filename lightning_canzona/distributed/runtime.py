@@ -34,9 +34,11 @@ from lightning_canzona.distributed.layout import (
 from lightning_canzona.distributed.team_collectives import TeamGroup, TeamRun, run_teams
 from lightning_canzona.geometry import member_blocks
 from lightning_canzona.planning import Plan
+from lightning_canzona.rules.adamw import MOMENTS as ADAMW_MOMENTS
 from lightning_canzona.rules.adamw import adamw_step, init_adamw_state
 from lightning_canzona.rules.base import (
     FAILURES,
+    STATE_DTYPES,
     MatrixRule,
     State,
     StochasticRounding,
@@ -208,6 +210,39 @@ def _local_state(state: State) -> State:
     return {key: local_tensor(value) for key, value in state.items()}
 
 
+def _stored(state: State, keys: Sequence[str], state_dtype: str | None) -> State:
+    """New state ``state`` with its elementwise ``keys`` in the group's ``state_dtype``."""
+    if state_dtype is None:
+        return state
+    dtype = STATE_DTYPES[state_dtype]
+    return {
+        key: value.to(dtype) if key in keys and value.is_floating_point() else value
+        for key, value in state.items()
+    }
+
+
+@contextmanager
+def _in_param_dtype(
+    states: list[State], params: Sequence[Tensor], keys: Sequence[str]
+) -> Iterator[list[State]]:
+    """What a rule computes with: ``states`` (local), their elementwise ``keys`` kept in another dtype
+    than their parameter's (``state_dtype``) as copies in the parameter's, rounded back once at the end."""
+    working = []
+    for state, param in zip(states, params):
+        dtype = local_tensor(param).dtype
+        working.append(
+            {
+                k: v.to(dtype) if k in keys and isinstance(v, Tensor) and v.dtype != dtype else v
+                for k, v in state.items()
+            }
+        )
+    yield working
+    for state, work in zip(states, working):
+        for key in keys:
+            if key in state and work[key] is not state[key]:
+                state[key].copy_(work[key])
+
+
 def shard_key(param: Tensor, name: str) -> str:
     """A name for this rank's part of ``param``: the same on its replicas, different on other shards."""
     if not isinstance(param, DTensor):
@@ -235,26 +270,31 @@ def step_adamw(
     for param in params:
         param_state = state.setdefault(param, {})
         if not param_state:
-            param_state.update(init_adamw_state(param))
+            param_state.update(_stored(init_adamw_state(param), ADAMW_MOMENTS, group.get("state_dtype")))
         param_states.append(param_state)
         states.append(_local_state(param_state))
     targets = [local_tensor(param) for param in params]
-    with _written(group, targets, [shard_key(p, n) for p, n in zip(params, names)]) as written:
+    keys = [shard_key(p, n) for p, n in zip(params, names)]
+    with _written(group, targets, keys) as written, _in_param_dtype(states, params, ADAMW_MOMENTS) as working:
         adamw_step(
             written,
             [local_grad(param) for param in params],
-            states,
+            working,
             lr=float(group["lr"]),
             betas=group["betas"],
             eps=group["eps"],
             weight_decay=group["weight_decay"],
         )
-    for param_state, counted in zip(param_states, states):
+    for param_state, counted in zip(param_states, working):
         param_state["step"] = counted["step"]  # a number: the local view holds its own
 
 
 def prepare_matrices(
-    params: Sequence[Tensor], rule: MatrixRule, state: dict[Tensor, State], holds_matrix: Sequence[bool]
+    params: Sequence[Tensor],
+    rule: MatrixRule,
+    state: dict[Tensor, State],
+    holds_matrix: Sequence[bool],
+    state_dtype: str | None = None,
 ) -> list[Tensor]:
     """``rule``'s elementwise part on this rank's parts of ``params`` (one param group, one call),
     creating the state they need; ``holds_matrix`` says, per parameter, whether this rank computes its full
@@ -263,11 +303,14 @@ def prepare_matrices(
     for param, holds in zip(params, holds_matrix):
         param_state = state.setdefault(param, {})
         if not param_state:
-            param_state.update(rule.init_elementwise_state(param))
+            param_state.update(
+                _stored(rule.init_elementwise_state(param), rule.elementwise_state_keys, state_dtype)
+            )
         if holds and param.ndim != 3 and not rule.matrix_state(param_state):
             param_state.update(rule.init_matrix_state(matrix_shape(param.shape), local_tensor(param).device))
         states.append(_local_state(param_state))
-    return rule.prepare([local_grad(param) for param in params], states)
+    with _in_param_dtype(states, params, rule.elementwise_state_keys) as working:
+        return rule.prepare([local_grad(param) for param in params], working)
 
 
 def member_prefix(member: int) -> str:
@@ -670,7 +713,10 @@ class PreparedEntries:
             params = [planned.entries[entry].param for entry in batch]
             # A stack's items: see prepare_matrices.
             holds = [planned.holds_whole(planned.first_item[entry]) for entry in batch]
-            work = functools.partial(prepare_matrices, params, run.rules[batch[0]], run.state, holds)
+            state_dtype = planned.entries[batch[0]].group.get("state_dtype")
+            work = functools.partial(
+                prepare_matrices, params, run.rules[batch[0]], run.state, holds, state_dtype
+            )
             zeros = functools.partial(_zeros_like_each, [local_tensor(param) for param in params])
             for entry, param, prepared in zip(batch, params, run.attempt(work, zeros)):
                 # A rule may hand back its input or its state (Shampoo the gradient, Muon its

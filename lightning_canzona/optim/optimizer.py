@@ -30,7 +30,7 @@ from lightning_canzona.planning import Plan, PlanSettings
 from lightning_canzona.qk_clip.settings import QKClip
 from lightning_canzona.rules import counters
 from lightning_canzona.rules.adamw import ALGORITHM as ADAMW
-from lightning_canzona.rules.base import MatrixRule, check_betas, check_non_negative
+from lightning_canzona.rules.base import MatrixRule, check_betas, check_non_negative, check_state_dtype
 from lightning_canzona.rules.blocks import RowBlockRule, RowBlocks, as_row_blocks, row_block_sizes
 
 #: The settings of `PlanConfig`, which the optimizers take as ``plan=PlanConfig(...)``.
@@ -49,6 +49,9 @@ class MatrixOptimizer(Optimizer):
         adamw_weight_decay: AdamW's decoupled weight decay; ``None`` takes ``weight_decay``.
         check_finite: Raise `FloatingPointError`, naming the parameter, for a NaN or Inf gradient.
         stochastic_rounding: Round each step into bf16 parameters stochastically (unbiased).
+        state_dtype: ``"bfloat16"`` keeps the momentum and Adam's moments of float32 parameters in
+            bf16 (half their memory; each step computes in float32 and rounds them once), ``None``
+            in each parameter's dtype. Shampoo's and SOAP's matrix state stays float32.
         plan: How DTensor parameters' updates are planned (`PlanConfig`); ``None``: the strategy's.
     """
 
@@ -68,10 +71,12 @@ class MatrixOptimizer(Optimizer):
         adamw_weight_decay: float | None = None,
         check_finite: bool = True,
         stochastic_rounding: bool = False,
+        state_dtype: str | None = None,
         plan: PlanConfig | None = None,
     ) -> None:
         if not isinstance(stochastic_rounding, bool):
             raise TypeError(f"stochastic_rounding must be True or False, got {stochastic_rounding!r}")
+        check_state_dtype(state_dtype)
         rates = {"lr": defaults["lr"], "adamw_lr": adamw_lr}  # a tensor's shape before params, as torch.optim
         check_non_negative(**{name: rate for name, rate in rates.items() if isinstance(rate, Tensor)})
         if adamw_lr is None:  # a tensor of its own: a scheduler writes each group's in place
@@ -82,8 +87,9 @@ class MatrixOptimizer(Optimizer):
             "eps": adamw_eps,
             "weight_decay": defaults["weight_decay"] if adamw_weight_decay is None else adamw_weight_decay,
             "stochastic_rounding": stochastic_rounding,
+            "state_dtype": state_dtype,
         }
-        defaults = {**defaults, "stochastic_rounding": stochastic_rounding}
+        defaults = {**defaults, "stochastic_rounding": stochastic_rounding, "state_dtype": state_dtype}
         self.check_finite = check_finite
         #: How the DTensor parameters' matrix updates are planned and run.
         self.plan_config = PlanConfig.given(plan) or PlanConfig()
@@ -193,6 +199,7 @@ class MatrixOptimizer(Optimizer):
         group = self.param_groups[-1]
         try:
             check_non_negative(lr=group["lr"], weight_decay=group["weight_decay"])
+            check_state_dtype(group.get("state_dtype"))
             if algorithm == ADAMW:
                 check_betas("betas", group["betas"])
                 check_non_negative(eps=group["eps"])
@@ -305,7 +312,9 @@ class MatrixOptimizer(Optimizer):
                 step_adamw(params, param_names, self.state, group)
                 continue
             rule = self.rule_of(group)
-            prepared = prepare_matrices(params, rule, self.state, [True] * len(params))
+            prepared = prepare_matrices(
+                params, rule, self.state, [True] * len(params), group.get("state_dtype")
+            )
             directions = [full_direction(rule, p, self.state[param]) for p, param in zip(prepared, params)]
             apply_matrices(params, param_names, rule, directions, group)
 

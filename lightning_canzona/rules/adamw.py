@@ -18,6 +18,10 @@ from lightning_canzona.rules.base import State, scale_
 ALGORITHM = "adamw"
 
 
+#: AdamW's elementwise state: what ``state_dtype`` keeps in another dtype than the parameter's.
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
 def init_adamw_state(param: Tensor) -> State:
     """Step counter (a Python number) and both moments."""
     return {

@@ -31,6 +31,20 @@ State = dict[str, Tensor]
 #: its state kept under a prefix shares.
 FAILURES = "decomposition_failures"
 
+#: The ``state_dtype`` settings: elementwise state (momentum, Adam's moments) kept in another dtype
+#: than its parameter's. ``None`` keeps the parameter's dtype, as ``torch.optim`` does.
+STATE_DTYPES = {"bfloat16": torch.bfloat16}
+
+
+def check_state_dtype(value: object) -> None:
+    """A `ValueError` naming the setting unless ``value`` is a ``state_dtype``."""
+    if value is not None and value not in STATE_DTYPES:
+        raise ValueError(
+            f"state_dtype must be None (each parameter's dtype, as torch.optim) or one of "
+            f"{sorted(STATE_DTYPES)}, got {value!r}"
+        )
+
+
 #: The retry counter of the computation running in this context (`counting_retries`).
 _RETRIES: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("retries", default=None)
 

@@ -139,9 +139,52 @@ def _bf16_on_every_path(rank: int, world_size: int) -> None:
                 name,
             )
 
+    # float32 weights, bf16 state (state_dtype): the momentum and Adam's moments round once a step,
+    # elementwise on each shard as on the whole tensor, so the one process's weights bit for bit.
+    torch.manual_seed(0)
+    reference_model = Net().to(DEVICE)
+    torch.manual_seed(0)
+    model = _parallelize(Net().to(DEVICE), mesh)
+    kwargs = {"lr": 0.02, "compute_dtype": "float32", "adamw_lr": 1e-2, "state_dtype": "bfloat16"}
+    reference, optimizer = lc.Muon(_groups(reference_model), **kwargs), lc.Muon(_groups(model), **kwargs)
+    params = dict(model.named_parameters())
+    shapes = {name: p.shape for name, p in reference_model.named_parameters()}
+    for step in range(3):
+        full = _gradients(step, shapes)
+        for name, param in params.items():
+            grad = full[name]
+            param.grad = None if grad is None else distribute_tensor(grad, mesh, param.placements)
+        for name, param in reference_model.named_parameters():
+            param.grad = full[name]
+        optimizer.step()
+        reference.step()
+    for name, expected in reference_model.named_parameters():
+        local = distribute_tensor(expected.detach(), mesh, params[name].placements).to_local()
+        assert torch.equal(params[name].to_local(), local), name
+        held = {k: v.dtype for k, v in optimizer.state[params[name]].items() if isinstance(v, torch.Tensor)}
+        assert held and set(held.values()) == {torch.bfloat16}, (name, held)
+
 
 def test_bf16_weights_on_every_distributed_path_equal_one_process_bit_for_bit() -> None:
     run_on_ranks(4, _bf16_on_every_path)
+
+
+def test_bf16_state_rounds_the_float32_momentum_and_moments_once_a_step() -> None:
+    torch.manual_seed(0)
+    weight, bias = torch.nn.Parameter(torch.randn(16, 8)), torch.nn.Parameter(torch.randn(8))
+    optimizer = lc.Muon([("weight", weight), ("bias", bias)], state_dtype="bfloat16", compute_dtype="float32")
+    grads = [(torch.randn(16, 8), torch.randn(8)) for _ in range(2)]
+    momentum, exp_avg = torch.zeros(16, 8), torch.zeros(8)
+    for weight_grad, bias_grad in grads:
+        weight.grad, bias.grad = weight_grad, bias_grad
+        optimizer.step()
+        momentum = momentum.lerp(weight_grad, 1 - 0.95).bfloat16().float()  # in float32, rounded once
+        exp_avg = exp_avg.lerp(bias_grad, 1 - 0.9).bfloat16().float()
+    assert torch.equal(optimizer.state[weight]["momentum_buffer"], momentum.bfloat16())
+    assert torch.equal(optimizer.state[bias]["exp_avg"], exp_avg.bfloat16())
+    assert weight.dtype == torch.float32
+    with pytest.raises(ValueError, match="state_dtype must be None .* got 'float16'"):
+        lc.Muon([weight], state_dtype="float16")
 
 
 def test_stochastic_rounding_lands_on_a_neighbour_and_is_unbiased() -> None:
