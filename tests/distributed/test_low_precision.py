@@ -14,6 +14,7 @@ import lightning_canzona as lc
 from lightning_canzona.rules.base import round_stochastically_
 
 LOW = [torch.bfloat16, torch.float16]
+BF16 = torch.bfloat16
 
 
 def _mesh(name: str):
@@ -107,21 +108,32 @@ def test_a_float32_step_into_bf16_weights_is_rounded_once(optimizer) -> None:
 
 def _bf16_on_every_path(rank: int, world_size: int) -> None:
     mesh = _mesh("dp4")
-    for optimizer_class, kwargs in (
-        (lc.Muon, {"lr": 0.02, "compute_dtype": "float32", "adamw_lr": 1e-2}),
-        (lc.Shampoo, {"lr": 1e-2, "precondition_frequency": 2, "start_preconditioning_step": 2}),
-        (lc.SOAP, {"lr": 1e-2, "precondition_frequency": 2}),
+    for optimizer_class, kwargs, dtype in (
+        (lc.Muon, {"lr": 0.02, "compute_dtype": "float32", "adamw_lr": 1e-2}, torch.bfloat16),
+        (
+            lc.Shampoo,
+            {"lr": 1e-2, "precondition_frequency": 2, "start_preconditioning_step": 2},
+            torch.bfloat16,
+        ),
+        (lc.SOAP, {"lr": 1e-2, "precondition_frequency": 2}, BF16),
+        # float32 weights, bf16 state: the momentum and Adam's moments round once a step,
+        # elementwise on each shard as on the whole tensor.
+        (
+            lc.Muon,
+            {"lr": 0.02, "compute_dtype": "float32", "adamw_lr": 1e-2, "state_dtype": "bfloat16"},
+            torch.float32,
+        ),
     ):
         torch.manual_seed(0)
-        reference_model = Net().to(DEVICE).bfloat16()
+        reference_model = Net().to(DEVICE, dtype)
         torch.manual_seed(0)
-        model = _parallelize(Net().to(DEVICE).bfloat16(), mesh)
+        model = _parallelize(Net().to(DEVICE, dtype), mesh)
         reference = optimizer_class(_groups(reference_model), **kwargs)
         optimizer = optimizer_class(_groups(model), **kwargs)
         params = dict(model.named_parameters())
         shapes = {name: p.shape for name, p in reference_model.named_parameters()}
         for step in range(3):
-            full = {n: None if g is None else g.bfloat16() for n, g in _gradients(step, shapes).items()}
+            full = {n: None if g is None else g.to(dtype) for n, g in _gradients(step, shapes).items()}
             for name, param in params.items():
                 grad = full[name]
                 param.grad = None if grad is None else distribute_tensor(grad, mesh, param.placements)
@@ -130,39 +142,17 @@ def _bf16_on_every_path(rank: int, world_size: int) -> None:
             optimizer.step()
             reference.step()
         # Data parallelism alone reorders no sum: every matrix's float32 direction is the one
-        # process's, so each rounding into the bf16 weights is too, bit for bit.
+        # process's, so each rounding into the bf16 weights (or state) is too, bit for bit.
         for name, expected in reference_model.named_parameters():
             actual = params[name]
             local = distribute_tensor(expected.detach(), mesh, actual.placements).to_local()
-            assert actual.dtype == torch.bfloat16 and torch.equal(actual.to_local(), local), (
+            assert actual.dtype == dtype and torch.equal(actual.to_local(), local), (
                 optimizer_class,
                 name,
             )
-
-    # float32 weights, bf16 state (state_dtype): the momentum and Adam's moments round once a step,
-    # elementwise on each shard as on the whole tensor, so the one process's weights bit for bit.
-    torch.manual_seed(0)
-    reference_model = Net().to(DEVICE)
-    torch.manual_seed(0)
-    model = _parallelize(Net().to(DEVICE), mesh)
-    kwargs = {"lr": 0.02, "compute_dtype": "float32", "adamw_lr": 1e-2, "state_dtype": "bfloat16"}
-    reference, optimizer = lc.Muon(_groups(reference_model), **kwargs), lc.Muon(_groups(model), **kwargs)
-    params = dict(model.named_parameters())
-    shapes = {name: p.shape for name, p in reference_model.named_parameters()}
-    for step in range(3):
-        full = _gradients(step, shapes)
-        for name, param in params.items():
-            grad = full[name]
-            param.grad = None if grad is None else distribute_tensor(grad, mesh, param.placements)
-        for name, param in reference_model.named_parameters():
-            param.grad = full[name]
-        optimizer.step()
-        reference.step()
-    for name, expected in reference_model.named_parameters():
-        local = distribute_tensor(expected.detach(), mesh, params[name].placements).to_local()
-        assert torch.equal(params[name].to_local(), local), name
-        held = {k: v.dtype for k, v in optimizer.state[params[name]].items() if isinstance(v, torch.Tensor)}
-        assert held and set(held.values()) == {torch.bfloat16}, (name, held)
+            if "state_dtype" in kwargs:
+                held = {k: v.dtype for k, v in optimizer.state[actual].items() if isinstance(v, torch.Tensor)}
+                assert held and set(held.values()) == {torch.bfloat16}, (name, held)
 
 
 def test_bf16_weights_on_every_distributed_path_equal_one_process_bit_for_bit() -> None:
