@@ -49,9 +49,9 @@ class MatrixOptimizer(Optimizer):
         adamw_weight_decay: AdamW's decoupled weight decay; ``None`` takes ``weight_decay``.
         check_finite: Raise `FloatingPointError`, naming the parameter, for a NaN or Inf gradient.
         stochastic_rounding: Round each step into bf16 parameters stochastically (unbiased).
-        state_dtype: ``"bfloat16"`` keeps the momentum and Adam's moments of float32 parameters in
-            bf16 (half their memory; each step computes in float32 and rounds them once), ``None``
-            in each parameter's dtype. Shampoo's and SOAP's matrix state stays float32.
+        state_dtype: ``"bfloat16"`` keeps the momentum and Adam's and SOAP's moments of float32
+            parameters in bf16 (each step computes in float32 and rounds them once), ``None`` in
+            each parameter's dtype. Factors, bases and Shampoo's state stay float32.
         plan: How DTensor parameters' updates are planned (`PlanConfig`); ``None``: the strategy's.
     """
 

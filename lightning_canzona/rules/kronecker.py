@@ -6,8 +6,9 @@ The left and right factors are moving averages of ``GGᵀ`` and ``GᵀG``; a sid
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -41,17 +42,18 @@ def init_state(
     max_precond_dim: int,
     companion: str,
     moments_shape: Sequence[int] | None = None,
+    moments_dtype: torch.dtype = torch.float32,
 ) -> State:
-    """Owner-held float32 state, batched like ``shape``: counters, both moments (of ``moments_shape``
-    if given), and per preconditioned side its factor and companion (``"<side>_<companion>"``), the
-    companion starting as the identity."""
+    """Owner-held state, batched like ``shape``: counters, both moments (of ``moments_shape`` if
+    given, in ``moments_dtype``), and per preconditioned side its float32 factor and companion
+    (``"<side>_<companion>"``), the companion starting as the identity."""
     full = dict(device=device, dtype=torch.float32)
     moments_shape = tuple(shape if moments_shape is None else moments_shape)
     state = {
         "step": 0,
         FAILURES: 0,
-        "exp_avg": torch.zeros(moments_shape, **full),
-        "exp_avg_sq": torch.zeros(moments_shape, **full),
+        "exp_avg": torch.zeros(moments_shape, device=device, dtype=moments_dtype),
+        "exp_avg_sq": torch.zeros(moments_shape, device=device, dtype=moments_dtype),
     }
     batch = tuple(shape[:-2])
     for side, dim in preconditioned_sides(shape[-2], shape[-1], max_precond_dim).items():
@@ -200,14 +202,32 @@ def init_team_state(
     max_precond_dim: int,
     companion: str,
     sliced: Sequence[str],
+    moments_dtype: torch.dtype = torch.float32,
 ) -> State:
     """A team member's state: its slice of the ``sliced`` keys, the whole of the others."""
     offset, block = member_blocks(shape, size)[member]
     dim = long_dim(shape)
-    state = init_state(shape, device, max_precond_dim, companion, moments_shape=block)
+    state = init_state(shape, device, max_precond_dim, companion, block, moments_dtype)
     for key in sliced[len(MOMENTS) :]:
         state[key] = state[key].narrow(dim, offset[dim], block[dim]).clone()
     return state
+
+
+@contextlib.contextmanager
+def moments_in_float32(state: State) -> Iterator[State]:
+    """``state`` with its moments, where kept in a lower precision (``state_dtype``), as float32
+    copies: each is rounded back into ``state`` once when the block ends without an error, with
+    every other key the block set."""
+    if state["exp_avg"].dtype == torch.float32:
+        yield state
+        return
+    work = {**state, **{key: state[key].float() for key in MOMENTS}}
+    yield work
+    for key, value in work.items():
+        if key in MOMENTS:
+            state[key].copy_(value)
+        else:
+            state[key] = value
 
 
 def oriented(

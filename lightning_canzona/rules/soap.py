@@ -20,6 +20,7 @@ from lightning_canzona.geometry import long_dim, split_sizes
 from lightning_canzona.rules import kronecker
 from lightning_canzona.rules.base import (
     FAILURES,
+    STATE_DTYPES,
     MatrixRule,
     Rule,
     State,
@@ -30,6 +31,7 @@ from lightning_canzona.rules.base import (
     check_betas,
     check_non_negative,
     check_positive_int,
+    check_state_dtype,
     check_unit_interval,
     ieee_float32_products,
     scale_,
@@ -110,6 +112,8 @@ class SOAPRule(MatrixRule):
     #: Not part of the rule's identity: a plan is built for the rules, and this changes each step.
     #: Counted by `lightning_canzona.SOAP` in the group's ``soap_steps``, not set by the user.
     first_step: bool = setting(False, read=False, compare=False)
+    #: The moments' dtype (``None``: float32), the optimizer's ``state_dtype``, which every group holds.
+    state_dtype: str | None = setting(None, read=False)
     name = "soap"
 
     def __post_init__(self) -> None:
@@ -124,14 +128,20 @@ class SOAPRule(MatrixRule):
             raise ValueError(
                 f"weight_decay_order must be one of {WEIGHT_DECAY_ORDERS}, got {self.weight_decay_order!r}"
             )
+        check_state_dtype(self.state_dtype)
         object.__setattr__(self, "betas", tuple(self.betas))
 
     @classmethod
     def from_group(cls: type[Rule], group: Mapping[str, Any], **values: Any) -> Rule:
-        return super().from_group(group, **{"first_step": group.get("soap_steps", 0) == 0, **values})
+        first_step, state_dtype = group.get("soap_steps", 0) == 0, group.get("state_dtype")
+        return super().from_group(group, **{"first_step": first_step, "state_dtype": state_dtype, **values})
+
+    @property
+    def _moments_dtype(self) -> torch.dtype:
+        return torch.float32 if self.state_dtype is None else STATE_DTYPES[self.state_dtype]
 
     def init_matrix_state(self, shape: torch.Size, device: torch.device) -> State:
-        return kronecker.init_state(shape, device, self.max_precond_dim, companion="basis")
+        return kronecker.init_state(shape, device, self.max_precond_dim, "basis", None, self._moments_dtype)
 
     def apply(
         self,
@@ -152,13 +162,19 @@ class SOAPRule(MatrixRule):
 
     def init_team_state(self, shape: Sequence[int], member: int, size: int, device: torch.device) -> State:
         sliced = self.team_sliced_keys(shape)
-        return kronecker.init_team_state(shape, member, size, device, self.max_precond_dim, "basis", sliced)
+        return kronecker.init_team_state(
+            shape, member, size, device, self.max_precond_dim, "basis", sliced, self._moments_dtype
+        )
 
     def team_sliced_keys(self, shape: Sequence[int]) -> tuple[str, ...]:
         return kronecker.sliced_keys(shape, self.max_precond_dim, companion=None)
 
     @ieee_float32_products
     def direction(self, matrix: Tensor, state: State) -> Tensor:
+        with kronecker.moments_in_float32(state) as work:
+            return self._direction(matrix, work)
+
+    def _direction(self, matrix: Tensor, state: State) -> Tensor:
         state["step"] += 1
         step = state["step"]
         grad = matrix.float()
@@ -180,6 +196,12 @@ class SOAPRule(MatrixRule):
     ) -> TeamComputation:
         """Rounds: the factors' contributions, the rotated step gathered for the way back where the long
         side has a factor, and the bases' sharing on a basis step."""
+        with kronecker.moments_in_float32(state) as work:
+            return (yield from self._team_direction(matrix, shape, member, size, work))
+
+    def _team_direction(
+        self, matrix: Tensor, shape: Sequence[int], member: int, size: int, state: State
+    ) -> TeamComputation:
         grad, state = kronecker.oriented(matrix.float(), state, shape, self.team_sliced_keys(shape))
         sizes = split_sizes(shape[long_dim(shape)], size)
         rows = slice(sum(sizes[:member]), sum(sizes[: member + 1]))

@@ -15,6 +15,8 @@ from lightning_canzona.rules.base import round_stochastically_
 
 LOW = [torch.bfloat16, torch.float16]
 BF16 = torch.bfloat16
+#: The state keys that ``state_dtype`` keeps in bf16 (a stack's matrices prefix theirs).
+MOMENTS = ("momentum_buffer", "exp_avg", "exp_avg_sq")
 
 
 def _mesh(name: str):
@@ -108,21 +110,16 @@ def test_a_float32_step_into_bf16_weights_is_rounded_once(optimizer) -> None:
 
 def _bf16_on_every_path(rank: int, world_size: int) -> None:
     mesh = _mesh("dp4")
+    muon = {"lr": 0.02, "compute_dtype": "float32", "adamw_lr": 1e-2}
+    soap = {"lr": 1e-2, "precondition_frequency": 2}
     for optimizer_class, kwargs, dtype in (
-        (lc.Muon, {"lr": 0.02, "compute_dtype": "float32", "adamw_lr": 1e-2}, torch.bfloat16),
-        (
-            lc.Shampoo,
-            {"lr": 1e-2, "precondition_frequency": 2, "start_preconditioning_step": 2},
-            torch.bfloat16,
-        ),
-        (lc.SOAP, {"lr": 1e-2, "precondition_frequency": 2}, BF16),
-        # float32 weights, bf16 state: the momentum and Adam's moments round once a step,
-        # elementwise on each shard as on the whole tensor.
-        (
-            lc.Muon,
-            {"lr": 0.02, "compute_dtype": "float32", "adamw_lr": 1e-2, "state_dtype": "bfloat16"},
-            torch.float32,
-        ),
+        (lc.Muon, muon, BF16),
+        (lc.Shampoo, {"lr": 1e-2, "precondition_frequency": 2, "start_preconditioning_step": 2}, BF16),
+        (lc.SOAP, soap, BF16),
+        # float32 weights, bf16 state: the momentum and moments round once a step, elementwise on
+        # each shard as on the whole tensor, SOAP's on each matrix's owner.
+        (lc.Muon, {**muon, "state_dtype": "bfloat16"}, torch.float32),
+        (lc.SOAP, {**soap, "state_dtype": "bfloat16"}, torch.float32),
     ):
         torch.manual_seed(0)
         reference_model = Net().to(DEVICE, dtype)
@@ -150,9 +147,16 @@ def _bf16_on_every_path(rank: int, world_size: int) -> None:
                 optimizer_class,
                 name,
             )
-            if "state_dtype" in kwargs:
-                held = {k: v.dtype for k, v in optimizer.state[actual].items() if isinstance(v, torch.Tensor)}
-                assert held and set(held.values()) == {torch.bfloat16}, (name, held)
+        if "state_dtype" in kwargs:  # the momentum and moments this rank holds, and only they, in bf16
+            held = {
+                (name, key): value.dtype
+                for name, param in params.items()
+                for key, value in optimizer.state[param].items()
+                if isinstance(value, torch.Tensor)
+            }
+            moments = {at: dtype for at, dtype in held.items() if at[1].endswith(MOMENTS)}
+            assert moments and set(moments.values()) == {BF16}, moments
+            assert all(dtype == torch.float32 for at, dtype in held.items() if at not in moments), held
 
 
 def test_bf16_weights_on_every_distributed_path_equal_one_process_bit_for_bit() -> None:

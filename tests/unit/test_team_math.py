@@ -78,6 +78,7 @@ def test_team_newton_schulz_equals_one_rank(shape, size, form) -> None:
 KRONECKER_RULES = {
     "shampoo": ShampooRule(precondition_frequency=2, start_preconditioning_step=2, max_precond_dim=8),
     "soap": SOAPRule(precondition_frequency=2, max_precond_dim=8),
+    "soap, bf16 state": SOAPRule(precondition_frequency=2, max_precond_dim=8, state_dtype="bfloat16"),
 }
 
 
