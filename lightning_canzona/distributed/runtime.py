@@ -227,20 +227,21 @@ def _in_param_dtype(
 ) -> Iterator[list[State]]:
     """What a rule computes with: ``states`` (local), their elementwise ``keys`` kept in another dtype
     than their parameter's (``state_dtype``) as copies in the parameter's, rounded back once at the end."""
-    working = []
-    for state, param in zip(states, params):
-        dtype = local_tensor(param).dtype
-        working.append(
-            {
-                k: v.to(dtype) if k in keys and isinstance(v, Tensor) and v.dtype != dtype else v
-                for k, v in state.items()
-            }
-        )
+    dtypes = [local_tensor(param).dtype for param in params]
+    differ = [
+        [k for k in keys if k in state and state[k].dtype != dtype] for state, dtype in zip(states, dtypes)
+    ]
+    if not any(differ):  # the default: the state is in its parameters' dtypes
+        yield states
+        return
+    working = [
+        {**state, **{key: state[key].to(dtype) for key in elsewhere}}
+        for state, dtype, elsewhere in zip(states, dtypes, differ)
+    ]
     yield working
-    for state, work in zip(states, working):
-        for key in keys:
-            if key in state and work[key] is not state[key]:
-                state[key].copy_(work[key])
+    for state, work, elsewhere in zip(states, working, differ):
+        for key in elsewhere:
+            state[key].copy_(work[key])
 
 
 def shard_key(param: Tensor, name: str) -> str:
@@ -454,12 +455,7 @@ class MicroGroupExchange:
     ) -> tuple[Tensor, InFlight]:
         """Start the gather of the ``prepared`` local shards; returns the receive buffer and handle."""
         pieces = (prepared[m][local.slices] for ps in self.gather_send for m, local in ps)
-        send = meter.track(_packed(pieces, sum(self.gather_send_sizes), dtype, device))
-        receive = meter.track(torch.empty(sum(self.gather_recv_sizes), dtype=dtype, device=device))
-        work = InFlight(
-            dist.all_to_all_single, receive, send, self.gather_recv_sizes, self.gather_send_sizes, group=group
-        )
-        return receive, work
+        return _exchanged(pieces, self.gather_send_sizes, self.gather_recv_sizes, dtype, device, group, meter)
 
     def assemble(
         self, received: Tensor, prepared: dict[int, Tensor], meter: BufferMeter
@@ -488,17 +484,9 @@ class MicroGroupExchange:
     ) -> tuple[Tensor, InFlight]:
         """Start returning every rank's pieces of this rank's computed ``directions``."""
         pieces = (directions[m][block.slices] for ps in self.scatter_send for m, block in ps)
-        send = meter.track(_packed(pieces, sum(self.scatter_send_sizes), dtype, device))
-        receive = meter.track(torch.empty(sum(self.scatter_recv_sizes), dtype=dtype, device=device))
-        work = InFlight(
-            dist.all_to_all_single,
-            receive,
-            send,
-            self.scatter_recv_sizes,
-            self.scatter_send_sizes,
-            group=group,
+        return _exchanged(
+            pieces, self.scatter_send_sizes, self.scatter_recv_sizes, dtype, device, group, meter
         )
-        return receive, work
 
     def my_updates(
         self, received: Tensor | None, directions: dict[int, Tensor], dtype: torch.dtype
@@ -517,6 +505,21 @@ class MicroGroupExchange:
         for m, local, region in self.scatter_self:
             pieces.setdefault(m, []).append((local, directions[m][region.slices].to(dtype)))
         return {m: _local(self.my_shards[m], values) for m, values in pieces.items()}
+
+
+def _exchanged(
+    pieces: Iterable[Tensor],
+    send_sizes: list[int],
+    receive_sizes: list[int],
+    dtype: torch.dtype,
+    device: torch.device,
+    group: dist.ProcessGroup,
+    meter: BufferMeter,
+) -> tuple[Tensor, InFlight]:
+    """One packed ``all_to_all_single`` of ``pieces``, launched; its receive buffer and handle."""
+    send = meter.track(_packed(pieces, sum(send_sizes), dtype, device))
+    receive = meter.track(torch.empty(sum(receive_sizes), dtype=dtype, device=device))
+    return receive, InFlight(dist.all_to_all_single, receive, send, receive_sizes, send_sizes, group=group)
 
 
 def _packed(pieces: Iterable[Tensor], numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
