@@ -1,6 +1,7 @@
 """Checkpoints of both strategies: what Lightning's ``ModelParallelStrategy`` leaves out.
 
-- the optimizer state: every owner's matrix state, in either format (`state`);
+- the optimizer state: every owner's matrix state, in either format (`state`), a single file's
+  streamed to rank 0 in chunks of bounded size (`streaming`);
 - saves that never lose the last good checkpoint, swapped in crash-atomically (`saving`, `swap`),
   in the Trainer's layout or Fabric's (`saving.write_state`);
 - files verified against what was saved before anything is loaded (`integrity`);

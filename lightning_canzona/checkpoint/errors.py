@@ -4,9 +4,9 @@
   read; the message names the checkpoint and the file (`corrupt`).
 - `UnsafeCheckpointError`: the checkpoint holds what loading it could run; nothing of it ran.
 
-Both are ``ValueError``s. `on_every_rank` makes the failure of one rank's part of a check the same
-error on every rank, at a point every rank reaches, instead of a rank raising alone while the
-others wait in their next collective until the process group's timeout.
+Both are ``ValueError``s. `on_every_rank` makes the failure of one rank's part of a check (or of
+a save) the same error on every rank, at a point every rank reaches, instead of a rank raising
+alone while the others wait in their next collective until the process group's timeout.
 """
 
 from __future__ import annotations
@@ -64,9 +64,10 @@ def describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {sentence}" if sentence else type(error).__name__
 
 
-def on_every_rank(step: Callable[[], T]) -> T:
+def on_every_rank(step: Callable[[], T], what: str = "Loading the checkpoint") -> T:
     """``step()`` on this rank, its failure raised on every rank (collective where a process
-    group is initialized: one gather of each rank's outcome, also where none failed).
+    group is initialized: one gather of each rank's outcome, also where none failed). ``what``
+    names the work in the error of the ranks where it did not fail.
 
     Returns:
         What ``step`` returned.
@@ -92,5 +93,5 @@ def on_every_rank(step: Callable[[], T]) -> T:
             name, message = outcome
             if name in _SAME_ON_EVERY_RANK:
                 raise _SAME_ON_EVERY_RANK[name](message)
-            raise RuntimeError(f"Loading the checkpoint failed on rank {rank}: {name}: {message}")
+            raise RuntimeError(f"{what} failed on rank {rank}: {name}: {message}")
     return result  # type: ignore[return-value]

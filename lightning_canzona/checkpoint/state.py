@@ -9,30 +9,34 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_canzona.checkpoint.streaming import CHUNK_BYTES, stream_to_rank_zero
 from lightning_canzona.optim import MatrixOptimizer
 from lightning_canzona.rules.base import FAILURES
 
 
-def full_optimizer_state(module: nn.Module, optimizer: MatrixOptimizer) -> dict[str, Any]:
-    """The whole optimizer state on rank 0, keyed by parameter name (collective).
+def full_optimizer_state(
+    module: nn.Module, optimizer: MatrixOptimizer, chunk_bytes: int = CHUNK_BYTES
+) -> dict[str, Any]:
+    """The whole optimizer state on rank 0's host, keyed by parameter name (collective).
 
-    Sharded state is gathered by ``get_optimizer_state_dict(full_state_dict=True)``; the matrix
-    state that lives only on each matrix's owner (or in slices on a team's members) is gathered
-    from the owners.
+    Sharded state is gathered by ``get_optimizer_state_dict(full_state_dict=True)``, tensor by
+    tensor; the matrix state that lives only on each matrix's owner (or in slices on a team's
+    members, whole on its first within `MatrixOptimizer.whole_team_state`) is streamed from the
+    owners in chunks of at most ``chunk_bytes`` (`lightning_canzona.checkpoint.streaming`): rank
+    0's device holds one chunk at a time, never every owner's state.
+
+    Raises:
+        Exception: On every rank, when streaming failed on any rank.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     names = {id(param): name for name, param in module.named_parameters()}
+    device = next(module.parameters()).device  # an NCCL process group takes no host tensor
     with optimizer.whole_team_state():
         state_dict = get_optimizer_state_dict(module, optimizer, options=options)
-        held = {
-            names[id(param)]: {key: value.cpu() for key, value in matrix_state.items()}
-            for param, matrix_state in optimizer.owner_held_state()
-        }
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    everyone: list[Any] = [None] * world if rank == 0 else []
-    torch.distributed.gather_object(held, everyone if rank == 0 else None, dst=0)
+        held = {names[id(param)]: matrix_state for param, matrix_state in optimizer.owner_held_state()}
+        everyone = stream_to_rank_zero(held, device, chunk_bytes)
     counts: dict[str, torch.Tensor] = {}
     for owned in everyone:
         for name, matrix_state in owned.items():

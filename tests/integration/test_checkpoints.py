@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import sys
+import time
 import warnings
+from datetime import timedelta
 from pathlib import Path
 from unittest import mock
 
@@ -18,14 +22,20 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.profiler import ProfilerActivity, profile
 
 import lightning_canzona as lc
 from lightning_canzona.checkpoint import (
     check_compatible,
     distributed_optimizer_state,
     full_optimizer_state,
+    save_atomically,
     staging_path,
+    streaming,
+    verify,
+    write_state,
 )
+from lightning_canzona.checkpoint.streaming import stream_to_rank_zero
 from lightning_canzona.data import ByteTextDataModule
 from lightning_canzona.models import CausalLanguageModel, Qwen3
 from lightning_canzona.rules import counters
@@ -240,7 +250,9 @@ def test_checkpoint_loads_at_a_different_mesh_with_every_owners_state(
 
 
 class SaveThenFailMidway(Callback):
-    """Saves at step 2; at step 4 saves to the same path again, and one rank's writing dies midway."""
+    """Saves at step 2; at step 4 saves to the same path again, and one rank's writing dies midway.
+    A single file's save at step 3 fails before anything is written: rank 1 cannot copy its
+    matrices' state to stream it. Each rank leaves what that save raised, and training goes on."""
 
     def __init__(self, path, distributed: bool) -> None:
         self.path, self.distributed = path, distributed
@@ -248,6 +260,17 @@ class SaveThenFailMidway(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step == 2:
             trainer.save_checkpoint(self.path)
+        elif trainer.global_step == 3 and not self.distributed:
+            copy_fails = mock.patch.object(
+                streaming, "_pack", side_effect=torch.OutOfMemoryError("injected: copying a chunk")
+            )
+            start = time.monotonic()
+            try:
+                with copy_fails if trainer.global_rank == 1 else contextlib.nullcontext():
+                    trainer.save_checkpoint(self.path)
+            except Exception as error:
+                raised = f"{type(error).__name__}: {error} ({time.monotonic() - start:.1f} s)"
+                (self.path.parent / f"raised-{trainer.global_rank}").write_text(raised)
         elif trainer.global_step == 4:
             if self.distributed and trainer.global_rank == 1:
                 write_data = FileSystemWriter.write_data
@@ -274,10 +297,22 @@ def test_a_save_that_dies_midway_leaves_the_previous_checkpoint_loadable(
     path = tmp_path / "latest.ckpt"
     failing = SaveThenFailMidway(path, distributed)
     with pytest.raises(Exception) as raised:  # the run ends on every rank: nothing hangs
-        _fit(tmp_path, "failed", distributed=distributed, checkpoints=False, extra=[failing])
+        _fit(
+            tmp_path,
+            "failed",
+            distributed=distributed,
+            checkpoints=False,
+            extra=[failing],
+            timeout=timedelta(seconds=30),  # a rank left waiting fails the test in seconds
+        )
     # The failing rank's error, or (from a rank whose own part was written) the promise kept below.
     reported = capfd.readouterr().err + str(raised.value)
     assert "disk full (injected)" in reported or "still holds the previous checkpoint" in reported
+    if not distributed:  # the step-3 save failed on every rank, in seconds
+        for rank in range(4):
+            raised_there = (tmp_path / f"raised-{rank}").read_text()
+            expected = "OutOfMemoryError: injected" if rank == 1 else "failed on rank 1: OutOfMemoryError"
+            assert expected in raised_there, raised_there
     assert not staging_path(path).exists()
     metadata = torch.load(path / "meta.pt" if distributed else path, weights_only=False)
     assert metadata["global_step"] == 2
@@ -326,39 +361,30 @@ def test_a_single_file_checkpoint_is_inspected_without_running_its_code(tmp_path
 
 
 class Experts(nn.Module):
-    """A stack of four expert matrices: FSDP2 gives each of two ranks two of them whole."""
+    """A stack of four expert matrices: FSDP2 gives each of four ranks one of them whole, whose
+    owner keeps Shampoo's factors and roots (74 KiB)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.randn(4, 16, 8, device=DEVICE))
+        self.weight = nn.Parameter(torch.randn(4, 64, 48, device=DEVICE))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.einsum("bi,eoi->beo", x, self.weight)
 
 
-def _stack_failure_counts_add_up(rank: int, world_size: int, folder: str) -> None:
-    mesh = init_device_mesh(DEVICE, (world_size, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
-    torch.manual_seed(0)
-    model = Experts()
-    fully_shard(model, mesh=mesh["data_parallel"])
-    optimizer = lc.Shampoo(
-        lc.matrix_param_groups(model), precondition_frequency=1, start_preconditioning_step=1
-    )
-
+def _stack_failure_counts_add_up(rank: int, world_size: int, model: Experts, optimizer, folder: str) -> None:
     def failing_eigh(*args, **kwargs):
         raise torch.linalg.LinAlgError("a factor that does not converge")
 
     with mock.patch("torch.linalg.eigh", failing_eigh), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         for _ in range(2):
-            model(torch.randn(3, 8, device=DEVICE)).square().mean().backward()
-            optimizer.step()
-            optimizer.zero_grad()
+            _step(model, optimizer)
     mine = optimizer.state[model.weight].get("decomposition_failures", 0)
     counts = torch.zeros(world_size, dtype=torch.int64, device=DEVICE)
     counts[rank] = mine
     dist.all_reduce(counts)
-    assert (counts > 0).all(), counts  # both ranks own matrices of the stack, and counted
+    assert (counts > 0).all(), counts  # every rank owns a matrix of the stack, and counted
     saved = full_optimizer_state(model, optimizer)
     if rank == 0:
         assert saved["state"]["weight"]["decomposition_failures"] == counts.sum()
@@ -374,6 +400,138 @@ def _stack_failure_counts_add_up(rank: int, world_size: int, folder: str) -> Non
     dist.barrier()
 
 
-def test_a_checkpoint_holds_the_failures_of_every_owner_of_a_stack(tmp_path) -> None:
+def _step(model: Experts, optimizer) -> None:
+    model(torch.randn(3, 48, device=DEVICE)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _allocated(work):
+    """``work()``'s result, the most bytes the CPU allocator held above its start while it ran,
+    and what it still held at the end (the allocator's own events: every tensor counts)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiled:
+        result = work()
+    events = profiled.profiler.kineto_results.events()
+    running = peak = 0
+    for _, change in sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"):
+        running += change
+        peak = max(peak, running)
+    return result, peak, running
+
+
+#: The chunk of the bounded-save check: the largest of the owners' tensors is 4 of them.
+SMALL_CHUNK = 4 << 10
+#: What the ranks exchange besides the chunks (their layouts and outcomes, pickled), where gloo
+#: frees them after the chunk buffer is allocated: up to 1.4 KiB measured, on rank 0.
+EXCHANGED = 4 << 10
+
+
+def _a_save_streams_in_bounded_chunks(rank: int, world_size: int, optimizer) -> None:
+    ((_, state),) = optimizer.owner_held_state()  # one matrix of the stack
+    held = {"weight": state}
+    owned = sum(tensor.nbytes for tensor in held["weight"].values())
+    assert max(tensor.nbytes for tensor in held["weight"].values()) == 4 * SMALL_CHUNK
+    everyone, peak, _ = _allocated(lambda: stream_to_rank_zero(held, torch.device(DEVICE), SMALL_CHUNK))
+    returned = sum(tensor.nbytes for state in everyone for tensor in state["weight"].values())
+    assert returned == (world_size * owned if rank == 0 else 0)
+    # Measured: 4172 bytes above what it returns on every rank (up to 5542 on rank 0); each
+    # owner holds 74 KiB.
+    assert peak - returned <= SMALL_CHUNK + EXCHANGED, (peak, returned)
+    # The meter sees a gather of pickled state: 394 KiB above what it returns on rank 0, every
+    # other owner's state at once.
+    copies = {"weight": {key: tensor.cpu() for key, tensor in held["weight"].items()}}
+    gathered = [None] * world_size if rank == 0 else None
+    _, peak, _ = _allocated(lambda: dist.gather_object(copies, gathered, dst=0))
+    if rank == 0:
+        assert peak - returned > (world_size - 1) * owned, (peak, returned)
+        for mine, theirs in zip(everyone, gathered):
+            for key, tensor in theirs["weight"].items():
+                assert torch.equal(mine["weight"][key], tensor), key
+
+
+def _buffer_allocation_fails():
+    """The stream's allocations fail on this rank: the first is its chunk buffer."""
+    empty = torch.empty
+
+    def failing(*args, **kwargs):
+        if sys._getframe(1).f_globals["__name__"] == streaming.__name__:
+            raise torch.OutOfMemoryError("injected: no room for the chunk buffer")
+        return empty(*args, **kwargs)
+
+    return mock.patch("torch.empty", failing)
+
+
+def _packing(fails: bool, packed: list):
+    """Copies of this owner's chunks into the buffer are counted in ``packed`` (and fail)."""
+    pack = streaming._pack
+
+    def counted(*args):
+        packed.append(args)
+        if fails:
+            raise torch.OutOfMemoryError("injected: copying a chunk")
+        pack(*args)
+
+    return mock.patch.object(streaming, "_pack", counted)
+
+
+def _a_failed_save_is_an_error_on_every_rank(rank: int, model: Experts, optimizer, folder: str) -> None:
+    path = Path(folder) / "single-file.ckpt"
+    state = {"model": model, "optimizer": optimizer}
+    write = functools.partial(write_state, state=state, module=model, distributed=False)
+    save = functools.partial(save_atomically, path, write, False, torch.device(DEVICE))
+    expected = full_optimizer_state(model, optimizer).get("state")  # rank 0's
+    save()
+    _step(model, optimizer)  # the state moves on from the saved one
+    # Rank 2 cannot allocate its chunk buffer; then rank 2 fails to copy its chunk, after rank 1's
+    # was streamed and before rank 3's: each rank stops after that chunk, rank 3 sends nothing.
+    packed: list = []
+    faults = (
+        _buffer_allocation_fails() if rank == 2 else contextlib.nullcontext(),
+        _packing(rank == 2, packed),  # counted on every rank
+    )
+    for fault in faults:
+        start = time.monotonic()
+        with fault, pytest.raises(Exception) as raised:
+            save()
+        assert time.monotonic() - start < 10  # a rank left waiting would time out at 30 s
+        assert "injected" in str(raised.value)
+        assert isinstance(raised.value, torch.OutOfMemoryError) == (rank == 2)
+        assert not staging_path(path).exists()
+    assert len(packed) == {0: 0, 1: 1, 2: 1, 3: 0}[rank]
+    # The checkpoint saved before is whole and holds the state it was saved with. (Loading a
+    # stack's state from a single file into the optimizer fails in torch's
+    # set_optimizer_state_dict, before and after this stream: the Trainer's resume tests load
+    # single files of 2-D matrices.)
+    verify(path)
+    saved = torch.load(path, weights_only=True)["optimizer"]["state"]
+    if rank == 0:
+        assert saved.keys() == expected.keys()
+        for name, values in expected.items():
+            assert saved[name].keys() == values.keys()
+            for key, value in values.items():
+                assert torch.equal(saved[name][key], value), (name, key)
+    dist.barrier()
+
+
+def _saves_of_a_stack(rank: int, world_size: int, folder: str) -> None:
+    mesh = init_device_mesh(DEVICE, (world_size, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    torch.manual_seed(0)
+    model = Experts()
+    fully_shard(model, mesh=mesh["data_parallel"])
+    optimizer = lc.Shampoo(
+        lc.matrix_param_groups(model), precondition_frequency=1, start_preconditioning_step=1
+    )
+    _stack_failure_counts_add_up(rank, world_size, model, optimizer, str(Path(folder) / "distributed"))
+    _a_save_streams_in_bounded_chunks(rank, world_size, optimizer)
+    _a_failed_save_is_an_error_on_every_rank(rank, model, optimizer, folder)
+
+
+def test_single_file_saves_stream_every_owners_state_in_bounded_chunks_or_fail_on_every_rank(
+    tmp_path,
+) -> None:
+    """Four owners of a stack's matrices: a checkpoint in either format holds the failed
+    decompositions that each counted; a single file's stream holds one chunk of memory at a
+    time; one rank's failure mid-save (allocating its chunk buffer, or copying its chunk) is an
+    error on every rank within seconds, and the checkpoint saved before stays as it was."""
     # On an NCCL process group (emulated on CPU ranks): every collective's tensors on the device.
-    run_on_ranks(2, _stack_failure_counts_add_up, str(tmp_path / "distributed"), nccl_like=True)
+    run_on_ranks(4, _saves_of_a_stack, str(tmp_path), nccl_like=True, timeout=30)
