@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Literal
 
 from lightning_canzona.planning import PlanSettings
+from lightning_canzona.planning.memory import parse_budget
 from lightning_canzona.planning.replication import REPLICATIONS, Replication
 
 #: What the cost model charges for a team's collectives (see `PlanConfig.team_prices`).
@@ -45,6 +46,11 @@ class PlanConfig:
             each update once over every replica's ranks and sends it to all of them (less compute
             and matrix state per rank, traffic across replicas), ``"auto"`` the one whose
             estimated step is shorter at ``team_prices`` (`lightning_canzona.planning.replication`).
+        memory_budget: The most bytes a step's buffers may hold at once on a rank, beside the
+            optimizer state: ``"auto"`` (half the bytes of the matrices the rank holds, or what one
+            matrix's update alone needs where that is more), a fraction of those bytes (``0.25``),
+            a size (``"2GiB"``, ``"512MB"``), or ``None`` (no bound: micro-groups sized for speed
+            alone). The plan cuts micro-groups to meet it (docs/memory.md).
     """
 
     policy: Literal["canzona", "lpt", "round_robin", "sync"] = "canzona"
@@ -55,6 +61,7 @@ class PlanConfig:
     team_prices: TeamPrices = "h100"
     overlap: bool = True
     replicas: Replication = "auto"
+    memory_budget: float | str | None = "auto"
 
     def __post_init__(self) -> None:
         self.settings()  # the planner's checks, each naming its setting
@@ -76,7 +83,13 @@ class PlanConfig:
     def settings(self) -> PlanSettings:
         """The planner's settings (before the team prices are applied: `priced`)."""
         return PlanSettings(
-            self.policy, self.alpha, self.cost, self.micro_group_capacity, max_team=self.max_team
+            self.policy,
+            self.alpha,
+            self.cost,
+            self.micro_group_capacity,
+            max_team=self.max_team,
+            memory_budget=parse_budget(self.memory_budget),
+            overlap=self.overlap,
         )
 
     @staticmethod

@@ -11,7 +11,7 @@ import functools
 import math
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import replace
 
 import torch
@@ -30,6 +30,7 @@ from lightning_canzona.distributed.runtime import (
     Item,
     MicroGroupExchange,
     PlannedMatrices,
+    StepLayout,
     StepRun,
     StepStats,
     build_items,
@@ -125,9 +126,8 @@ class MeshEngine:
         #: The matrices as planned (``None`` before the first step or `prepare`).
         self.planned: PlannedMatrices | None = None
         self._key: tuple | None = None
-        #: Each micro-group's all-to-alls, and the dtype each travels in.
-        self.exchanges: list[MicroGroupExchange] = []
-        self.exchange_dtypes: list[torch.dtype] = []
+        #: Each micro-group's all-to-alls, the dtype each travels in, and the step's arena.
+        self.layout = StepLayout((), (), self.overlap)
         #: Costs of the latest step on this rank.
         self.stats = StepStats()
         #: The first exception of this rank's own work in the latest step (`StepRun.attempt`).
@@ -179,7 +179,9 @@ class MeshEngine:
             params, names = [entry.param for entry in group], [entry.name for entry in group]
             run.attempt(functools.partial(step_adamw, params, names, state, group[0].group))
         stepped = [flag for entry, flag in zip(entries, has_grad) if entry.rule is not None]
-        run.matrices(stepped, self.exchanges, self.exchange_dtypes, self.overlap)
+        device = matrices[0].param.device if matrices else torch.device("cpu")
+        arena = self.meter.track(torch.empty(self.layout.arena_bytes, dtype=torch.uint8, device=device))
+        run.matrices(stepped, self.layout, arena)
         run.stats.step.add(start, self.clock.mark())
         run.stats.peak_buffer_bytes = self.meter.peak
         self.stats, self.failure = run.stats, run.failure
@@ -237,30 +239,36 @@ class MeshEngine:
             [e.name for e in matrices], [e.param for e in matrices], self.mesh, self.group
         )
         plan, items, copies = self._plan(matrices, rules, layouts)
-        first_item = [0] * len(matrices)
-        for index in reversed(range(len(items))):
-            first_item[items[index].entry] = index
         me = dist.get_rank()
         replica = next(index for index, ranks in enumerate(copies) if me in ranks)
         group = self.group if len(copies) == 1 else self._replica_group(copies)
         rank = copies[replica].index(me)
-        self.planned = PlannedMatrices(plan, matrices, items, first_item, group, rank, replica)
+        self.planned = PlannedMatrices(plan, matrices, items, group, rank, replica)
         self._key = key
         item_layouts = [item.layout for item in items]
-        self.exchanges = [
-            MicroGroupExchange(members, item_layouts, plan.teams, rank, plan.num_ranks)
-            for members in plan.micro_groups
-        ]
         # Each group travels in one dtype, wide enough for every member's rule.
-        self.exchange_dtypes = [
+        dtypes = [
             functools.reduce(
                 torch.promote_types,
                 (rules[items[m].entry].exchange_dtype(matrices[items[m].entry].param.dtype) for m in members),
             )
             for members in plan.micro_groups
         ]
+        keys = [self._batch_key(plan, rules[item.entry], item, index) for index, item in enumerate(items)]
+        exchanges = tuple(
+            MicroGroupExchange(members, item_layouts, plan.teams, rank, plan.num_ranks, keys)
+            for members in plan.micro_groups
+        )
+        self.layout = StepLayout(exchanges, tuple(dtypes), self.overlap)
         self._create_team_groups(copies)
         self.custody(state).move(previous)
+
+    def _batch_key(self, plan: Plan, rule: MatrixRule, item: Item, index: int) -> Hashable:
+        """What item ``index`` shares with the items one call of its rule computes together: its team,
+        rule and shape where the rule batches, else itself alone."""
+        if self.batch_matrices and rule.batches_matrices:
+            return (None if plan.teams is None else plan.teams[index], rule, item.layout.shape)
+        return index
 
     def _plan(
         self, matrices: list[Entry], rules: list[MatrixRule], layouts: list[MatrixLayout]
@@ -314,6 +322,7 @@ class MeshEngine:
                 rules[item.entry],
                 block_of(matrices[item.entry].name),
                 holders(item.layout),
+                matrices[item.entry].param.dtype,
             ).weighted(self.flops_weights.get(rules[item.entry].matmul_dtype(), 1.0))
             for item in items
         ]

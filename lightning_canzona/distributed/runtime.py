@@ -9,10 +9,11 @@ remaining collectives with zeros. docs/architecture.md#one-step-on-a-mesh tells 
 from __future__ import annotations
 
 import functools
+import math
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,7 @@ from lightning_canzona.distributed.layout import (
 from lightning_canzona.distributed.team_collectives import TeamGroup, TeamRun, run_teams
 from lightning_canzona.geometry import member_blocks
 from lightning_canzona.planning import Plan
+from lightning_canzona.planning.memory import GroupBuffers, arena_layout, pipeline_phases
 from lightning_canzona.rules.adamw import MOMENTS as ADAMW_MOMENTS
 from lightning_canzona.rules.adamw import adamw_step, init_adamw_state
 from lightning_canzona.rules.base import (
@@ -105,7 +107,6 @@ class PlannedMatrices:
     plan: Plan
     entries: list[Entry]
     items: list[Item]
-    first_item: list[int]
     group: dist.ProcessGroup
     rank: int
     replica: int = 0
@@ -296,12 +297,15 @@ def prepare_matrices(
     state: dict[Tensor, State],
     holds_matrix: Sequence[bool],
     state_dtype: str | None = None,
+    members: Sequence[int | None] | None = None,
 ) -> list[Tensor]:
     """``rule``'s elementwise part on this rank's parts of ``params`` (one param group, one call),
     creating the state they need; ``holds_matrix`` says, per parameter, whether this rank computes its full
-    update and so holds its matrix state (a stack's matrices create theirs in `member_direction`)."""
-    states = []
-    for param, holds in zip(params, holds_matrix):
+    update and so holds its matrix state (a stack's matrices create theirs in `member_direction`).
+    ``members[i]``: only that matrix of stack ``params[i]``'s local shard (``None``: all of it)."""
+    members = members or [None] * len(params)
+    states, grads = [], []
+    for param, holds, member in zip(params, holds_matrix, members):
         param_state = state.setdefault(param, {})
         if not param_state:
             param_state.update(
@@ -309,9 +313,13 @@ def prepare_matrices(
             )
         if holds and param.ndim != 3 and not rule.matrix_state(param_state):
             param_state.update(rule.init_matrix_state(matrix_shape(param.shape), local_tensor(param).device))
-        states.append(_local_state(param_state))
+        local = _local_state(param_state)
+        if member is not None:
+            local = {k: v[member] if k in rule.elementwise_state_keys else v for k, v in local.items()}
+        states.append(local)
+        grads.append(local_grad(param) if member is None else local_grad(param)[member])
     with _in_param_dtype(states, params, rule.elementwise_state_keys) as working:
-        return rule.prepare([local_grad(param) for param in params], working)
+        return rule.prepare(grads, working)
 
 
 def member_prefix(member: int) -> str:
@@ -368,7 +376,8 @@ class MicroGroupExchange:
 
     Each member matrix goes to the ranks that compute it: its owner (whole), its team (each member a
     slice, `geometry.member_blocks`), or every rank under ``sync`` (``teams is None``). ``members``
-    index ``layouts`` and ``teams``; ``rank`` and ``world`` are in the plan's group.
+    index ``layouts``, ``teams`` and ``batch_keys``; ``rank`` and ``world`` are in the plan's group.
+    Every buffer is a view the step hands in (`GroupBuffers`, placed in its arena).
     """
 
     def __init__(
@@ -378,6 +387,7 @@ class MicroGroupExchange:
         teams: Sequence[tuple[int, ...]] | None,
         rank: int,
         world: int,
+        batch_keys: Sequence[Hashable] | None = None,
     ) -> None:
         self.members = tuple(members)
         self.rank, self.world = rank, world
@@ -387,6 +397,15 @@ class MicroGroupExchange:
         #: The block of each matrix that this rank computes.
         self.regions = {m: block for m in members for r, block in targets[m] if r == rank}
         self.computed = tuple(self.regions)
+        #: The computed members in batches, each one call of their rule on a ``[count, rows, cols]``
+        #: stack (same ``batch_keys`` entry and shape; alone without keys): ``(members, matrix shape)``.
+        batches: dict[Hashable, list[int]] = {}
+        for m in self.computed:
+            key = m if batch_keys is None else batch_keys[m]
+            batches.setdefault((key, self.regions[m].shape), []).append(m)
+        self.batches = [
+            (tuple(batch), matrix_shape(self.regions[batch[0]].shape)) for batch in batches.values()
+        ]
         #: Owners return pieces of their updates; under ``sync`` every rank has them already.
         self.scatters = teams is not None
 
@@ -436,6 +455,10 @@ class MicroGroupExchange:
             (m, local, region)
             for (m, region), (_, local) in zip(self.scatter_send[rank], self.scatter_recv[rank])
         ]
+        if teams is None:  # under sync, every piece of this rank's shard is its own
+            self.scatter_self = [
+                (m, p.local, p.block) for m, shard in self.my_shards.items() for p in shard.pieces
+            ]
         for lists in (self.gather_send, self.gather_recv, self.scatter_send, self.scatter_recv):
             lists[rank] = []
 
@@ -445,91 +468,91 @@ class MicroGroupExchange:
         self.gather_send_sizes, self.gather_recv_sizes = sizes(self.gather_send), sizes(self.gather_recv)
         self.scatter_send_sizes, self.scatter_recv_sizes = sizes(self.scatter_send), sizes(self.scatter_recv)
 
-    def launch_gather(
-        self,
-        prepared: dict[int, Tensor],
-        dtype: torch.dtype,
-        device: torch.device,
-        group: dist.ProcessGroup,
-        meter: BufferMeter,
-    ) -> tuple[Tensor, InFlight]:
-        """Start the gather of the ``prepared`` local shards; returns the receive buffer and handle."""
-        pieces = (prepared[m][local.slices] for ps in self.gather_send for m, local in ps)
-        return _exchanged(pieces, self.gather_send_sizes, self.gather_recv_sizes, dtype, device, group, meter)
+    def buffers(self, dtype: torch.dtype) -> GroupBuffers:
+        """The bytes of this group's arena buffers when it travels in ``dtype``."""
+        size = dtype.itemsize
+        return GroupBuffers(
+            gather_send=sum(self.gather_send_sizes) * size,
+            gather_receive=sum(self.gather_recv_sizes) * size,
+            own=sum(region.numel for _, _, region in self.gather_self) * size,
+            assembled=sum(len(members) * math.prod(shape) for members, shape in self.batches) * size,
+            scatter_send=sum(self.scatter_send_sizes) * size,
+            scatter_receive=sum(self.scatter_recv_sizes) * size,
+            kept=sum(local.numel for _, local, _ in self.scatter_self) * size,
+        )
 
-    def assemble(
-        self, received: Tensor, prepared: dict[int, Tensor], meter: BufferMeter
-    ) -> dict[int, Tensor]:
-        """The blocks this rank computes, from the gather's buffer and its own ``prepared`` shards."""
+    def launch_gather(
+        self, prepared: dict[int, Tensor], buffers: dict[str, Tensor], group: dist.ProcessGroup
+    ) -> InFlight:
+        """Start the gather of the ``prepared`` local shards (its ``gather_send`` to its
+        ``gather_receive`` buffer), and copy the pieces it computes itself to its ``own`` buffer."""
+        own = [prepared[m][local.slices].reshape(-1) for m, local, _ in self.gather_self]
+        if own:
+            torch.cat(own, out=buffers["own"])
+        pieces = (prepared[m][local.slices] for ps in self.gather_send for m, local in ps)
+        send, receive = buffers["gather_send"], buffers["gather_receive"]
+        return _exchanged(pieces, send, receive, self.gather_send_sizes, self.gather_recv_sizes, group)
+
+    def assemble(self, received: Tensor, own: Tensor, out: Tensor) -> list[tuple[tuple[int, ...], Tensor]]:
+        """The blocks this rank computes, from the gather's ``received`` buffer and its ``own`` pieces,
+        placed in ``out`` as one ``[count, rows, cols]`` stack per batch: ``(members, stack)``."""
         pieces: dict[int, list[tuple[Block, Tensor]]] = {m: [] for m in self.computed}
         for m, block, chunk in _chunks(received, self.gather_recv):
             pieces[m].append((block, chunk))
-        for m, local, region in self.gather_self:
-            pieces[m].append((region, prepared[m][local.slices]))
-        return {
-            m: _placed(
-                meter.track(torch.empty(self.regions[m].shape, dtype=received.dtype, device=received.device)),
-                pieces[m],
-            )
-            for m in self.computed
-        }
+        own_chunks = own.split([region.numel for _, _, region in self.gather_self])
+        for (m, _, region), chunk in zip(self.gather_self, own_chunks):
+            pieces[m].append((region, chunk))
+        stacks, start = [], 0
+        for members, shape in self.batches:
+            numel = len(members) * math.prod(shape)
+            stack = out[start : start + numel].view(len(members), *shape)
+            for matrix, m in zip(stack, members):
+                _placed(matrix.view(self.regions[m].shape), pieces[m])
+            stacks.append((members, stack))
+            start += numel
+        return stacks
 
     def launch_scatter(
-        self,
-        directions: dict[int, Tensor],
-        dtype: torch.dtype,
-        device: torch.device,
-        group: dist.ProcessGroup,
-        meter: BufferMeter,
-    ) -> tuple[Tensor, InFlight]:
+        self, directions: dict[int, Tensor], send: Tensor, receive: Tensor, group: dist.ProcessGroup
+    ) -> InFlight:
         """Start returning every rank's pieces of this rank's computed ``directions``."""
         pieces = (directions[m][block.slices] for ps in self.scatter_send for m, block in ps)
-        return _exchanged(
-            pieces, self.scatter_send_sizes, self.scatter_recv_sizes, dtype, device, group, meter
-        )
+        return _exchanged(pieces, send, receive, self.scatter_send_sizes, self.scatter_recv_sizes, group)
 
-    def my_updates(
-        self, received: Tensor | None, directions: dict[int, Tensor], dtype: torch.dtype
-    ) -> dict[int, Tensor]:
-        """This rank's shard of each member's direction: from the scatter and its own ``directions`` (in
-        ``dtype``, as if sent); under ``sync``, cut out of the full directions."""
-        if received is None:
-            return {
-                m: _local(shard, [(p.local, directions[m][p.block.slices]) for p in shard.pieces])
-                for m, shard in self.my_shards.items()
-                if shard.numel
-            }
+    def keep(self, directions: dict[int, Tensor], out: Tensor) -> None:
+        """Copy the pieces of ``directions`` that are this rank's own updates into ``out``, so that the
+        directions' buffer can serve another group before this one's scatter ends."""
+        pieces = [directions[m][region.slices].reshape(-1) for m, _, region in self.scatter_self]
+        if pieces:
+            torch.cat(pieces, out=out)
+
+    def my_updates(self, received: Tensor | None, kept: Tensor) -> dict[int, Tensor]:
+        """This rank's shard of each member's direction: from the scatter's ``received`` buffer and the
+        pieces it ``kept`` of its own directions (`keep`)."""
         pieces: dict[int, list[tuple[Block, Tensor]]] = {}
-        for m, local, chunk in _chunks(received, self.scatter_recv):
+        if received is not None:
+            for m, local, chunk in _chunks(received, self.scatter_recv):
+                pieces.setdefault(m, []).append((local, chunk))
+        kept_chunks = kept.split([local.numel for _, local, _ in self.scatter_self])
+        for (m, local, _), chunk in zip(self.scatter_self, kept_chunks):
             pieces.setdefault(m, []).append((local, chunk))
-        for m, local, region in self.scatter_self:
-            pieces.setdefault(m, []).append((local, directions[m][region.slices].to(dtype)))
         return {m: _local(self.my_shards[m], values) for m, values in pieces.items()}
 
 
 def _exchanged(
     pieces: Iterable[Tensor],
+    send: Tensor,
+    receive: Tensor,
     send_sizes: list[int],
     receive_sizes: list[int],
-    dtype: torch.dtype,
-    device: torch.device,
     group: dist.ProcessGroup,
-    meter: BufferMeter,
-) -> tuple[Tensor, InFlight]:
-    """One packed ``all_to_all_single`` of ``pieces``, launched; its receive buffer and handle."""
-    send = meter.track(_packed(pieces, sum(send_sizes), dtype, device))
-    receive = meter.track(torch.empty(sum(receive_sizes), dtype=dtype, device=device))
-    return receive, InFlight(dist.all_to_all_single, receive, send, receive_sizes, send_sizes, group=group)
-
-
-def _packed(pieces: Iterable[Tensor], numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """``pieces`` in one flat buffer of ``dtype``, by one concatenation rather than a copy per piece."""
+) -> InFlight:
+    """One packed ``all_to_all_single`` of ``pieces`` (copied into ``send`` by one concatenation)."""
     flat = [piece.reshape(-1) for piece in pieces]
-    assert sum(piece.numel() for piece in flat) == numel, f"{len(flat)} pieces for a buffer of {numel}"
-    buffer = torch.empty(numel, dtype=dtype, device=device)
+    assert sum(piece.numel() for piece in flat) == send.numel(), f"{len(flat)} pieces for {send.numel()}"
     if flat:
-        torch.cat(flat, out=buffer)
-    return buffer
+        torch.cat(flat, out=send)
+    return InFlight(dist.all_to_all_single, receive, send, receive_sizes, send_sizes, group=group)
 
 
 def _chunks(buffer: Tensor, lists: list[list[tuple[int, Block]]]) -> Iterator[tuple[int, Block, Tensor]]:
@@ -652,95 +675,113 @@ class StepRun:
                 self.failure = error
         return fallback() if fallback is not None else None
 
-    def matrices(
-        self,
-        stepped: Sequence[bool],
-        exchanges: Sequence[MicroGroupExchange],
-        dtypes: Sequence[torch.dtype],
-        overlap: bool,
-    ) -> None:
-        """Prepare, gather, compute, scatter and apply every micro-group (``stepped``: has a gradient)."""
+    def matrices(self, stepped: Sequence[bool], layout: StepLayout, arena: Tensor) -> None:
+        """Prepare, gather, compute, scatter and apply every micro-group of ``layout`` (``stepped``: has a
+        gradient), their buffers in ``arena``."""
         stepped_items = [stepped[item.entry] for item in self.planned.items]
         prepare = PreparedEntries(self, stepped)
         steps = [
-            MicroGroupStep(self, exchange, dtype, prepare, stepped_items)
-            for exchange, dtype in zip(exchanges, dtypes)
+            MicroGroupStep(self, exchange, dtype, prepare, stepped_items, layout.views(arena, group))
+            for group, (exchange, dtype) in enumerate(zip(layout.exchanges, layout.dtypes))
         ]
         with counting_retries() as retries:
-            run_pipeline(steps, overlap)
+            run_pipeline(steps, layout.order)
         self.stats.decomposition_retries += retries()
 
 
-class PreparedEntries:
-    """Each matrix entry's elementwise part on this rank's shard, run once per step (a micro-group's
-    entries together, one call per param group), dropped once its last item has taken its piece."""
+@dataclass(frozen=True)
+class StepLayout:
+    """A plan's micro-groups as a step runs them: each group's exchange, the dtype it travels in, and
+    where its buffers lie in the step's one arena (`planning.memory.arena_layout`).
 
-    def __init__(
-        self,
-        run: StepRun,
-        stepped: Sequence[bool],
-    ) -> None:
+    Attributes:
+        order: ``(phase, group)`` as the step runs them (`planning.memory.pipeline_phases`).
+        offsets: Per group, the byte offset of each of its arena buffers.
+        arena_bytes: The arena's size: the most bytes of these buffers alive at once, or little more.
+    """
+
+    exchanges: tuple[MicroGroupExchange, ...]
+    dtypes: tuple[torch.dtype, ...]
+    overlap: bool
+    order: tuple[tuple[str, int], ...] = field(init=False)
+    buffers: tuple[GroupBuffers, ...] = field(init=False)
+    offsets: tuple[dict[str, int], ...] = field(init=False)
+    arena_bytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        buffers = tuple(exchange.buffers(dtype) for exchange, dtype in zip(self.exchanges, self.dtypes))
+        offsets, size = arena_layout(buffers, self.overlap)
+        object.__setattr__(self, "order", tuple(pipeline_phases(len(self.exchanges), self.overlap)))
+        object.__setattr__(self, "buffers", buffers)
+        object.__setattr__(self, "offsets", tuple(offsets))
+        object.__setattr__(self, "arena_bytes", size)
+
+    def views(self, arena: Tensor, group: int) -> dict[str, Tensor]:
+        """Group ``group``'s buffers: views of ``arena`` (bytes) in the dtype the group travels in."""
+        buffers, dtype = self.buffers[group], self.dtypes[group]
+        return {
+            name: arena[offset : offset + getattr(buffers, name)].view(dtype)
+            for name, offset in self.offsets[group].items()
+        }
+
+
+class PreparedEntries:
+    """The rule's elementwise part of each item on this rank's shard, run when its micro-group first
+    needs it (a group's items together, one call per param group): a stack matrix by matrix, so that
+    no more than a group's share is ever prepared at once."""
+
+    def __init__(self, run: StepRun, stepped: Sequence[bool]) -> None:
         self.run, self.stepped = run, stepped
-        self.prepared: dict[int, Tensor] = {}
-        self.pending = [0] * len(stepped)
-        for item in run.planned.items:
-            self.pending[item.entry] += 1
 
     def __call__(self, indices: Sequence[int]) -> dict[int, Tensor]:
         """The pieces of plan items ``indices`` (a micro-group's members)."""
-        items = self.run.planned.items
-        self._prepare(sorted({items[m].entry for m in indices} - set(self.prepared)))
-        pieces = {}
-        for m in indices:
-            item = items[m]
-            prepared = self.prepared[item.entry]
-            self.pending[item.entry] -= 1
-            if not self.pending[item.entry]:
-                del self.prepared[item.entry]
-            if item.member is None:
-                pieces[m] = prepared
-            else:
-                pieces[m] = prepared[item.local_index] if item.local_index is not None else prepared[:0]
-        return pieces
-
-    def _prepare(self, entries: list[int]) -> None:
         run, planned = self.run, self.run.planned
+        pieces: dict[int, Tensor] = {}
         by_group: dict[int, list[int]] = {}
-        for entry in entries:
-            if self.stepped[entry]:
-                by_group.setdefault(id(planned.entries[entry].group), []).append(entry)
-            else:  # joins the collectives with zeros; nobody computes or applies it
-                local = local_tensor(planned.entries[entry].param)
-                self.prepared[entry] = run.meter.track(torch.zeros_like(local))
+        for m in indices:
+            item = planned.items[m]
+            entry = planned.entries[item.entry]
+            local = local_tensor(entry.param)
+            if item.member is not None and item.local_index is None:
+                pieces[m] = local[:0]  # this rank holds none of that matrix
+            elif not self.stepped[item.entry]:  # joins the collectives with its weights; nobody applies it
+                pieces[m] = local if item.member is None else local[item.local_index]
+            else:
+                by_group.setdefault(id(entry.group), []).append(m)
         for batch in by_group.values():
-            params = [planned.entries[entry].param for entry in batch]
-            # A stack's items: see prepare_matrices.
-            holds = [planned.holds_whole(planned.first_item[entry]) for entry in batch]
-            state_dtype = planned.entries[batch[0]].group.get("state_dtype")
-            work = functools.partial(
-                prepare_matrices, params, run.rules[batch[0]], run.state, holds, state_dtype
+            items = [planned.items[m] for m in batch]
+            params = [planned.entries[item.entry].param for item in items]
+            members = [item.local_index for item in items]
+            holds = [planned.holds_whole(m) for m in batch]
+            state_dtype = planned.entries[items[0].entry].group.get("state_dtype")
+            rule = run.rules[items[0].entry]
+            work = functools.partial(prepare_matrices, params, rule, run.state, holds, state_dtype, members)
+            # Failed, this rank still sends what it holds: the step raises on every rank, and no
+            # allocation here can fail again outside the attempt.
+            held = functools.partial(
+                list, [local_tensor(p) if i is None else local_tensor(p)[i] for p, i in zip(params, members)]
             )
-            zeros = functools.partial(_zeros_like_each, [local_tensor(param) for param in params])
-            for entry, param, prepared in zip(batch, params, run.attempt(work, zeros)):
+            for m, param, prepared in zip(batch, params, run.attempt(work, held)):
                 # A rule may hand back its input or its state (Shampoo the gradient, Muon its
                 # momentum): only a new tensor is memory of the step's own.
-                held = [param.grad, *run.state.get(param, {}).values()]
-                if all(local_tensor(t).data_ptr() != prepared.data_ptr() for t in held if t is not None):
+                owned = [param.grad, *run.state.get(param, {}).values()]
+                if not any(_same_memory(prepared, t) for t in owned if isinstance(t, Tensor)):
                     run.meter.track(prepared)
-                self.prepared[entry] = prepared
+                pieces[m] = prepared
+        return pieces
+
+
+def _same_memory(tensor: Tensor, other: Tensor) -> bool:
+    return tensor.untyped_storage().data_ptr() == local_tensor(other).untyped_storage().data_ptr()
 
 
 def _team_start(rule: MatrixRule, shape: tuple[int, ...], member: int, size: int) -> Callable[..., Any]:
     return lambda matrix, state: rule.team_direction(matrix, shape, member, size, state)
 
 
-def _zeros_like_each(tensors: Sequence[Tensor]) -> list[Tensor]:
-    return [torch.zeros_like(t) for t in tensors]
-
-
 class MicroGroupStep:
-    """One micro-group's gather, compute, scatter and apply (`run_pipeline` calls them in order); each
-    phase drops the buffers that later phases do not need."""
+    """One micro-group's gather, assembly, compute, scatter and finish (`run_pipeline` calls them),
+    its buffers views of the step's arena (``buffers``: `GroupBuffers.ARENA` by name)."""
 
     def __init__(
         self,
@@ -749,75 +790,85 @@ class MicroGroupStep:
         dtype: torch.dtype,
         prepare: PreparedEntries,
         stepped: list[bool],
+        buffers: dict[str, Tensor],
     ) -> None:
         self.run, self.exchange, self.dtype = run, exchange, dtype
-        self.prepare, self.stepped = prepare, stepped
-        self.device = run.planned.entries[0].param.device
+        self.prepare, self.stepped, self.buffers = prepare, stepped, buffers
         self.directions: dict[int, Tensor] = {}
-        self.scattered: Tensor | None = None
+        self.scatter_work: InFlight | None = None
 
-    def launch_gather(self) -> None:
+    def gather(self) -> None:
         # Prepared here, not for every group up front: the send buffer copies them at once.
         prepared = self.prepare(self.exchange.members)
-        self.gathered, self.gather_work = self.exchange.launch_gather(
-            prepared, self.dtype, self.device, self.run.planned.group, self.run.meter
-        )
-        self.own = {m: prepared[m] for m, _, _ in self.exchange.gather_self}  # not sent: see assemble
-        self._count(self.gathered.element_size(), self.exchange.gather_send_sizes)
+        self.gather_work = self.exchange.launch_gather(prepared, self.buffers, self.run.planned.group)
+        self._count(self.buffers["gather_send"].element_size(), self.exchange.gather_send_sizes)
 
-    def compute(self) -> None:
+    def assemble(self) -> None:
         stats, clock = self.run.stats, self.run.clock
         start = clock.mark()
         self.gather_work.wait()
+        stats.wait.add(start, clock.mark())
+        buffers = self.buffers
+        self.stacks = self.exchange.assemble(buffers["gather_receive"], buffers["own"], buffers["assembled"])
+        del self.gather_work
+        # Each direction takes its matrix's place in the stack. One that nobody computes (no
+        # gradient, or this rank failed) is its matrix, which nobody applies.
+        for members, stack in self.stacks:
+            self.directions.update((m, self._region(m, matrix)) for m, matrix in zip(members, stack))
+
+    def compute(self) -> None:
+        stats, clock = self.run.stats, self.run.clock
         computing = clock.mark()
-        stats.wait.add(start, computing)
-        full = self.exchange.assemble(self.gathered, self.own, self.run.meter)
-        del self.gathered, self.gather_work, self.own  # the receive buffer (the send buffer went at wait)
-        in_teams = {m: full.pop(m) for m in list(full) if len(self.run.planned.team(m) or ()) > 1}
+        stacks, planned = self.stacks, self.run.planned
+        del self.stacks
+        in_teams = [(ms, stack) for ms, stack in stacks if len(planned.team(ms[0]) or ()) > 1]
         # Teams first: their members start together (the gather synchronised them), and none
         # waits in a team's collective for another's own matrices.
         if in_teams:
             self._team_directions(in_teams)
-        for members in self._batches(full):
-            self._own_batch(members, full)
+        for members, stack in stacks:
+            if len(planned.team(members[0]) or ()) <= 1:
+                for calls, inputs in self._calls(members, stack):
+                    work = functools.partial(self._direction, calls, inputs)
+                    self._place(calls, self.run.attempt(work))
         stats.compute.add(computing, clock.mark())
 
-    def _own_batch(self, members: list[int], full: dict[int, Tensor]) -> None:
-        matrices = [full.pop(m) for m in members]
-        zeros = functools.partial(_zeros_like_each, matrices)
-        if self.stepped[members[0]]:
-            work = functools.partial(self._direction, members, matrices)
-            self.directions.update(zip(members, self.run.attempt(work, zeros)))
-        else:
-            self.directions.update(zip(members, zeros()))
+    def _calls(self, members: tuple[int, ...], stack: Tensor) -> list[tuple[list[int], Tensor]]:
+        """The calls of the rule on a batch: all of it at once, or where only some members have a
+        gradient, each of those alone (a view: nothing is copied out of the stack)."""
+        chosen = [j for j, m in enumerate(members) if self.stepped[m]]
+        if len(chosen) == len(members) > 1:
+            return [(list(members), stack)]
+        return [([members[j]], stack[j]) for j in chosen]
 
-    def _team_directions(self, slices: dict[int, Tensor]) -> None:
+    def _place(self, members: list[int], directions: Tensor | None) -> None:
+        """Copy ``directions`` (of ``members``, stacked or one) into their matrices' places."""
+        if directions is not None:
+            for m, direction in zip(members, directions if len(members) > 1 else [directions]):
+                self.directions[m].copy_(direction.reshape(self.directions[m].shape))
+
+    def _region(self, m: int, matrix: Tensor) -> Tensor:
+        return matrix.reshape(self.exchange.regions[m].shape)
+
+    def _team_directions(self, batches: list[tuple[tuple[int, ...], Tensor]]) -> None:
         """This rank's slices of the updates it computes in teams, all teams in lockstep."""
         run, planned = self.run, self.run.planned
-        batches: dict[Any, list[int]] = {}
-        for m in slices:
-            rule = self._rule(m)
-            alone = None if run.batch_matrices and rule.batches_matrices else m
-            key = (planned.team(m), rule, planned.items[m].layout.shape, self.stepped[m], alone)
-            batches.setdefault(key, []).append(m)
         runs, batched, states = [], [], []
-        for (team, rule, shape, stepped, _), members in batches.items():
-            matrices = [slices.pop(m) for m in members]
-            if not stepped:
-                self.directions.update(zip(members, _zeros_like_each(matrices)))
-                continue
+        for members, stack in batches:
+            m = members[0]
+            team, rule, shape = planned.team(m), self._rule(m), planned.items[m].layout.shape
+            assert team is not None
             member = team.index(planned.rank)
             start = _team_start(rule, shape, member, len(team))
-            stacked = matrices[0] if len(members) == 1 else torch.stack(matrices)
-            state = self._member_state(members[0], rule, member, len(team), stacked.device)
-            runs.append(TeamRun(team, start, stacked, state))
-            batched.append(members)
-            states.append(state)
+            for calls, inputs in self._calls(members, stack):
+                state = self._member_state(calls[0], rule, member, len(team), inputs.device)
+                runs.append(TeamRun(team, start, inputs, state))
+                batched.append(calls)
+                states.append(state)
         failures = [state.get(FAILURES, 0) for state in states]
         results, collectives = run_teams(runs, run.team_groups, run.attempt, lambda: run.failure is not None)
         for members, result, state, before in zip(batched, results, states, failures):
-            parts = [result] if len(members) == 1 else list(result.unbind(0))
-            self.directions.update(zip(members, (run.meter.track(part) for part in parts)))
+            self._place(members, result)
             run.stats.team_matrices += len(members)
             run.stats.decomposition_failures += state.get(FAILURES, 0) - before
             if state:
@@ -844,55 +895,47 @@ class MicroGroupStep:
     def _rule(self, m: int) -> MatrixRule:
         return self.run.rules[self.run.planned.items[m].entry]
 
-    def _batches(self, full: dict[int, Tensor]) -> list[list[int]]:
-        """The computed items in batches for one call of their rule: same shape and rule, where it batches."""
-        batches: dict[Any, list[int]] = {}
-        batching = self.run.batch_matrices
-        for m, matrix in full.items():
-            rule = self._rule(m)
-            key = (rule, matrix.shape, self.stepped[m]) if batching and rule.batches_matrices else m
-            batches.setdefault(key, []).append(m)
-        return list(batches.values())
-
-    def _direction(self, members: list[int], matrices: list[Tensor]) -> list[Tensor]:
-        stats = self.run.stats
-        if len(members) > 1:  # one batched call; the rule keeps no matrix state
-            stacked = torch.stack([as_matrix(matrix) for matrix in matrices])
-            direction = self.run.meter.track(self._rule(members[0]).direction(stacked, {}))
+    def _direction(self, members: list[int], inputs: Tensor) -> Tensor:
+        """The directions of ``members``: one batched call on their ``[count, rows, cols]`` stack (the
+        rule keeps no matrix state), or one matrix's with its state."""
+        stats, meter = self.run.stats, self.run.meter
+        if len(members) > 1:
             stats.matrices_computed += len(members)
-            return [part.reshape(matrices[0].shape) for part in direction.unbind(0)]
-        (m,), (matrix,) = members, matrices
+            return meter.track(self._rule(members[0]).direction(inputs, {}))
+        (m,) = members
         item = self.run.planned.items[m]
         param_state = self.run.state[self.run.planned.entries[item.entry].param]
         failures = param_state.get(FAILURES, 0)
         if item.member is None:
-            direction = self._rule(m).direction(as_matrix(matrix), param_state).reshape(matrix.shape)
+            direction = self._rule(m).direction(inputs, param_state)
         else:
-            direction = member_direction(self._rule(m), matrix, param_state, item.member)
+            direction = member_direction(self._rule(m), inputs, param_state, item.member)
         stats.matrices_computed += 1
         stats.decomposition_failures += param_state.get(FAILURES, 0) - failures
-        return [self.run.meter.track(direction)]
+        return meter.track(direction)
 
-    def launch_scatter(self) -> None:
+    def scatter(self) -> None:
+        # Kept before the launch: the scatter may receive where the directions lay.
+        self.exchange.keep(self.directions, self.buffers["kept"])
         if self.exchange.scatters:
-            self.scattered, self.scatter_work = self.exchange.launch_scatter(
-                self.directions, self.dtype, self.device, self.run.planned.group, self.run.meter
-            )
-            self._count(self.scattered.element_size(), self.exchange.scatter_send_sizes)
-            # Packed into the send buffer, but for this rank's own pieces (under sync all of
-            # them are its updates).
-            own = {m for m, _, _ in self.exchange.scatter_self}
-            self.directions = {m: d for m, d in self.directions.items() if m in own}
+            send, receive = self.buffers["scatter_send"], self.buffers["scatter_receive"]
+            group = self.run.planned.group
+            self.scatter_work = self.exchange.launch_scatter(self.directions, send, receive, group)
+            self._count(send.element_size(), self.exchange.scatter_send_sizes)
+        self.directions = {}
 
     def finish(self) -> None:
-        if self.scattered is not None:
+        received = None
+        if self.scatter_work is not None:
             clock = self.run.clock
             start = clock.mark()
             self.scatter_work.wait()
             self.run.stats.wait.add(start, clock.mark())
+            received = self.buffers["scatter_receive"]
         run, planned = self.run, self.run.planned
+        work = functools.partial(self.exchange.my_updates, received, self.buffers["kept"])
         by_group: dict[int, list[tuple[Item, Tensor]]] = {}  # one call of the rule per param group
-        for m, update in self.exchange.my_updates(self.scattered, self.directions, self.dtype).items():
+        for m, update in (run.attempt(work) or {}).items():
             if self.stepped[m]:
                 item = planned.items[m]
                 by_group.setdefault(id(planned.entries[item.entry].group), []).append((item, update))
@@ -908,7 +951,7 @@ class MicroGroupStep:
                 [item.local_index for item, _ in updates],
             )
             run.attempt(work)
-        self.directions, self.scattered, self.scatter_work = {}, None, None
+        self.scatter_work = None
 
     def _count(self, element_bytes: int, send_sizes: list[int]) -> None:
         self.run.stats.all_to_alls += 1
@@ -917,27 +960,12 @@ class MicroGroupStep:
         self.run.stats.bytes_sent += element_bytes * others
 
 
-def run_pipeline(steps: Sequence[MicroGroupStep], overlap: bool) -> None:
-    """Run every micro-group's phases, pipelined when ``overlap``, with the collectives in the same
-    order on every rank::
+def run_pipeline(steps: Sequence[MicroGroupStep], order: Iterable[tuple[str, int]]) -> None:
+    """Run every micro-group's phases in ``order`` (`StepLayout.order`), the same collectives in the
+    same order on every rank::
 
-        gather 0, gather 1, [compute 0], scatter 0, gather 2, [compute 1], scatter 1, [apply 0], …
+        gather 0, gather 1, [assemble 0, compute 0], scatter 0, gather 2, [assemble 1, compute 1,
+        finish 0], scatter 1, …
     """
-    if not overlap:
-        for step in steps:
-            step.launch_gather()
-            step.compute()
-            step.launch_scatter()
-            step.finish()
-        return
-    if steps:
-        steps[0].launch_gather()
-    for index, step in enumerate(steps):
-        if index + 1 < len(steps):
-            steps[index + 1].launch_gather()
-        step.compute()
-        step.launch_scatter()
-        if index > 0:
-            steps[index - 1].finish()
-    if steps:
-        steps[-1].finish()
+    for phase, group in order:
+        getattr(steps[group], phase)()

@@ -7,6 +7,8 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
+import torch
+
 from lightning_canzona.rules.base import MatrixRule, UpdateCost, matrix_shape
 
 CostKind = Literal["flops", "numel"]
@@ -25,6 +27,9 @@ class MatrixSpec:
         holders: Ranks that hold the whole matrix (an expert that FSDP2 left on one rank).
         team_costs: The cost to a team of each of `TEAM_SIZES` ranks (``None``: the rule cannot
             split it; empty: none can).
+        param_bytes: Bytes of one element of the parameter (its shards, its prepared shards).
+        exchange_bytes: Bytes of one element as the matrix travels and is computed on
+            (`MatrixRule.exchange_dtype`).
     """
 
     name: str
@@ -33,6 +38,8 @@ class MatrixSpec:
     cost: UpdateCost
     holders: tuple[int, ...] = ()
     team_costs: tuple[UpdateCost | None, ...] = ()
+    param_bytes: int = 4
+    exchange_bytes: int = 4
 
     def weighted(self, factor: float) -> MatrixSpec:
         """This spec with its FLOPs, alone and in teams, counted ``factor`` times."""
@@ -69,10 +76,15 @@ class MatrixSpec:
 
 
 def matrix_spec(
-    name: str, shape: Sequence[int], rule: MatrixRule, bucket: str | None = None, holders: Sequence[int] = ()
+    name: str,
+    shape: Sequence[int],
+    rule: MatrixRule,
+    bucket: str | None = None,
+    holders: Sequence[int] = (),
+    dtype: torch.dtype = torch.float32,
 ) -> MatrixSpec:
-    """The spec of a matrix of ``shape`` updated by ``rule`` (a convolution: its `matrix_shape`'s
-    cost, no teams)."""
+    """The spec of a matrix of ``shape`` and ``dtype`` updated by ``rule`` (a convolution: its
+    `matrix_shape`'s cost, no teams)."""
     shape = tuple(int(size) for size in shape)
     teams = tuple(rule.team_cost(shape, size) for size in TEAM_SIZES) if len(shape) <= 3 else ()
     return MatrixSpec(
@@ -82,6 +94,8 @@ def matrix_spec(
         rule.cost(matrix_shape(shape)),
         tuple(holders),
         teams,
+        dtype.itemsize,
+        rule.exchange_dtype(dtype).itemsize,
     )
 
 

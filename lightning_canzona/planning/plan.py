@@ -11,6 +11,7 @@ from dataclasses import InitVar, dataclass, field
 
 from lightning_canzona.planning.devices import H100, PRICE_NAMES, CollectivePrices
 from lightning_canzona.planning.matrices import COST_KINDS, TEAM_SIZES, CostKind, MatrixSpec, Step
+from lightning_canzona.planning.memory import MemoryBudget, StepMemory, estimated_buffers, step_memory
 
 POLICIES: tuple[str, ...] = ("canzona", "lpt", "round_robin", "sync")
 
@@ -40,6 +41,9 @@ class PlanSettings:
         exchange_flops_per_message: One peer a rank exchanges with in a gather or scatter.
         prices: The four prices as one `devices.CollectivePrices` (what a device reprices); the
             four are keywords of the constructor and of ``dataclasses.replace``, and read-only.
+        memory_budget: What the step's buffers may hold at their peak on a rank (``None``: no
+            bound); micro-groups are cut to meet it (docs/memory.md).
+        overlap: The micro-groups run pipelined (what the memory model assumes).
     """
 
     policy: str = "canzona"
@@ -48,6 +52,8 @@ class PlanSettings:
     capacity: float | None = None
     locality: bool = True
     max_team: int = 8
+    memory_budget: MemoryBudget | None = MemoryBudget()
+    overlap: bool = True
     flops_per_element: InitVar[float] = DEFAULT_PRICES.flops_per_element
     flops_per_message: InitVar[float] = DEFAULT_PRICES.flops_per_message
     exchange_flops_per_element: InitVar[float] = DEFAULT_PRICES.exchange_flops_per_element
@@ -172,6 +178,20 @@ class Plan:
             for rank in team:
                 state[rank] += held
         return state
+
+    def rank_memory(self) -> list[StepMemory]:
+        """What each rank's step holds: its arena of exchange buffers and its peak (docs/memory.md)."""
+        ranks = estimated_buffers(self.matrices, self.teams, self.micro_groups, self.num_ranks)
+        return [step_memory(tuple(groups), self.settings.overlap) for groups in ranks]
+
+    def matrix_bytes(self) -> float:
+        """Bytes of the matrices a rank holds, on average: what a fraction of a budget is of."""
+        return sum(m.cost.numel * m.param_bytes for m in self.matrices) / self.num_ranks
+
+    def memory_target(self) -> float | None:
+        """The budget of a rank's step buffers in bytes (``None``: unbounded)."""
+        budget = self.settings.memory_budget
+        return None if budget is None else budget.bytes_for(self.matrix_bytes())
 
     def state_max_over_mean(self) -> float:
         """The most state on a rank over the mean (1.0: balanced)."""

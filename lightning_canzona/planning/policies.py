@@ -13,6 +13,7 @@ from dataclasses import replace
 
 from lightning_canzona.planning.bounds import team_classes
 from lightning_canzona.planning.matrices import MatrixSpec
+from lightning_canzona.planning.memory import nearest_fit, shrink_limits, split_groups
 from lightning_canzona.planning.micro_groups import balanced_groups, sequential_groups
 from lightning_canzona.planning.plan import Plan, PlanSettings, estimated_step, member_loads
 from lightning_canzona.planning.refine import refine
@@ -34,6 +35,10 @@ STATE_BALANCE = 1.1
 
 #: Most rounds of `build_plan`'s descent over team sizes set class by class (`_descend`).
 DESCENT_ROUNDS = 4
+
+#: The default memory budget ("auto") cuts micro-groups only while the estimated step grows by at
+#: most this fraction: where collectives are dear beside the compute (small models), speed binds.
+MEMORY_STEP_TOLERANCE = 0.05
 
 #: The default capacity leaves about this many micro-groups per rank, so that gathers and
 #: scatters of neighbouring groups can hide behind compute.
@@ -127,8 +132,56 @@ def _descend(
 
 
 def build_plan(matrices: list[MatrixSpec], dp: int, tp: int, settings: PlanSettings | None = None) -> Plan:
-    """Plan the updates of ``matrices`` (in model order) on a ``dp × tp`` mesh."""
-    settings = settings or PlanSettings()
+    """Plan the updates of ``matrices`` (in model order) on a ``dp × tp`` mesh, its micro-groups cut
+    to the memory budget (`fit_memory`)."""
+    return fit_memory(_build_plan(matrices, dp, tp, settings or PlanSettings()))
+
+
+def fit_memory(plan: Plan) -> Plan:
+    """``plan`` with its micro-groups cut until every rank's step buffers fit its memory budget, or
+    as small as they get (each rank's part of a group one matrix at most). The default budget cuts
+    only while the estimated step stays within `MEMORY_STEP_TOLERANCE` of the uncut plan's."""
+    target = plan.memory_target()
+    if target is None or max(memory.peak for memory in plan.rank_memory()) <= target:
+        return plan
+    budget = plan.settings.memory_budget
+    assert budget is not None
+    sizes = computed_bytes(plan)
+    largest = max(
+        (
+            sum(sizes[i].get(rank, 0) for i in group)
+            for group in plan.micro_groups
+            for rank in range(plan.num_ranks)
+        ),
+        default=0,
+    )
+    single = max((max(size.values(), default=0) for size in sizes), default=0)
+    candidates = [
+        replace(plan, micro_groups=tuple(split_groups(plan.micro_groups, sizes, limit)))
+        for limit in shrink_limits(largest, single)
+    ]
+    if not budget.strict:
+        longest = (1 + MEMORY_STEP_TOLERANCE) * estimated_step(plan)
+        candidates = [candidate for candidate in candidates if estimated_step(candidate) <= longest]
+    if not candidates:
+        return plan
+    peaks = [max(memory.peak for memory in candidate.rank_memory()) for candidate in candidates]
+    return candidates[nearest_fit(peaks, target)]
+
+
+def computed_bytes(plan: Plan) -> list[dict[int, int]]:
+    """Per matrix, rank → bytes of what that rank computes of it (its whole, or a team member's slice)."""
+    teams = plan.teams or [tuple(range(plan.num_ranks))] * len(plan.matrices)
+    return [
+        {
+            rank: matrix.cost.numel * matrix.exchange_bytes // (len(team) if plan.teams is not None else 1)
+            for rank in team
+        }
+        for matrix, team in zip(plan.matrices, teams)
+    ]
+
+
+def _build_plan(matrices: list[MatrixSpec], dp: int, tp: int, settings: PlanSettings) -> Plan:
     if dp < 1 or tp < 1:
         raise ValueError(f"mesh sizes must be >= 1, got dp={dp}, tp={tp}")
     num_ranks = dp * tp
@@ -167,7 +220,7 @@ def build_plan(matrices: list[MatrixSpec], dp: int, tp: int, settings: PlanSetti
     balanced = [(step, plan) for step, plan in alike if plan.state_max_over_mean() <= STATE_BALANCE]
     step, plan = min(balanced or alike, key=lambda scored_plan: scored_plan[1].average_makespan())
     if plan.split_matrices():  # teams must pack better than whole matrices, not only bound better
-        whole = build_plan(matrices, dp, tp, replace(settings, max_team=1))
+        whole = _build_plan(matrices, dp, tp, replace(settings, max_team=1))
         free = settings.flops_per_element == settings.flops_per_message == 0
         gain = 1.0 if free else TEAM_GAIN
         packs = plan.average_makespan() <= gain * whole.average_makespan()

@@ -122,6 +122,8 @@ class UpdateCost:
         member_flops: FLOPs single team members carry on top of ``flops``, in member order.
         period: Steps between runs of the periodic work (decompositions); 1: none.
         periodic_flops: Each member's FLOPs of that work on a step that runs it.
+        working_bytes: The rule's own temporaries for one update at their peak (a member's, in a
+            team), beside its input and its output: what the step's memory model adds per matrix.
     """
 
     flops: float
@@ -133,6 +135,7 @@ class UpdateCost:
     member_flops: tuple[float, ...] = ()
     period: int = 1
     periodic_flops: tuple[float, ...] = ()
+    working_bytes: int = 0
 
     def member_flops_of(self, member: int) -> float:
         """FLOPs of team member ``member`` per step, amortised."""

@@ -167,4 +167,5 @@ class RowBlockRule(MatrixRule):
             elementwise_state_bytes=sum(cost.elementwise_state_bytes for cost in costs),
             period=costs[0].period,
             periodic_flops=(sum(sum(cost.periodic_flops) for cost in costs),),
+            working_bytes=sum(cost.working_bytes for cost in costs),
         )

@@ -112,6 +112,12 @@ def update_factors(state: State, grad: Tensor, beta: float) -> None:
         state["right"].lerp_(grad.mT @ grad, 1.0 - beta)
 
 
+#: Float32 copies of the matrix a Kronecker-factored update holds at once beside its input and output
+#: (the gradient and momentum projected, a product's intermediate); with a decomposition's two
+#: temporaries of each side's size, the rule's working set (`UpdateCost.working_bytes`).
+WORKING_COPIES = 3
+
+
 def cost(shape: Sequence[int], max_precond_dim: int, frequency: int, products: int) -> UpdateCost:
     """Cost of a Kronecker-factored rule on a matrix (or stack) of ``shape``: ``products`` one-sided
     products per preconditioned side, a ``≈ 10d³`` decomposition every ``frequency`` steps."""
@@ -129,6 +135,7 @@ def cost(shape: Sequence[int], max_precond_dim: int, frequency: int, products: i
         elementwise_state_bytes=0,
         period=frequency,
         periodic_flops=(float(decompositions),),
+        working_bytes=4 * batch * (WORKING_COPIES * rows * cols + sum(2 * dim * dim for dim in sides)),
     )
 
 
@@ -184,6 +191,7 @@ def team_cost(
         member_flops=tuple(flops / frequency for flops in decompositions),
         period=frequency,
         periodic_flops=tuple(decompositions),
+        working_bytes=4 * (WORKING_COPIES * numel + sum(2 * dim * dim for dim in sides)),
     )
 
 

@@ -40,6 +40,7 @@ from lightning_canzona.rules.newton_schulz import (
     team_work,
 )
 from lightning_canzona.rules.newton_schulz import flops as newton_schulz_flops
+from lightning_canzona.rules.newton_schulz import working_bytes as newton_schulz_working_bytes
 
 ADJUST_LR_FNS = ("original", "match_rms_adamw")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
@@ -148,6 +149,8 @@ class MuonRule(MatrixRule):
             numel=numel,
             matrix_state_bytes=0,
             elementwise_state_bytes=4 * numel,
+            working_bytes=batch
+            * newton_schulz_working_bytes(min(rows, cols), max(rows, cols), self.compute_dtype),
         )
 
     def team_cost(self, shape: Sequence[int], size: int) -> UpdateCost | None:
@@ -162,6 +165,8 @@ class MuonRule(MatrixRule):
             elementwise_state_bytes=4 * batch * rows * cols,
             team_messages=work.collectives,
             team_numel=batch * work.numel,
+            working_bytes=batch
+            * newton_schulz_working_bytes(min(rows, cols), -(-max(rows, cols) // size), self.compute_dtype),
         )
 
     @ieee_float32_products

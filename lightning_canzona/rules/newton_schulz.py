@@ -37,6 +37,13 @@ def flops(rows: int, cols: int, ns_steps: int, form: str = "standard") -> float:
     return team_work(rows, cols, ns_steps, form, 1).flops
 
 
+def working_bytes(short: int, long: int, dtype: torch.dtype) -> int:
+    """Bytes of the temporaries of Newton–Schulz on a ``short × long`` matrix (its Gram side ``short``,
+    input already in ``dtype``) at their peak, beside its input and its result: the previous iterate
+    (``short × long``) with the Gram matrix and the polynomial (``short²`` each)."""
+    return (short * long + 2 * short * short) * dtype.itemsize
+
+
 def symmetric_product(
     x: Tensor,
     added: Tensor | None = None,
@@ -246,22 +253,35 @@ def newton_schulz(
     if transposed:
         x = x.mT
     norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
-    x = x / (norm * schedule.norm_safety).clamp_min(eps)
+    scale = (norm * schedule.norm_safety).clamp_min(eps)
+    gram = iteration == "gram"
+    if not compile and x.ndim <= 3:
+        # The first iterate is made where it is consumed, so that no caller's frame holds it past
+        # the first step: one ``m × n`` temporary less at the peak.
+        return _steps(x, schedule, ns_steps, gram, symmetric, transposed, scale)
+    x = x / scale
     # Stacks run as one batched matmul per product; single matrices keep mm's faster kernels.
     batch_shape = x.shape[:-2]
     if x.ndim > 3:
         x = x.reshape(-1, *x.shape[-2:])
     iterate = compiled(_steps) if compile else _steps
-    x = iterate(x, schedule, ns_steps, iteration == "gram", symmetric, transposed)
+    x = iterate(x, schedule, ns_steps, gram, symmetric, transposed)
     return x.reshape(*batch_shape, *x.shape[-2:])
 
 
 def _steps(
-    x: Tensor, schedule: NewtonSchulzSchedule, ns_steps: int, gram: bool, symmetric: bool, transposed: bool
+    x: Tensor,
+    schedule: NewtonSchulzSchedule,
+    ns_steps: int,
+    gram: bool,
+    symmetric: bool,
+    transposed: bool,
+    scale: Tensor | None = None,
 ) -> Tensor:
-    """`newton_schulz`'s steps on the normalised wide ``x``: what it compiles."""
+    """`newton_schulz`'s steps on the wide ``x``, normalised (or divided by ``scale`` first): what it
+    compiles."""
     iterate = _gram_steps if gram else _standard_steps
-    return iterate(x, schedule.steps(ns_steps), symmetric, transposed)
+    return iterate(x, schedule.steps(ns_steps), symmetric, transposed, scale)
 
 
 @dataclass(frozen=True)
@@ -371,16 +391,25 @@ def team_newton_schulz(
     return x.reshape(*batch_shape, *x.shape[-2:])
 
 
-def _standard_steps(x: Tensor, steps: list[Coefficients], symmetric: bool, transposed: bool) -> Tensor:
-    """The standard form's steps on the wide ``x``; transposed back by the last product if ``transposed``."""
+def _standard_steps(
+    x: Tensor, steps: list[Coefficients], symmetric: bool, transposed: bool, scale: Tensor | None = None
+) -> Tensor:
+    """The standard form's steps on the wide ``x`` (divided by ``scale`` first, where given); transposed
+    back by the last product if ``transposed``."""
+    if scale is not None:
+        x = x / scale
     for step, (a, b, c) in enumerate(steps):
         polynomial = _polynomial(_gram(x, symmetric), b, c, symmetric)
         x = _left_product(polynomial, x, a, transposed and step == len(steps) - 1)
     return x
 
 
-def _gram_steps(x: Tensor, steps: list[Coefficients], symmetric: bool, transposed: bool) -> Tensor:
+def _gram_steps(
+    x: Tensor, steps: list[Coefficients], symmetric: bool, transposed: bool, scale: Tensor | None = None
+) -> Tensor:
     """The Gram form's steps, as `_standard_steps`."""
+    if scale is not None:
+        x = x / scale
     identity = torch.eye(x.size(-2), dtype=x.dtype, device=x.device)
     gram, accumulated = _gram(x, symmetric), None
     for step, (a, b, c) in enumerate(steps):

@@ -275,7 +275,7 @@ def _slices_where_they_lie(rank: int, world_size: int) -> None:
     assert engine.plan.teams == ((0, 2, 1, 3),)  # member m on the rank that holds rows 16m to 16m + 16
     assert engine.stats.bytes_sent == 0  # the last step's: every slice was where it is computed
     # ...and what a rank gives itself skips the all-to-all buffers: both are empty.
-    (exchange,) = engine.exchanges
+    (exchange,) = engine.layout.exchanges
     assert exchange.gather_self and exchange.scatter_self
     sizes = (exchange.gather_send_sizes, exchange.gather_recv_sizes, exchange.scatter_send_sizes)
     assert all(sum(each) == 0 for each in (*sizes, exchange.scatter_recv_sizes))
