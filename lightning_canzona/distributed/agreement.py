@@ -198,10 +198,13 @@ class GradientAgreement:
     def __init__(self) -> None:
         self._held: _Held | None = None
         self._pending: list[_Verdict] = []
+        #: Run before each read of the device (its owner's allocations of the coming step, whose
+        #: failures it defers to that read: `MatrixOptimizer.reserve_step_buffers`).
+        self.before_read: Callable[[], None] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         """A fresh agreement, for copies (what this one holds is about the original's tensors)."""
-        return {"_held": None, "_pending": []}
+        return {"_held": None, "_pending": [], "before_read": None}
 
     def defer(self, flags: Tensor, then: Callable[[list[float]], None]) -> None:
         """Run ``then`` with the ranks' maximum of ``flags`` at the next agreement or `settle`."""
@@ -242,6 +245,8 @@ class GradientAgreement:
         if held is not None:
             return held
         self._held = None
+        if self.before_read is not None:
+            self.before_read()
         verdicts, self._pending = self._pending, []
         if not named:
             if verdicts:
@@ -302,11 +307,25 @@ def _run(verdicts: Sequence[_Verdict], values: Sequence[float]) -> None:
         start = end
 
 
-def _raise_everywhere(failure: BaseException | None, what: str) -> None:
+def raise_if_failed_anywhere(
+    failure: BaseException | None, device: torch.device, what: str, group: dist.ProcessGroup | None = None
+) -> None:
+    """Raise the same `RuntimeError` on every rank of ``group`` now if ``failure`` happened on any
+    (collective: one read of the device)."""
+    flag = torch.full((1,), float(failure is not None), device=device)
+    agree_on_maximum(flag, group)
+    if flag.item():
+        _raise_everywhere(failure, what, group)
+
+
+def _raise_everywhere(
+    failure: BaseException | None, what: str, group: dist.ProcessGroup | None = None
+) -> None:
     """Raise on every rank, naming every failed rank and its error (collective)."""
-    messages: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(messages, None if failure is None else repr(failure))
-    described = "; ".join(f"rank {rank}: {message}" for rank, message in enumerate(messages) if message)
+    messages: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(messages, None if failure is None else repr(failure), group=group)
+    ranks = [rank if group is None else dist.get_global_rank(group, rank) for rank in range(len(messages))]
+    described = "; ".join(f"rank {rank}: {message}" for rank, message in zip(ranks, messages) if message)
     raise RuntimeError(
         f"{what} failed on {described}. Every rank stopped before changing anything else; "
         "parameters may be partly updated, so resume from the last checkpoint."

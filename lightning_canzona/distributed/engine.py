@@ -20,6 +20,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_canzona.config import PlanConfig
+from lightning_canzona.distributed.agreement import raise_if_failed_anywhere
 from lightning_canzona.distributed.custody import MatrixStateCustody
 from lightning_canzona.distributed.layout import Block, MatrixLayout, exchange_layouts, holders
 from lightning_canzona.distributed.prices import flops_weights, priced
@@ -40,6 +41,7 @@ from lightning_canzona.distributed.team_collectives import TeamGroup
 from lightning_canzona.geometry import member_blocks
 from lightning_canzona.planning import Plan, PlanSettings, block_of, build_plan
 from lightning_canzona.planning.matrices import local_members, matrix_spec
+from lightning_canzona.planning.memory import GroupBuffers
 from lightning_canzona.planning.replication import (
     ReplicationChoice,
     choose_replication,
@@ -128,6 +130,10 @@ class MeshEngine:
         self._key: tuple | None = None
         #: Each micro-group's all-to-alls, the dtype each travels in, and the step's arena.
         self.layout = StepLayout((), (), self.overlap)
+        #: The next step's arena, once reserved (`reserve`).
+        self.arena: Tensor | None = None
+        self.owner = owner
+        self.budget = config.memory_budget
         #: Costs of the latest step on this rank.
         self.stats = StepStats()
         #: The first exception of this rank's own work in the latest step (`StepRun.attempt`).
@@ -150,6 +156,13 @@ class MeshEngine:
         return None if self.planned is None else self.planned.plan
 
     @property
+    def device(self) -> torch.device:
+        """The device of the matrices' shards, where the step's buffers live."""
+        if self.planned is None or not self.planned.entries:
+            return torch.device("cpu")
+        return self.planned.entries[0].param.device
+
+    @property
     def entries(self) -> list[Entry]:
         """The matrix entries planned (empty before the first plan)."""
         return [] if self.planned is None else self.planned.entries
@@ -169,7 +182,14 @@ class MeshEngine:
         assert self.planned is not None
         rules = [entry.rule for entry in matrices]
         run = StepRun(
-            self.planned, rules, state, self.team_groups, self.batch_matrices, self.clock, self.meter
+            self.planned,
+            rules,
+            state,
+            self.team_groups,
+            self.batch_matrices,
+            self.clock,
+            self.meter,
+            self.memory_advice(),
         )
         adamw: dict[int, list[Entry]] = {}  # by param group: one foreach step each
         for entry, stepped in zip(entries, has_grad):
@@ -179,12 +199,37 @@ class MeshEngine:
             params, names = [entry.param for entry in group], [entry.name for entry in group]
             run.attempt(functools.partial(step_adamw, params, names, state, group[0].group))
         stepped = [flag for entry, flag in zip(entries, has_grad) if entry.rule is not None]
-        device = matrices[0].param.device if matrices else torch.device("cpu")
-        arena = self.meter.track(torch.empty(self.layout.arena_bytes, dtype=torch.uint8, device=device))
-        run.matrices(stepped, self.layout, arena)
+        if self.arena is None:  # not reserved before the step's agreement (a new plan): agreed on now
+            raise_if_failed_anywhere(self.reserve(), self.device, f"{self.owner}.step", self.group)
+        assert self.arena is not None
+        arena, self.arena = self.arena, None  # the step's own: freed with it
+        run.matrices(stepped, self.layout, self.meter.track(arena))
         run.stats.step.add(start, self.clock.mark())
         run.stats.peak_buffer_bytes = self.meter.peak
         self.stats, self.failure = run.stats, run.failure
+
+    def reserve(self) -> Exception | None:
+        """Allocate the next step's arena, which holds every buffer its exchanges need, so that no
+        rank fails an allocation between the step's collectives; the out-of-memory error, if any."""
+        if self.planned is None or self.arena is not None:
+            return None
+        try:
+            self.arena = torch.empty(self.layout.arena_bytes, dtype=torch.uint8, device=self.device)
+        except torch.OutOfMemoryError as error:
+            return torch.OutOfMemoryError(f"{error} {self.memory_advice()}")
+        return None
+
+    def memory_advice(self) -> str:
+        """What an out-of-memory error of the step says: the buffers' bytes and the setting to lower."""
+        largest = max(
+            (sum(getattr(b, n) for n in GroupBuffers.ARENA) for b in self.layout.buffers), default=0
+        )
+        return (
+            f"The step's buffers take {self.layout.arena_bytes / 2**20:.1f} MiB on this rank (its largest "
+            f"micro-group {largest / 2**20:.1f} MiB) with PlanConfig(memory_budget={self.budget!r}): lower "
+            "memory_budget (a fraction of the rank's matrix bytes such as 0.25, or a size such as '1GiB') "
+            "for smaller micro-groups, or free memory before the step (docs/memory.md)."
+        )
 
     def prepare(self, entries: Sequence[Entry], state: dict[Tensor, State]) -> Plan:
         """Build the plan if the matrices changed (collective then), and return it."""
@@ -260,6 +305,7 @@ class MeshEngine:
             for members in plan.micro_groups
         )
         self.layout = StepLayout(exchanges, tuple(dtypes), self.overlap)
+        self.arena = None  # reserved for another plan
         self._create_team_groups(copies)
         self.custody(state).move(previous)
 

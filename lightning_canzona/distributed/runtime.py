@@ -481,54 +481,67 @@ class MicroGroupExchange:
             kept=sum(local.numel for _, local, _ in self.scatter_self) * size,
         )
 
-    def launch_gather(
-        self, prepared: dict[int, Tensor], buffers: dict[str, Tensor], group: dist.ProcessGroup
-    ) -> InFlight:
-        """Start the gather of the ``prepared`` local shards (its ``gather_send`` to its
-        ``gather_receive`` buffer), and copy the pieces it computes itself to its ``own`` buffer."""
-        own = [prepared[m][local.slices].reshape(-1) for m, local, _ in self.gather_self]
-        if own:
-            torch.cat(own, out=buffers["own"])
-        pieces = (prepared[m][local.slices] for ps in self.gather_send for m, local in ps)
-        send, receive = buffers["gather_send"], buffers["gather_receive"]
-        return _exchanged(pieces, send, receive, self.gather_send_sizes, self.gather_recv_sizes, group)
+    def pack_gather(self, prepared: dict[int, Tensor], buffers: dict[str, Tensor]) -> None:
+        """Copy the ``prepared`` local shards into the gather's ``gather_send`` buffer, and the pieces
+        this rank computes itself into its ``own`` buffer (one kernel each)."""
+        _pack([prepared[m][local.slices] for m, local, _ in self.gather_self], buffers["own"])
+        _pack(
+            [prepared[m][local.slices] for ps in self.gather_send for m, local in ps], buffers["gather_send"]
+        )
 
-    def assemble(self, received: Tensor, own: Tensor, out: Tensor) -> list[tuple[tuple[int, ...], Tensor]]:
-        """The blocks this rank computes, from the gather's ``received`` buffer and its ``own`` pieces,
-        placed in ``out`` as one ``[count, rows, cols]`` stack per batch: ``(members, stack)``."""
+    def launch_gather(self, buffers: dict[str, Tensor], group: dist.ProcessGroup) -> InFlight:
+        """Start the gather from the ``gather_send`` into the ``gather_receive`` buffer."""
+        send, receive = buffers["gather_send"], buffers["gather_receive"]
+        return InFlight(
+            dist.all_to_all_single, receive, send, self.gather_recv_sizes, self.gather_send_sizes, group=group
+        )
+
+    def stacks(self, out: Tensor) -> list[tuple[tuple[int, ...], Tensor]]:
+        """``(members, stack)`` of each batch: a ``[count, rows, cols]`` view of ``out``."""
+        stacks, start = [], 0
+        for members, shape in self.batches:
+            numel = len(members) * math.prod(shape)
+            stacks.append((members, out[start : start + numel].view(len(members), *shape)))
+            start += numel
+        return stacks
+
+    def assemble(self, received: Tensor, own: Tensor, stacks: list[tuple[tuple[int, ...], Tensor]]) -> None:
+        """Place the blocks this rank computes, from the gather's ``received`` buffer and its ``own``
+        pieces, in their ``stacks``."""
         pieces: dict[int, list[tuple[Block, Tensor]]] = {m: [] for m in self.computed}
         for m, block, chunk in _chunks(received, self.gather_recv):
             pieces[m].append((block, chunk))
         own_chunks = own.split([region.numel for _, _, region in self.gather_self])
         for (m, _, region), chunk in zip(self.gather_self, own_chunks):
             pieces[m].append((region, chunk))
-        stacks, start = [], 0
-        for members, shape in self.batches:
-            numel = len(members) * math.prod(shape)
-            stack = out[start : start + numel].view(len(members), *shape)
+        for members, stack in stacks:
             for matrix, m in zip(stack, members):
                 _placed(matrix.view(self.regions[m].shape), pieces[m])
-            stacks.append((members, stack))
-            start += numel
-        return stacks
 
-    def launch_scatter(
-        self, directions: dict[int, Tensor], send: Tensor, receive: Tensor, group: dist.ProcessGroup
-    ) -> InFlight:
-        """Start returning every rank's pieces of this rank's computed ``directions``."""
-        pieces = (directions[m][block.slices] for ps in self.scatter_send for m, block in ps)
-        return _exchanged(pieces, send, receive, self.scatter_send_sizes, self.scatter_recv_sizes, group)
+    def pack_scatter(self, directions: dict[int, Tensor], buffers: dict[str, Tensor]) -> None:
+        """Copy the pieces of ``directions`` that go to other ranks into the ``scatter_send`` buffer,
+        and this rank's own into its ``kept`` buffer, so that the directions' place is free."""
+        _pack([directions[m][region.slices] for m, _, region in self.scatter_self], buffers["kept"])
+        _pack(
+            [directions[m][block.slices] for ps in self.scatter_send for m, block in ps],
+            buffers["scatter_send"],
+        )
 
-    def keep(self, directions: dict[int, Tensor], out: Tensor) -> None:
-        """Copy the pieces of ``directions`` that are this rank's own updates into ``out``, so that the
-        directions' buffer can serve another group before this one's scatter ends."""
-        pieces = [directions[m][region.slices].reshape(-1) for m, _, region in self.scatter_self]
-        if pieces:
-            torch.cat(pieces, out=out)
+    def launch_scatter(self, buffers: dict[str, Tensor], group: dist.ProcessGroup) -> InFlight:
+        """Start returning every rank's pieces: ``scatter_send`` to ``scatter_receive``."""
+        send, receive = buffers["scatter_send"], buffers["scatter_receive"]
+        return InFlight(
+            dist.all_to_all_single,
+            receive,
+            send,
+            self.scatter_recv_sizes,
+            self.scatter_send_sizes,
+            group=group,
+        )
 
     def my_updates(self, received: Tensor | None, kept: Tensor) -> dict[int, Tensor]:
         """This rank's shard of each member's direction: from the scatter's ``received`` buffer and the
-        pieces it ``kept`` of its own directions (`keep`)."""
+        pieces it ``kept`` of its own directions (`pack_scatter`)."""
         pieces: dict[int, list[tuple[Block, Tensor]]] = {}
         if received is not None:
             for m, local, chunk in _chunks(received, self.scatter_recv):
@@ -539,20 +552,12 @@ class MicroGroupExchange:
         return {m: _local(self.my_shards[m], values) for m, values in pieces.items()}
 
 
-def _exchanged(
-    pieces: Iterable[Tensor],
-    send: Tensor,
-    receive: Tensor,
-    send_sizes: list[int],
-    receive_sizes: list[int],
-    group: dist.ProcessGroup,
-) -> InFlight:
-    """One packed ``all_to_all_single`` of ``pieces`` (copied into ``send`` by one concatenation)."""
+def _pack(pieces: list[Tensor], out: Tensor) -> None:
+    """``pieces`` into ``out``, flat, by one concatenation rather than a copy per piece."""
     flat = [piece.reshape(-1) for piece in pieces]
-    assert sum(piece.numel() for piece in flat) == send.numel(), f"{len(flat)} pieces for {send.numel()}"
+    assert sum(piece.numel() for piece in flat) == out.numel(), f"{len(flat)} pieces for {out.numel()}"
     if flat:
-        torch.cat(flat, out=send)
-    return InFlight(dist.all_to_all_single, receive, send, receive_sizes, send_sizes, group=group)
+        torch.cat(flat, out=out)
 
 
 def _chunks(buffer: Tensor, lists: list[list[tuple[int, Block]]]) -> Iterator[tuple[int, Block, Tensor]]:
@@ -654,7 +659,11 @@ class StepStats:
 @dataclass
 class StepRun:
     """What one step of one mesh's matrices shares: the plan, the rules and state, what the step
-    costs (``stats``) and the first exception of this rank's own work (``failure``)."""
+    costs (``stats``) and the first exception of this rank's own work (``failure``).
+
+    Nothing between the step's collectives allocates outside `attempt`: the exchanges' buffers are
+    views of the arena reserved before the step; the rules' allocations fail into ``failure``, and
+    the rank joins the rest of the step's collectives with what its buffers hold."""
 
     planned: PlannedMatrices
     rules: list[MatrixRule]
@@ -663,14 +672,19 @@ class StepRun:
     batch_matrices: bool
     clock: Clock
     meter: BufferMeter
+    memory_advice: str = ""
     stats: StepStats = field(default_factory=StepStats)
     failure: Exception | None = None
 
     def attempt(self, work: Callable[[], Any], fallback: Callable[[], Any] | None = None) -> Any:
-        """``work()``, or ``fallback()`` once this step failed on this rank (kept in `failure`)."""
+        """``work()``, or ``fallback()`` once this step failed on this rank (kept in `failure`; an
+        out-of-memory error with ``memory_advice``)."""
         if self.failure is None:
             try:
                 return work()
+            except torch.OutOfMemoryError as error:
+                self.failure = torch.OutOfMemoryError(f"{error} {self.memory_advice}".strip())
+                self.failure.__cause__ = error
             except Exception as error:
                 self.failure = error
         return fallback() if fallback is not None else None
@@ -798,19 +812,23 @@ class MicroGroupStep:
         self.scatter_work: InFlight | None = None
 
     def gather(self) -> None:
-        # Prepared here, not for every group up front: the send buffer copies them at once.
+        # Prepared here, not for every group up front: the buffers copy them at once.
+        run = self.run
         prepared = self.prepare(self.exchange.members)
-        self.gather_work = self.exchange.launch_gather(prepared, self.buffers, self.run.planned.group)
+        run.attempt(functools.partial(self.exchange.pack_gather, prepared, self.buffers))
+        self.gather_work = self.exchange.launch_gather(self.buffers, run.planned.group)
         self._count(self.buffers["gather_send"].element_size(), self.exchange.gather_send_sizes)
 
     def assemble(self) -> None:
-        stats, clock = self.run.stats, self.run.clock
-        start = clock.mark()
+        run, buffers = self.run, self.buffers
+        start = run.clock.mark()
         self.gather_work.wait()
-        stats.wait.add(start, clock.mark())
-        buffers = self.buffers
-        self.stacks = self.exchange.assemble(buffers["gather_receive"], buffers["own"], buffers["assembled"])
+        run.stats.wait.add(start, run.clock.mark())
         del self.gather_work
+        self.stacks = self.exchange.stacks(buffers["assembled"])
+        run.attempt(
+            functools.partial(self.exchange.assemble, buffers["gather_receive"], buffers["own"], self.stacks)
+        )
         # Each direction takes its matrix's place in the stack. One that nobody computes (no
         # gradient, or this rank failed) is its matrix, which nobody applies.
         for members, stack in self.stacks:
@@ -843,9 +861,13 @@ class MicroGroupStep:
 
     def _place(self, members: list[int], directions: Tensor | None) -> None:
         """Copy ``directions`` (of ``members``, stacked or one) into their matrices' places."""
-        if directions is not None:
+
+        def copy() -> None:
             for m, direction in zip(members, directions if len(members) > 1 else [directions]):
                 self.directions[m].copy_(direction.reshape(self.directions[m].shape))
+
+        if directions is not None:
+            self.run.attempt(copy)
 
     def _region(self, m: int, matrix: Tensor) -> Tensor:
         return matrix.reshape(self.exchange.regions[m].shape)
@@ -915,14 +937,12 @@ class MicroGroupStep:
         return meter.track(direction)
 
     def scatter(self) -> None:
-        # Kept before the launch: the scatter may receive where the directions lay.
-        self.exchange.keep(self.directions, self.buffers["kept"])
-        if self.exchange.scatters:
-            send, receive = self.buffers["scatter_send"], self.buffers["scatter_receive"]
-            group = self.run.planned.group
-            self.scatter_work = self.exchange.launch_scatter(self.directions, send, receive, group)
-            self._count(send.element_size(), self.exchange.scatter_send_sizes)
+        run = self.run
+        run.attempt(functools.partial(self.exchange.pack_scatter, self.directions, self.buffers))
         self.directions = {}
+        if self.exchange.scatters:
+            self.scatter_work = self.exchange.launch_scatter(self.buffers, run.planned.group)
+            self._count(self.buffers["scatter_send"].element_size(), self.exchange.scatter_send_sizes)
 
     def finish(self) -> None:
         received = None

@@ -383,8 +383,16 @@ class MatrixOptimizer(Optimizer):
         """The planner's settings from `plan_config`, before team prices, with `locality`."""
         return replace(self.plan_config.settings(), locality=self.locality)
 
+    def reserve_step_buffers(self) -> None:
+        """Reserve each mesh's step arena (`MeshEngine.reserve`) before the agreement's read, which
+        then tells every rank that one could not: the step raises before its first exchange."""
+        for engine in self.engines.values():
+            failure = engine.reserve()
+            self.agreement.raise_on_every_rank(failure, engine.device, f"{type(self).__name__}.step")
+
     def _engine(self, mesh: Any) -> MeshEngine:
         if mesh not in self.engines:
+            self.agreement.before_read = self.reserve_step_buffers
             rules = [self.rule_of(g) for g in self.param_groups if g["algorithm"] != ADAMW]
             self.engines[mesh] = MeshEngine(
                 mesh,

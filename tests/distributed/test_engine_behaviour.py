@@ -147,9 +147,9 @@ def _buffers_per_group_in_flight(rank: int, world_size: int) -> None:
     assert len(members) == 16
     kernels = _exchange_kernels(optimizer.step)
     computed = 8  # each rank owns half the matrices
-    # The gather packs its send buffer and the pieces it keeps (two kernels); the scatter its send
-    # buffer and this rank's own updates (one each).
-    expected = {"launch_gather": 2, "assemble": computed, "keep": 1, "launch_scatter": 1, "my_updates": 0}
+    # The gather packs its send buffer and the pieces it keeps, the scatter its send buffer and
+    # this rank's own updates: one kernel each.
+    expected = {"pack_gather": 2, "assemble": computed, "pack_scatter": 2, "my_updates": 0}
     assert kernels == expected, kernels
 
 
@@ -162,7 +162,7 @@ def _exchange_kernels(step) -> dict[str, int]:
     """Data-moving kernels issued by each `MicroGroupExchange` method during ``step()``."""
     from lightning_canzona.distributed.runtime import MicroGroupExchange
 
-    methods = ("launch_gather", "assemble", "keep", "launch_scatter", "my_updates")
+    methods = ("pack_gather", "assemble", "pack_scatter", "my_updates")
     originals = {name: getattr(MicroGroupExchange, name) for name in methods}
 
     def labelled(name, method):

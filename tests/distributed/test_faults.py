@@ -7,8 +7,11 @@ leaves the last good checkpoint loadable is tested in ``test_checkpoints.py``.)
 
 from __future__ import annotations
 
+import contextlib
 import math
+import sys
 import warnings
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -121,6 +124,52 @@ def _one_rank_fails(rank: int, world_size: int) -> None:
             raise AssertionError("a failed step's state reached a checkpoint")
 
     _expect_everywhere(RuntimeError, rf"Muon.step failed on rank {last}", save)
+
+    # Out of memory where the step reserves its buffers (its arena), on the last rank: every rank
+    # raises at the step's agreement, before its first exchange and before any update, and the
+    # error names the rank, the buffers' bytes and the setting to lower.
+    for param in params:
+        param.grad = torch.ones_like(param)
+    before = _snapshot(params)
+    with _failing(torch, "empty", rank == last, lambda *_, **__: _called_from("engine.py")):
+        _expect_everywhere(
+            RuntimeError,
+            rf"Muon.step failed on rank {last}: OutOfMemoryError\(\"injected The step's buffers take "
+            r"[0-9.]+ MiB on this rank \(its largest micro-group [0-9.]+ MiB\) with "
+            r"PlanConfig\(memory_budget='auto'\): lower memory_budget",
+            optimizer.step,
+        )
+    assert all(torch.equal(a, b) for a, b in zip(_snapshot(params), before))
+    # ...and mid-step: every copy into the step's buffers fails on the last rank. It joins the
+    # step's remaining collectives with what its buffers hold; the next agreement raises.
+    with _failing(torch, "cat", rank == last, lambda *_, **__: _called_from("runtime.py")):
+        optimizer.step()
+    _expect_everywhere(
+        RuntimeError, rf"Muon.step failed on rank {last}: OutOfMemoryError", optimizer.agreement.settle
+    )
+    optimizer.step()  # and the next step runs normally
+
+
+@contextlib.contextmanager
+def _failing(module, name: str, here: bool, when) -> Iterator[None]:
+    """``module.name`` raising an out-of-memory error on this rank if ``here``, where ``when(*args)``."""
+    original = getattr(module, name)
+
+    def failing(*args, **kwargs):
+        if when(*args, **kwargs):
+            raise torch.OutOfMemoryError("injected")
+        return original(*args, **kwargs)
+
+    setattr(module, name, failing if here else original)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
+def _called_from(filename: str) -> bool:
+    """Whether the caller of the function that asks was defined in ``filename``."""
+    return sys._getframe(3).f_code.co_filename.endswith(filename)
 
 
 def _mixed_gradients(rank: int, world_size: int) -> None:
