@@ -7,7 +7,8 @@ touched (`lightning_canzona.checkpoint.errors.on_every_rank`). `load_distributed
 distributed checkpoint through the readers that run no code and name a file they cannot read
 (`lightning_canzona.checkpoint.reading`), every owner's matrix state going to the matrix's owner
 under this run's plan; DCP gathers each rank's failure to read, so it too is an error on every
-rank. `load_single_file` loads Fabric's single file.
+rank. `load_single_file` loads Fabric's single file, read whole on every rank: each keeps its
+part of the sharded state and, of the matrix state, what this run's plan gives it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
 from lightning_canzona.checkpoint.errors import corrupt, on_every_rank
@@ -154,5 +156,44 @@ def load_single_file(
     options = StateDictOptions(full_state_dict=True, cpu_offload=True, strict=strict)
     set_model_state_dict(module, checkpoint.pop(module_key), options=options)
     for key, optimizer in optimizers.items():
-        set_optimizer_state_dict(module, optimizer, optim_state_dict=checkpoint.pop(key), options=options)
+        state = _local_optimizer_state(module, optimizer, checkpoint.pop(key))
+        local = StateDictOptions(strict=strict)
+        set_optimizer_state_dict(module, optimizer, optim_state_dict=state, options=local)
     return checkpoint
+
+
+def _local_optimizer_state(module: nn.Module, optimizer: Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
+    """The whole optimizer state ``saved``, which every rank read, as this rank loads it
+    (collective where the optimizer has no state yet: getting its state dict creates it).
+
+    Each tensor that this rank's state holds as a DTensor (momenta, Adam's moments) becomes this
+    rank's part of it; the rest stays whole, every owner's matrix state and the counters, of which
+    `MatrixOptimizer.load_state_dict` keeps what this run's plan gives this rank, at any mesh.
+
+    Not ``set_optimizer_state_dict(full_state_dict=True)``: it assumes that every rank's state has
+    the same keys, and a counter of ``saved`` that this rank's state lacks (the step of a matrix
+    owned elsewhere, ``stack{m}_step`` of a stack's) loses its path in the state dict it flattens,
+    a ``KeyError`` when it unflattens it.
+    """
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    held = get_optimizer_state_dict(module, optimizer)["state"]
+    state = {
+        name: {
+            key: _part_like(value, held[name][key])
+            if isinstance(held.get(name, {}).get(key), DTensor)
+            else value
+            for key, value in param_state.items()
+        }
+        for name, param_state in saved["state"].items()
+    }
+    return {**saved, "state": state}
+
+
+def _part_like(whole: Tensor, like: DTensor) -> DTensor:
+    """This rank's part of ``whole``, placed as ``like``, in memory of its own (no collective: every
+    rank holds ``whole``)."""
+    mesh, placements = like.device_mesh, like.placements
+    part = distribute_tensor(whole, mesh, placements, src_data_rank=None).to_local()
+    # A shard is a view of the whole, which would stay alive with it.
+    return DTensor.from_local(part.clone(), mesh, placements, shape=like.shape, stride=like.stride())

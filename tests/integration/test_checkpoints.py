@@ -29,6 +29,7 @@ from lightning_canzona.checkpoint import (
     check_compatible,
     distributed_optimizer_state,
     full_optimizer_state,
+    load_single_file,
     save_atomically,
     staging_path,
     streaming,
@@ -188,28 +189,46 @@ class DumpFullState(Callback):
             self._dump(trainer, pl_module)
 
 
+#: The fixture's distributed checkpoint, in its folder.
+DISTRIBUTED = "checkpoints/epoch=0-step=3.ckpt"
+
+
+class SaveSingleFile(Callback):
+    """Saves a single file after ``after_step`` steps, whatever format the strategy saves in."""
+
+    def __init__(self, path, after_step: int) -> None:
+        self.path, self.after_step = path, after_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.after_step:
+            with mock.patch.object(trainer.strategy, "_save_distributed_checkpoint", False):
+                trainer.save_checkpoint(self.path)
+
+
 @pytest.fixture(scope="module")
 def saved_at_dp2_tp2(tmp_path_factory):
-    """A distributed checkpoint at step 3 on dp2×tp2, with the full state it holds, of the model
-    with experts: SOAP keeps each expert's factors with that expert's owner."""
+    """A distributed checkpoint and a single file at step 3 on dp2×tp2, with the full state they
+    hold, of the model with experts: SOAP keeps each expert's factors with that expert's owner."""
     directory = tmp_path_factory.mktemp("saved")
     dump = DumpFullState(directory / "saved.pt", after_step=3)
-    losses = _fit(directory, "uninterrupted", extra=[dump], preset="tiny-moe")
+    single_file = SaveSingleFile(directory / "single-file.ckpt", after_step=3)
+    losses = _fit(directory, "uninterrupted", extra=[dump, single_file], preset="tiny-moe")
     return directory, losses, torch.load(directory / "saved.pt")
 
 
 @pytest.mark.parametrize(
-    "mesh, replicas",
-    # 2 replicas (HSDP) × tp 2: each replica laid out as dp 1 × tp 2, the data-parallel size
-    # kept, and its plan replicated: each replica's owners hold every matrix's state.
-    [((4, 1), 1), ((2, 1), 1), ((2, 2), 2)],
-    ids=["dp4xtp1", "dp2xtp1", "replicate2xtp2"],
+    "mesh, replicas, name",
+    # dp 4 loads the single file. 2 replicas (HSDP) × tp 2: each replica laid out as dp 1 × tp 2,
+    # the data-parallel size kept, and its plan replicated: each replica's owners hold every
+    # matrix's state.
+    [((4, 1), 1, "single-file.ckpt"), ((2, 1), 1, DISTRIBUTED), ((2, 2), 2, DISTRIBUTED)],
+    ids=["dp4xtp1-single-file", "dp2xtp1", "replicate2xtp2"],
 )
 def test_checkpoint_loads_at_a_different_mesh_with_every_owners_state(
-    saved_at_dp2_tp2, tmp_path, mesh, replicas
+    saved_at_dp2_tp2, tmp_path, mesh, replicas, name
 ) -> None:
     directory, uninterrupted, saved = saved_at_dp2_tp2
-    checkpoint = directory / "checkpoints" / "epoch=0-step=3.ckpt"
+    checkpoint = directory / name
     dump = tmp_path / "restored.pt"
     resumed = _fit(
         tmp_path,
@@ -331,7 +350,7 @@ def test_a_save_that_dies_midway_leaves_the_previous_checkpoint_loadable(
 
 def test_a_checkpoint_of_another_model_is_a_clear_error_on_every_rank(saved_at_dp2_tp2, tmp_path) -> None:
     directory, _, _ = saved_at_dp2_tp2
-    checkpoint = directory / "checkpoints" / "epoch=0-step=3.ckpt"
+    checkpoint = directory / DISTRIBUTED
     with pytest.raises(
         Exception,
         match=r"different model: 'model.embed_tokens.weight' has shape \(256, 128\) in the checkpoint but",
@@ -476,9 +495,7 @@ def _packing(fails: bool, packed: list):
 
 def _a_failed_save_is_an_error_on_every_rank(rank: int, model: Experts, optimizer, folder: str) -> None:
     path = Path(folder) / "single-file.ckpt"
-    state = {"model": model, "optimizer": optimizer}
-    write = functools.partial(write_state, state=state, module=model, distributed=False)
-    save = functools.partial(save_atomically, path, write, False, torch.device(DEVICE))
+    save = functools.partial(_save_single_file, model, optimizer, path)
     expected = full_optimizer_state(model, optimizer).get("state")  # rank 0's
     save()
     _step(model, optimizer)  # the state moves on from the saved one
@@ -498,18 +515,31 @@ def _a_failed_save_is_an_error_on_every_rank(rank: int, model: Experts, optimize
         assert isinstance(raised.value, torch.OutOfMemoryError) == (rank == 2)
         assert not staging_path(path).exists()
     assert len(packed) == {0: 0, 1: 1, 2: 1, 3: 0}[rank]
-    # The checkpoint saved before is whole and holds the state it was saved with. (Loading a
-    # stack's state from a single file into the optimizer fails in torch's
-    # set_optimizer_state_dict, before and after this stream: the Trainer's resume tests load
-    # single files of 2-D matrices.)
+    # The checkpoint saved before is whole and holds the state it was saved with.
     verify(path)
-    saved = torch.load(path, weights_only=True)["optimizer"]["state"]
+    _loads_back(rank, model, optimizer, path, expected)
+
+
+def _save_single_file(model: Experts, optimizer, path: Path) -> None:
+    write = functools.partial(
+        write_state, state={"model": model, "optimizer": optimizer}, module=model, distributed=False
+    )
+    save_atomically(path, write, False, torch.device(DEVICE))
+
+
+def _loads_back(rank: int, model: Experts, optimizer, path: Path, expected: dict | None) -> None:
+    """The single file at ``path`` holds the optimizer state ``expected`` (rank 0's), and loading it
+    (as `CanzonaFabricStrategy` does) restores that state and the weights it holds exactly: each
+    matrix's state with its owner, the stack's failures counted once."""
+    saved = torch.load(path, weights_only=True)
     if rank == 0:
-        assert saved.keys() == expected.keys()
-        for name, values in expected.items():
-            assert saved[name].keys() == values.keys()
-            for key, value in values.items():
-                assert torch.equal(saved[name][key], value), (name, key)
+        torch.testing.assert_close(saved["optimizer"]["state"], expected, rtol=0, atol=0)
+    load_single_file(path, model, "model", {"optimizer": optimizer})
+    restored = full_optimizer_state(model, optimizer).get("state")
+    weights = {name: param.full_tensor() for name, param in model.named_parameters()}
+    if rank == 0:
+        torch.testing.assert_close(restored, expected, rtol=0, atol=0)
+        torch.testing.assert_close(weights, saved["model"], rtol=0, atol=0)
     dist.barrier()
 
 
@@ -524,6 +554,13 @@ def _saves_of_a_stack(rank: int, world_size: int, folder: str) -> None:
     _stack_failure_counts_add_up(rank, world_size, model, optimizer, str(Path(folder) / "distributed"))
     _a_save_streams_in_bounded_chunks(rank, world_size, optimizer)
     _a_failed_save_is_an_error_on_every_rank(rank, model, optimizer, folder)
+    # Muon's state of the stack is its momentum, sharded as the weights are.
+    muon, path = lc.Muon(lc.matrix_param_groups(model), lr=0.02), Path(folder) / "muon.ckpt"
+    _step(model, muon)
+    _save_single_file(model, muon, path)
+    expected = full_optimizer_state(model, muon).get("state")
+    _step(model, muon)
+    _loads_back(rank, model, muon, path, expected)
 
 
 def test_single_file_saves_stream_every_owners_state_in_bounded_chunks_or_fail_on_every_rank(
@@ -532,6 +569,7 @@ def test_single_file_saves_stream_every_owners_state_in_bounded_chunks_or_fail_o
     """Four owners of a stack's matrices: a checkpoint in either format holds the failed
     decompositions that each counted; a single file's stream holds one chunk of memory at a
     time; one rank's failure mid-save (allocating its chunk buffer, or copying its chunk) is an
-    error on every rank within seconds, and the checkpoint saved before stays as it was."""
+    error on every rank within seconds, and the checkpoint saved before stays as it was, and
+    loads back exactly, as a single file of Muon's state does."""
     # On an NCCL process group (emulated on CPU ranks): every collective's tensors on the device.
     run_on_ranks(4, _saves_of_a_stack, str(tmp_path), nccl_like=True, timeout=30)

@@ -13,6 +13,7 @@ import dataclasses
 import re
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from fabric_loop import (
     parallelize_mlps,
     train,
 )
+from fabric_resume import single_file
 from fabric_resume import train as resume_run
 from lightning.fabric import Fabric
 from lightning.fabric.plugins import DoublePrecision
@@ -117,25 +119,35 @@ def test_a_notebook_launch_of_a_model_that_cannot_take_the_sizes_is_one_report(c
     assert "device mesh" not in printed
 
 
-def _resume_run(dp: int, tp: int, checkpoint: Path, phase: str) -> dict[str, torch.Tensor]:
+def _resume_run(dp: int, tp: int, checkpoint: Path, phase: str) -> dict[str, Any]:
     strategy = lc.CanzonaFabricStrategy(dp, tp, start_method="fork")
     return Fabric(accelerator="cpu", devices=4, strategy=strategy).launch(resume_run, str(checkpoint), phase)
 
 
 def test_a_fabric_checkpoint_resumes_at_tp4_with_every_owners_state(tmp_path, capfd) -> None:
-    # Saved at dp 2 × tp 2, resumed at dp 1 × tp 4 (the Trainer's tests reshard to dp 4).
+    # Saved at dp 2 × tp 2 in both formats, resumed at dp 1 × tp 4 (the Trainer's tests reshard
+    # to dp 4), where other ranks own the matrices, each expert's among them.
     checkpoint = tmp_path / "checkpoint"
-    uninterrupted = _resume_run(2, 2, checkpoint, "first")
+    uninterrupted = _resume_run(2, 2, checkpoint, "first")["weights"]
     assert (checkpoint / "manifest.json").is_file()  # verified when loaded
     resumed = _resume_run(1, 4, checkpoint, "resumed")
     printed = "".join(capfd.readouterr())
     assert not warning_lines(printed), printed[-3000:]
+    # Either format restores the weights and every owner's state as the single file holds them,
+    # exactly: the experts' factors, eigenbases and step counts each under its expert's keys.
+    saved = torch.load(single_file(str(checkpoint)), weights_only=True)
+    assert "stack3_left_basis" in saved["optimizer"]["state"]["layers.1.mlp.experts.down_proj"]
+    for restored in resumed["loaded"].values():
+        torch.testing.assert_close(restored["model"], saved["model"], rtol=0, atol=0)
+        torch.testing.assert_close(
+            restored["optimizer"]["state"], saved["optimizer"]["state"], rtol=0, atol=0
+        )
     # The same training up to the order in which TP ranks sum partial products, which SOAP's
-    # eigenbases grow. Measured, of the largest weight: 2.8e-4 (2.0e-4 at dp 4); resumed without
-    # the optimizer's state, 0.46 (dp 4).
+    # eigenbases grow. Measured, of the largest weight: 3.3e-5 (2.8e-4 without the experts);
+    # resumed without the optimizer's state, 0.66.
     for name, weight in uninterrupted.items():
         bound = 1e-3 * float(weight.abs().max())
-        assert torch.allclose(resumed[name], weight, rtol=0, atol=bound), name
+        assert torch.allclose(resumed["weights"][name], weight, rtol=0, atol=bound), name
 
 
 def test_the_fabric_example_pretrains_logs_the_step_costs_and_saves(examples) -> None:
