@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import lightning_canzona as lc
-from lightning_canzona.planning.memory import GroupBuffers
+from lightning_canzona.planning.memory import GroupBuffers, estimated_buffers
 from lightning_canzona.rules.muon import MuonRule
 
 
@@ -128,6 +128,12 @@ def _buffers_per_group_in_flight(rank: int, world_size: int) -> None:
         assert len(engine.plan.micro_groups) == 16
         # Every group's buffers are given up once it is done: the arena holds at most the
         # pipeline's three groups (gathering, computing, scattering) at once, not all 16.
+        # The plan's memory model counts exactly the buffers the step lays out, and their arena.
+        plan = engine.plan
+        modelled = estimated_buffers(plan.matrices, plan.teams, plan.micro_groups, world_size)[rank]
+        for laid_out, estimate in zip(engine.layout.buffers, modelled, strict=True):
+            assert all(getattr(laid_out, n) == getattr(estimate, n) for n in GroupBuffers.ARENA), estimate
+        assert plan.rank_memory()[rank].arena == engine.layout.arena_bytes
         everything = sum(getattr(b, name) for b in engine.layout.buffers for name in GroupBuffers.ARENA)
         assert 0 < engine.layout.arena_bytes <= 0.3 * everything, (overlap, engine.layout.arena_bytes)
         assert engine.stats.peak_buffer_bytes <= 0.3 * engine.meter.total, (overlap, engine.meter.peak)

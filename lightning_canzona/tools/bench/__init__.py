@@ -14,6 +14,7 @@ from typing import Literal
 
 import torch
 
+from lightning_canzona.config import PlanConfig
 from lightning_canzona.models.qwen3 import PRESETS
 from lightning_canzona.tools.bench import newton_schulz, qk_clip, step, train
 from lightning_canzona.tools.bench.devices import check_devices, default_backend
@@ -71,6 +72,7 @@ def step_command(
     backend: str | None = None,
     compute_dtype: Dtype | None = None,
     optimizer: StepOptimizer = "muon",
+    budgets: tuple[str, ...] = (),
 ) -> None:
     """Optimizer-step latency on dp×tp ranks (CPU or GPU): canzona vs the alternatives.
 
@@ -91,6 +93,7 @@ def step_command(
             without torch.optim.Muon, which has bfloat16 only)
         optimizer: the optimizer of every variant (muon-gram, muon-symmetric: Muon with
             ns_form='gram', 'standard-symmetric')
+        budgets: a canzona variant more for each PlanConfig memory_budget (0.25, '512MiB', None)
     """
     backend = _ranks_fit(device, backend, dp * tp)
     problem = step.replicate_problem(dp, replicate)
@@ -98,6 +101,11 @@ def step_command(
         raise UsageError(problem)
     if compute_dtype and optimizer in ("shampoo", "soap"):
         raise UsageError(f"--compute-dtype is Muon's and NorMuon's: {optimizer} computes in float32")
+    for budget in budgets:
+        try:
+            PlanConfig(memory_budget=None if budget == "None" else step.parse_budget_text(budget))
+        except (TypeError, ValueError) as error:
+            raise UsageError(f"--budgets: {error}") from None
     step.run(
         list(presets),
         dp,
@@ -109,6 +117,7 @@ def step_command(
         warmup=warmup,
         compute_dtype=compute_dtype,
         replicate=replicate,
+        budgets=budgets,
     )
 
 

@@ -13,13 +13,14 @@ takes away and the figures measured.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
 import socket
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -117,7 +118,8 @@ class VariantResult:
     busy_max_over_mean: float | None
     state_bytes: list[int]
     plan_max_over_mean: float | None
-    peak_buffer_bytes: int | None
+    peak_bytes: int | None
+    model_peak_bytes: int | None
     matrix_bytes_per_rank: float
     over_adamw: float | None
     sent_bytes: int | None
@@ -188,6 +190,10 @@ def _build(
         else:
             optimizer.batch_matrices = False
         return optimizer
+    if variant.startswith(BUDGET_VARIANT):
+        budget = variant.removeprefix(BUDGET_VARIANT).removesuffix(")")
+        plan = PlanConfig(memory_budget=None if budget == "None" else parse_budget_text(budget))
+        return optimizer_class(groups, **settings, plan=plan)
     policy, overlap = {
         "sync": ("sync", True),
         "round_robin": ("round_robin", True),
@@ -204,6 +210,57 @@ def _build(
         policy=policy, overlap=overlap, max_team=max_team, team_prices=prices, replicas=replicas
     )
     return optimizer_class(groups, **settings, plan=plan)
+
+
+#: The name of a ``canzona`` variant with another memory budget: ``canzona (memory_budget=0.25)``.
+BUDGET_VARIANT = "canzona (memory_budget="
+
+
+def budget_variant(budget: str) -> str:
+    """The variant that runs ``canzona`` with ``PlanConfig(memory_budget=budget)``."""
+    return f"{BUDGET_VARIANT}{budget})"
+
+
+def parse_budget_text(text: str) -> float | str:
+    """A ``memory_budget`` given on the command line: a fraction, or a size or ``auto`` as text."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def step_peak(step: Callable[[], object], device: torch.device) -> int:
+    """Bytes ``step()`` allocates at its peak beyond what was held before, counted by the allocator
+    (every buffer: the rules' temporaries and the backend's too, which the step's own meter does not
+    see): on a GPU by its statistics, on a CPU by its events under ``torch.profiler``."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        step()
+        return torch.cuda.max_memory_allocated(device) - before
+    from torch.profiler import ProfilerActivity, profile
+
+    with _stderr_silenced(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiled:
+        step()
+    events = profiled.profiler.kineto_results.events()  # type: ignore[union-attr]
+    running = peak = 0
+    for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"):
+        running += nbytes
+        peak = max(peak, running)
+    return peak
+
+
+@contextlib.contextmanager
+def _stderr_silenced() -> Iterator[None]:
+    """The process's standard error (its file descriptor: the profiler's C++ notes) to nowhere."""
+    saved = os.dup(2)
+    with open(os.devnull, "w") as nowhere:
+        os.dup2(nowhere.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 def _state_bytes(optimizer: object) -> int:
@@ -252,6 +309,7 @@ def _worker(
     warmup: int = 2,
     compute_dtype: str | None = None,
     replicate: int = 1,
+    budgets: tuple[str, ...] = (),
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -293,6 +351,7 @@ def _worker(
         variants = tuple(v for v in VARIANTS if v != "torch.optim.Muon") + MOE_VARIANTS
     if replicate > 1:
         variants += HSDP_VARIANTS
+    variants += tuple(budget_variant(budget) for budget in budgets)
     # dion's Muon takes a 1-D mesh; it runs where torch.optim.Muon does (bf16 Muon, no experts).
     if tp == 1 and replicate == 1 and "torch.optim.Muon" in variants and importlib.util.find_spec("dion"):
         variants += (DION,)
@@ -303,7 +362,6 @@ def _worker(
     times: dict[str, list[float]] = {v: [] for v in variants}
     cpu: dict[str, list[float]] = {v: [] for v in variants}
     busy: dict[str, list[float]] = {v: [] for v in variants}
-    peaks: dict[str, int] = dict.fromkeys(variants, 0)
     for repeat in range(warmup + steps):  # warm-up steps: plans, state, allocator
         for variant, optimizer in optimizers.items():
             synchronize(device)
@@ -319,8 +377,8 @@ def _worker(
                 cpu[variant].append(used)
                 engines = list(optimizer.engines.values())
                 busy[variant].append(sum(e.stats.compute.seconds for e in engines))
-                step_peak = max((e.stats.peak_buffer_bytes for e in engines), default=0)
-                peaks[variant] = max(peaks[variant], step_peak)
+    # One more step of each, its peak counted by the allocator: every buffer, the rules' own too.
+    peaks = {variant: step_peak(optimizer.step, device) for variant, optimizer in optimizers.items()}
     matrices = [p for g in lc.matrix_param_groups(model) if "algorithm" not in g for _, p in g["params"]]
     matrix_bytes = sum(p.numel() * p.element_size() for p in matrices)
     adamw_bytes = _adamw_state_bytes(model)
@@ -331,6 +389,7 @@ def _worker(
         engines = list(optimizer.engines.values())
         # The busiest rank's state and step buffers together, against AdamW's state on that rank.
         held = _gather((_state_bytes(optimizer) + peaks[variant]) / adamw_bytes)
+        modelled = sum(e.plan.rank_memory()[e.planned.rank].peak for e in engines if e.planned)
         results.append(
             VariantResult(
                 name=variant,
@@ -339,9 +398,10 @@ def _worker(
                 busy_max_over_mean=max(rank_busy) / mean_busy if engines and mean_busy > 0 else None,
                 state_bytes=_gather(_state_bytes(optimizer)),
                 plan_max_over_mean=report(engines[0].plan).max_over_mean if engines else None,
-                peak_buffer_bytes=max(_gather(peaks[variant])) if engines else None,
+                peak_bytes=max(_gather(peaks[variant])),
+                model_peak_bytes=max(_gather(modelled)) if engines else None,
                 matrix_bytes_per_rank=matrix_bytes / world,
-                over_adamw=max(held) if engines else None,
+                over_adamw=max(held),
                 sent_bytes=max(_gather(sum(e.stats.bytes_sent for e in engines))) if engines else None,
                 split_matrices=report(engines[0].plan).split_matrices if engines else {},
             )
@@ -378,12 +438,14 @@ def measure(
     warmup: int = 2,
     compute_dtype: str | None = None,
     replicate: int = 1,
+    budgets: tuple[str, ...] = (),
 ) -> list[VariantResult]:
     """Run the benchmark for one model preset on a ``dp × tp`` mesh of ``device`` ranks (CPU
     processes, or one GPU each) over ``backend`` (``None``: `default_backend`): ``warmup``
     untimed steps, then ``steps`` timed ones, of every variant; Muon's Newton–Schulz in
     ``compute_dtype`` (``None``: bfloat16, as ``torch.optim.Muon``); ``replicate`` > 1: HSDP,
-    FSDP2 sharding within each of ``replicate`` replicas of the data-parallel ranks."""
+    FSDP2 sharding within each of ``replicate`` replicas of the data-parallel ranks; ``budgets``:
+    a ``canzona`` variant more for each ``memory_budget`` (`budget_variant`)."""
     problem = replicate_problem(dp, replicate)
     if problem:
         raise ValueError(problem)
@@ -395,7 +457,7 @@ def measure(
     method = start_method(device)
     queue = mp.get_context(method).SimpleQueue()
     args = (world, _free_port(), dp, tp, preset, steps, optimizer, queue)
-    args += (device, backend, warmup, compute_dtype, replicate)
+    args += (device, backend, warmup, compute_dtype, replicate, tuple(budgets))
     in_fresh_thread(mp.start_processes, _worker, args=args, nprocs=world, start_method=method)
     return queue.get()
 
@@ -415,13 +477,11 @@ def format_table(
     for result in results:
         busy = f"{result.busy_max_over_mean:.2f}" if result.busy_max_over_mean else "-"
         planned = f"{result.plan_max_over_mean:.2f}" if result.plan_max_over_mean else "-"
-        peak, relative, over_adamw = "-", "-", "-"
         sent = f"{result.sent_bytes / 2**20:.2f}" if result.sent_bytes is not None else "-"
-        if result.peak_buffer_bytes is not None:
-            peak = f"{result.peak_buffer_bytes / 2**20:.2f}"
-            relative = f"{result.peak_buffer_bytes / result.matrix_bytes_per_rank:.2f}"
-        if result.over_adamw is not None:
-            over_adamw = f"{result.over_adamw:.2f}"
+        peak = f"{result.peak_bytes / 2**20:.2f}" if result.peak_bytes is not None else "-"
+        relative = f"{result.peak_bytes / result.matrix_bytes_per_rank:.2f}" if result.peak_bytes else "-"
+        model = f"{result.model_peak_bytes / 2**20:.2f}" if result.model_peak_bytes is not None else "-"
+        over_adamw = f"{result.over_adamw:.2f}" if result.over_adamw is not None else "-"
         rows.append(
             [
                 result.name,
@@ -432,6 +492,7 @@ def format_table(
                 busy,
                 planned,
                 peak,
+                model,
                 relative,
                 over_adamw,
                 sent,
@@ -439,7 +500,7 @@ def format_table(
             ]
         )
     headers = ["variant", "step ms", "÷ canzona", "CPU ms", "÷ canzona", "busy max/mean", "plan max/mean"]
-    headers += ["peak buffers MiB", "÷ matrix bytes/rank", "state + peak ÷ AdamW's", "sent MiB"]
+    headers += ["step peak MiB", "model MiB", "÷ matrix bytes/rank", "state + peak ÷ AdamW's", "sent MiB"]
     headers += ["state MiB per rank"]
     lines = [
         f"preset {preset}, {optimizer}: optimizer step{on}, median over ranks' slowest",
@@ -464,8 +525,11 @@ def run(
     warmup: int = 2,
     compute_dtype: str | None = None,
     replicate: int = 1,
+    budgets: tuple[str, ...] = (),
 ) -> None:
     """Measure and print every preset (`measure`)."""
     for preset in presets:
-        results = measure(preset, dp, tp, steps, optimizer, device, backend, warmup, compute_dtype, replicate)
+        results = measure(
+            preset, dp, tp, steps, optimizer, device, backend, warmup, compute_dtype, replicate, budgets
+        )
         echo(format_table(preset, results, optimizer, device, replicate))
