@@ -39,9 +39,10 @@ def flops(rows: int, cols: int, ns_steps: int, form: str = "standard") -> float:
 
 def working_bytes(short: int, long: int, dtype: torch.dtype) -> int:
     """Bytes of the temporaries of Newton–Schulz on a ``short × long`` matrix (its Gram side ``short``,
-    input already in ``dtype``) at their peak, beside its input and its result: the previous iterate
-    (``short × long``) with the Gram matrix and the polynomial (``short²`` each)."""
-    return (short * long + 2 * short * short) * dtype.itemsize
+    input already in ``dtype``) at their peak, beside its input and its result: two iterates (the
+    previous one, and the copy a batched product makes of a transposed one) with the Gram matrix and
+    the polynomial (``short²`` each), as the allocator counts them (docs/memory.md)."""
+    return (2 * short * long + 2 * short * short) * dtype.itemsize
 
 
 def symmetric_product(
