@@ -27,9 +27,13 @@ class MatrixSpec:
         holders: Ranks that hold the whole matrix (an expert that FSDP2 left on one rank).
         team_costs: The cost to a team of each of `TEAM_SIZES` ranks (``None``: the rule cannot
             split it; empty: none can).
-        param_bytes: Bytes of one element of the parameter (its shards, its prepared shards).
+        param_bytes: Bytes of one element of the parameter.
+        prepared_bytes: Bytes of one element of what the rule's `prepare` makes anew (0: it hands
+            back the gradient or its state).
         exchange_bytes: Bytes of one element as the matrix travels and is computed on
             (`MatrixRule.exchange_dtype`).
+        batched: An owner's matrices of its shape go through one call of the rule together
+            (`MatrixRule.batches_matrices`): their working sets add up.
     """
 
     name: str
@@ -39,7 +43,9 @@ class MatrixSpec:
     holders: tuple[int, ...] = ()
     team_costs: tuple[UpdateCost | None, ...] = ()
     param_bytes: int = 4
+    prepared_bytes: int = 4
     exchange_bytes: int = 4
+    batched: bool = True
 
     def weighted(self, factor: float) -> MatrixSpec:
         """This spec with its FLOPs, alone and in teams, counted ``factor`` times."""
@@ -95,7 +101,9 @@ def matrix_spec(
         tuple(holders),
         teams,
         dtype.itemsize,
+        dtype.itemsize if rule.prepares_copies else 0,
         rule.exchange_dtype(dtype).itemsize,
+        rule.batches_matrices,
     )
 
 

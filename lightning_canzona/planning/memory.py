@@ -311,7 +311,7 @@ def estimated_buffers(
     A matrix's shards are even over the ranks (whole on its ``holders``, the first sending them); a
     team member computes a ``1/size`` slice, of which it holds its share already. Under ``sync``
     (``teams is None``) every rank computes every matrix and nothing is scattered. Each rank's batches
-    are its matrices of one shape and team size (one call of the rule).
+    are its matrices of one shape and team size where the rule batches them (one call of the rule).
     """
     per_rank: list[list[GroupBuffers]] = [[] for _ in range(num_ranks)]
     for group in groups:
@@ -344,13 +344,13 @@ def _group_buffers(
         even, computed = numel / num_ranks, numel / size
         if matrix.holders:  # each holder prepares its copy; the first sends slices to the others
             for rank in matrix.holders:
-                add(rank, "prepared", numel * matrix.param_bytes)
+                add(rank, "prepared", numel * matrix.prepared_bytes)
                 if scatters:  # and gets back every slice that another rank computed
                     add(rank, "scatter_receive", (numel - (computed if rank in team else 0.0)) * xb)
             outside = sum(rank not in matrix.holders for rank in team)
             add(matrix.holders[0], "gather_send", computed * xb * outside)
         else:
-            shared["prepared"] += even * matrix.param_bytes
+            shared["prepared"] += even * matrix.prepared_bytes
             shared["gather_send"] += even * xb * (1 if scatters else num_ranks - 1)
             if scatters:
                 shared["scatter_receive"] += even * xb
@@ -372,7 +372,7 @@ def _group_buffers(
             add(rank, "kept", mine * xb)
             add(rank, "own", mine * xb)
             rank_batches = batches.setdefault(rank, {})
-            key = (matrix.shape, size)
+            key = (matrix.shape, size) if matrix.batched else index
             rank_batches[key] = rank_batches.get(key, 0) + working
 
     def buffers(values: dict[str, float], working: int) -> GroupBuffers:

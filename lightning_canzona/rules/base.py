@@ -257,6 +257,11 @@ class MatrixRule(ABC):
     #: alone; a rule with matrix state keeps each one's under `updates.member_prefix`.)
     batches_matrices: ClassVar[bool] = False
 
+    @property
+    def prepares_copies(self) -> bool:
+        """`prepare` returns new tensors, not its gradients or state: memory the step holds."""
+        return False
+
     @classmethod
     def settings(cls) -> dict[str, Any]:
         """The param-group settings the rule is built from, with their defaults."""

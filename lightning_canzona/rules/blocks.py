@@ -101,6 +101,10 @@ class RowBlockRule(MatrixRule):
     def prepare(self, grads: Sequence[Tensor], states: Sequence[State]) -> list[Tensor]:
         return self.inner.prepare(grads, states)
 
+    @property
+    def prepares_copies(self) -> bool:
+        return self.inner.prepares_copies
+
     def init_matrix_state(self, shape: torch.Size, device: torch.device) -> State:
         state: State = {}
         for size, starts in self._sizes(shape[-2]).items():

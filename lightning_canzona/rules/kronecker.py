@@ -112,10 +112,11 @@ def update_factors(state: State, grad: Tensor, beta: float) -> None:
         state["right"].lerp_(grad.mT @ grad, 1.0 - beta)
 
 
-#: Float32 copies of the matrix a Kronecker-factored update holds at once beside its input and output
-#: (the gradient and momentum projected, a product's intermediate); with a decomposition's two
-#: temporaries of each side's size, the rule's working set (`UpdateCost.working_bytes`).
-WORKING_COPIES = 3
+#: Float32 copies of the matrix a Kronecker-factored update holds at once beside its input and
+#: output (the gradient and momentum projected, a product's intermediates), and of its largest
+#: factor a decomposition holds: its working set (`UpdateCost.working_bytes`), as the CPU
+#: allocator counts it on a step that decomposes (docs/memory.md).
+WORKING_COPIES, DECOMPOSITION_COPIES = 4, 3
 
 
 def cost(shape: Sequence[int], max_precond_dim: int, frequency: int, products: int) -> UpdateCost:
@@ -135,7 +136,9 @@ def cost(shape: Sequence[int], max_precond_dim: int, frequency: int, products: i
         elementwise_state_bytes=0,
         period=frequency,
         periodic_flops=(float(decompositions),),
-        working_bytes=4 * batch * (WORKING_COPIES * rows * cols + sum(2 * dim * dim for dim in sides)),
+        working_bytes=4
+        * batch
+        * (WORKING_COPIES * rows * cols + DECOMPOSITION_COPIES * max(sides, default=0) ** 2),
     )
 
 
@@ -191,7 +194,7 @@ def team_cost(
         member_flops=tuple(flops / frequency for flops in decompositions),
         period=frequency,
         periodic_flops=tuple(decompositions),
-        working_bytes=4 * (WORKING_COPIES * numel + sum(2 * dim * dim for dim in sides)),
+        working_bytes=4 * (WORKING_COPIES * numel + DECOMPOSITION_COPIES * max(sides, default=0) ** 2),
     )
 
 

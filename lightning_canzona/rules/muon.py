@@ -117,6 +117,10 @@ class MuonRule(MatrixRule):
         foreach_lerp_(buffers, grads, 1.0 - self.momentum)
         return list(foreach_lerp(grads, buffers, self.momentum)) if self.nesterov else buffers
 
+    @property
+    def prepares_copies(self) -> bool:
+        return self.nesterov
+
     def init_matrix_state(self, shape: torch.Size, device: torch.device) -> State:
         return {}
 
