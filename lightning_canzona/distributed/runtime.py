@@ -307,7 +307,8 @@ def prepare_matrices(
     states, grads = [], []
     for param, holds, member in zip(params, holds_matrix, members):
         param_state = state.setdefault(param, {})
-        if not param_state:
+        # (A stack's state may hold its matrices' already: each owner makes its own when it computes.)
+        if not param_state or any(key not in param_state for key in rule.elementwise_state_keys):
             param_state.update(
                 _stored(rule.init_elementwise_state(param), rule.elementwise_state_keys, state_dtype)
             )

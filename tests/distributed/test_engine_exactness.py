@@ -43,12 +43,16 @@ OPTIMIZERS = {
     "soap": (lc.SOAP, {"lr": 1e-2, "precondition_frequency": 2, "weight_decay_order": "update_first"}),
 }
 PLANS = [
-    {"policy": "sync"},
+    # Every matrix a micro-group of its own: under sync each rank computes a stack's matrices
+    # before it prepares the ones it holds.
+    {"policy": "sync", "micro_group_capacity": 1.0},
     {"policy": "round_robin"},
     {"policy": "lpt"},
     {"policy": "canzona", "alpha": 0.0},
     {"policy": "canzona", "alpha": 0.5},
-    {"policy": "canzona", "alpha": 1.0},
+    # A budget this tight cuts a micro-group per matrix a rank computes: many groups in flight in
+    # one arena, a stack's matrices prepared and computed in different groups.
+    {"policy": "canzona", "alpha": 1.0, "memory_budget": 0.01},
 ]
 STEPS = 3  # a None gradient at step 1, a lost block at step 2 (0-based)
 ROW_BLOCKS = {"qkv.weight": (10, 6, 6), "experts.gate_up": 2}
