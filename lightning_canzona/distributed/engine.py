@@ -41,7 +41,7 @@ from lightning_canzona.distributed.team_collectives import TeamGroup
 from lightning_canzona.geometry import member_blocks
 from lightning_canzona.planning import Plan, PlanSettings, block_of, build_plan
 from lightning_canzona.planning.matrices import local_members, matrix_spec
-from lightning_canzona.planning.memory import GroupBuffers
+from lightning_canzona.planning.memory import GroupBuffers, size_text
 from lightning_canzona.planning.replication import (
     ReplicationChoice,
     choose_replication,
@@ -225,8 +225,8 @@ class MeshEngine:
             (sum(getattr(b, n) for n in GroupBuffers.ARENA) for b in self.layout.buffers), default=0
         )
         return (
-            f"The step's buffers take {self.layout.arena_bytes / 2**20:.1f} MiB on this rank (its largest "
-            f"micro-group {largest / 2**20:.1f} MiB) with PlanConfig(memory_budget={self.budget!r}): lower "
+            f"The step's buffers take {size_text(self.layout.arena_bytes)} on this rank (its largest "
+            f"micro-group {size_text(largest)}) with PlanConfig(memory_budget={self.budget!r}): lower "
             "memory_budget (a fraction of the rank's matrix bytes such as 0.25, or a size such as '1GiB') "
             "for smaller micro-groups, or free memory before the step (docs/memory.md)."
         )

@@ -220,8 +220,16 @@ class MemoryBudget:
 
     def describe(self) -> str:
         if self.nbytes is not None:
-            return f"{self.nbytes / 2**20:.1f} MiB"
+            return size_text(self.nbytes)
         return f"{self.fraction:g} of the rank's matrix bytes"
+
+
+def size_text(nbytes: float) -> str:
+    """``nbytes`` in the largest binary unit that keeps it at least 1 (``"812.0 MiB"``)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes:.0f} B"
 
 
 def parse_budget(value: float | str | None) -> MemoryBudget | None:

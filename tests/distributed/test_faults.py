@@ -135,7 +135,7 @@ def _one_rank_fails(rank: int, world_size: int) -> None:
         _expect_everywhere(
             RuntimeError,
             rf"Muon.step failed on rank {last}: OutOfMemoryError\(\"injected The step's buffers take "
-            r"[0-9.]+ MiB on this rank \(its largest micro-group [0-9.]+ MiB\) with "
+            r"[0-9.]+ [KMG]?i?B on this rank \(its largest micro-group [0-9.]+ [KMG]?i?B\) with "
             r"PlanConfig\(memory_budget='auto'\): lower memory_budget",
             optimizer.step,
         )

@@ -63,7 +63,9 @@ def _a_member_fails(rank: int, world_size: int, optimizer_name: str) -> None:
         optimizer.step()  # the team finishes its rounds; the next step's one read raises
     finally:
         rule_class.team_direction = original
-    with pytest.raises(RuntimeError, match=r"failed on rank 3: OutOfMemoryError\('injected in a team'\)"):
+    with pytest.raises(
+        RuntimeError, match=r"failed on rank 3: OutOfMemoryError\(.injected in a team The step's"
+    ):
         optimizer.step()
     dist.barrier()  # every rank got here: nobody is left in a team's collective
     assert failures == ([3] if rank == 3 else [])
