@@ -189,7 +189,7 @@ class MeshEngine:
             self.batch_matrices,
             self.clock,
             self.meter,
-            self.memory_advice(),
+            self.memory_advice,
         )
         adamw: dict[int, list[Entry]] = {}  # by param group: one foreach step each
         for entry, stepped in zip(entries, has_grad):

@@ -673,7 +673,7 @@ class StepRun:
     batch_matrices: bool
     clock: Clock
     meter: BufferMeter
-    memory_advice: str = ""
+    memory_advice: Callable[[], str] = str
     stats: StepStats = field(default_factory=StepStats)
     failure: Exception | None = None
 
@@ -684,7 +684,7 @@ class StepRun:
             try:
                 return work()
             except torch.OutOfMemoryError as error:
-                self.failure = torch.OutOfMemoryError(f"{error} {self.memory_advice}".strip())
+                self.failure = torch.OutOfMemoryError(f"{error} {self.memory_advice()}".strip())
                 self.failure.__cause__ = error
             except Exception as error:
                 self.failure = error
