@@ -4,7 +4,7 @@ the rank's peak, and micro-groups cut to a budget (docs/memory.md)."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from lightning_canzona.planning.matrices import MatrixSpec
@@ -339,42 +339,61 @@ def _group_buffers(
     fields = [name for name in GroupBuffers.LIVES if name != "working"]
     shared = dict.fromkeys(fields, 0.0)
     sums: dict[int, dict[str, float]] = {}
-    batches: dict[int, dict[tuple, int]] = {}
-    scatters = teams is not None
+    batches: dict[int, dict[Hashable, int]] = {}
+    common_batches: dict[Hashable, int] = {}  # under sync, every rank's
 
     def add(rank: int, name: str, nbytes: float) -> None:
         sums.setdefault(rank, dict.fromkeys(fields, 0.0))[name] += nbytes
 
     for index, matrix in enumerate(matrices):
         numel, xb = matrix.cost.numel, matrix.exchange_bytes
-        team = tuple(range(num_ranks)) if teams is None else teams[index]
-        size = len(team) if scatters else 1
-        even, computed = numel / num_ranks, numel / size
+        even = numel / num_ranks
+        working = matrix.cost.working_bytes + round(numel * xb)
+        if teams is None:  # every rank computes the whole matrix alike; its holders hold it already
+            shared["assembled"] += numel * xb
+            if matrix.holders:
+                for rank in matrix.holders:
+                    add(rank, "prepared", numel * matrix.prepared_bytes)
+                    for name in ("own", "kept"):
+                        add(rank, name, numel * xb)
+                    add(rank, "gather_receive", -numel * xb)
+                add(matrix.holders[0], "gather_send", numel * xb * (num_ranks - len(matrix.holders)))
+                shared["gather_receive"] += numel * xb
+            else:
+                shared["prepared"] += even * matrix.prepared_bytes
+                shared["gather_send"] += even * xb * (num_ranks - 1)
+                shared["gather_receive"] += (numel - even) * xb
+                shared["own"] += even * xb
+                shared["kept"] += even * xb
+            key = (matrix.shape, 1) if matrix.batched else index
+            common_batches[key] = common_batches.get(key, 0) + working
+            continue
+        team = teams[index]
+        size = len(team)
+        computed = numel / size
+        working = matrix.member_cost(size).working_bytes + round(computed * xb)
         if matrix.holders:  # each holder prepares its copy; the first sends slices to the others
             for rank in matrix.holders:
                 add(rank, "prepared", numel * matrix.prepared_bytes)
-                if scatters:  # and gets back every slice that another rank computed
-                    add(rank, "scatter_receive", (numel - (computed if rank in team else 0.0)) * xb)
+                # and gets back every slice that another rank computed
+                add(rank, "scatter_receive", (numel - (computed if rank in team else 0.0)) * xb)
             outside = sum(rank not in matrix.holders for rank in team)
             add(matrix.holders[0], "gather_send", computed * xb * outside)
         else:
             shared["prepared"] += even * matrix.prepared_bytes
-            shared["gather_send"] += even * xb * (1 if scatters else num_ranks - 1)
-            if scatters:
-                shared["scatter_receive"] += even * xb
-        working = matrix.member_cost(size).working_bytes + round(computed * xb)
+            shared["gather_send"] += even * xb
+            shared["scatter_receive"] += even * xb
         for rank in team:
             if matrix.holders:
                 mine = computed if rank in matrix.holders else 0.0
                 returned = computed * (len(matrix.holders) - (rank in matrix.holders))
             else:
-                mine = even / size if scatters else even
+                mine = even / size
                 returned = computed - mine
-            if scatters:
-                add(rank, "scatter_send", returned * xb)
-                if not matrix.holders:  # its own piece neither leaves nor comes back
-                    add(rank, "gather_send", -mine * xb)
-                    add(rank, "scatter_receive", -mine * xb)
+                # its own piece neither leaves nor comes back
+                add(rank, "gather_send", -mine * xb)
+                add(rank, "scatter_receive", -mine * xb)
+            add(rank, "scatter_send", returned * xb)
             for name, nbytes in (("assembled", computed), ("gather_receive", computed - mine)):
                 add(rank, name, nbytes * xb)
             add(rank, "kept", mine * xb)
@@ -386,11 +405,12 @@ def _group_buffers(
     def buffers(values: dict[str, float], working: int) -> GroupBuffers:
         return GroupBuffers(**{name: round(value) for name, value in values.items()}, working=working)
 
+    common = max(common_batches.values(), default=0)
     by_rank = {
         rank: buffers(
             {name: shared[name] + values[name] for name in fields},
-            max(batches.get(rank, {}).values(), default=0),
+            max(batches.get(rank, {}).values(), default=common),
         )
         for rank, values in sums.items()
     }
-    return buffers(shared, 0), by_rank
+    return buffers(shared, common), by_rank

@@ -142,18 +142,14 @@ def fit_memory(plan: Plan) -> Plan:
     as small as they get (each rank's part of a group one matrix at most). The default budget cuts
     only while the estimated step stays within `MEMORY_STEP_TOLERANCE` of the uncut plan's."""
     target = plan.memory_target()
-    if target is None or max(memory.peak for memory in plan.rank_memory()) <= target:
+    # Under sync every rank computes every matrix: its memory is not what a budget could bound.
+    if target is None or plan.teams is None or max(memory.peak for memory in plan.rank_memory()) <= target:
         return plan
     budget = plan.settings.memory_budget
     assert budget is not None
     sizes = computed_bytes(plan)
     largest = max(
-        (
-            sum(sizes[i].get(rank, 0) for i in group)
-            for group in plan.micro_groups
-            for rank in range(plan.num_ranks)
-        ),
-        default=0,
+        (max(_held_by_rank(group, sizes).values(), default=0) for group in plan.micro_groups), default=0
     )
     single = max((max(size.values(), default=0) for size in sizes), default=0)
     candidates = [
@@ -171,14 +167,19 @@ def fit_memory(plan: Plan) -> Plan:
 
 def computed_bytes(plan: Plan) -> list[dict[int, int]]:
     """Per matrix, rank → bytes of what that rank computes of it (its whole, or a team member's slice)."""
-    teams = plan.teams or [tuple(range(plan.num_ranks))] * len(plan.matrices)
+    assert plan.teams is not None
     return [
-        {
-            rank: matrix.cost.numel * matrix.exchange_bytes // (len(team) if plan.teams is not None else 1)
-            for rank in team
-        }
-        for matrix, team in zip(plan.matrices, teams)
+        {rank: matrix.cost.numel * matrix.exchange_bytes // len(team) for rank in team}
+        for matrix, team in zip(plan.matrices, plan.teams)
     ]
+
+
+def _held_by_rank(group: Sequence[int], sizes: Sequence[dict[int, int]]) -> dict[int, int]:
+    totals: dict[int, int] = collections.defaultdict(int)
+    for index in group:
+        for rank, nbytes in sizes[index].items():
+            totals[rank] += nbytes
+    return totals
 
 
 def _build_plan(matrices: list[MatrixSpec], dp: int, tp: int, settings: PlanSettings) -> Plan:
