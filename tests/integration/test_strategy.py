@@ -328,9 +328,11 @@ def test_cli_top_level_optimizer_is_built_from_the_sharded_model_with_matrix_gro
 
 
 def _planned_matrices(output: str) -> int:
-    """The matrix count of the plan table printed at fit start (rows: rank, load, matrices, state)."""
+    """The matrix count of the plan table printed at fit start (rows: rank, load, matrices, state,
+    peak)."""
     table = output.split("lightning_canzona plan on mesh", 1)[1].split("policy ", 1)[0]
-    return sum(int(row[2]) for row in re.findall(r"^\s*(\d+)\s+([\d.]+)\s+(\d+)\s+([\d.]+)$", table, re.M))
+    rows = re.findall(r"^\s*(\d+)\s+([\d.]+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)$", table, re.M)
+    return sum(int(row[2]) for row in rows)
 
 
 @pytest.mark.parametrize("optimizer_class", [lc.Muon, lc.NorMuon])

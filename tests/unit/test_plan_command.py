@@ -10,6 +10,7 @@ from lightning_canzona.cli import main
 from lightning_canzona.planning import POLICIES, PlanSettings, build_plan, describe, report
 from lightning_canzona.planning.plan import estimated_step
 from lightning_canzona.planning.replication import choose_replication, within_node
+from lightning_canzona.planning.report import least_peak
 from lightning_canzona.rules import MuonRule
 from lightning_canzona.rules.newton_schulz import PRESETS
 from lightning_canzona.tools.plan.analysis import Scenario, analyse
@@ -52,10 +53,23 @@ def test_plan_prints_every_policy_consistent_with_the_report_and_writes_a_png(ca
             f"{rep.synchronized_makespan / rep.lower_bound:.3f}",
         ]
         assert int(row[5]) == rep.num_micro_groups
-    canzona = report(build_plan(matrices, 2, 2, PlanSettings("canzona")))
+        assert row[7:10] == [
+            f"{max(rep.rank_peak_bytes) / 2**20:.2f}",
+            f"{rep.peak_over_matrix_bytes:.2f}",
+            f"{rep.memory_over_adamw:.2f}",
+        ]
+    plan = build_plan(matrices, 2, 2, PlanSettings("canzona"))
+    canzona = report(plan)
     table = out.split("== canzona ==")[1].split("==")[0]
-    loads = [float(line.split()[1]) for line in table.splitlines() if re.match(r"\s+\d+\s", line)]
-    assert loads == pytest.approx([load / 1e9 for load in canzona.rank_loads], abs=1e-3)
+    rows = [line.split() for line in table.splitlines() if re.match(r"\s+\d+\s", line)]
+    loads = [load / 1e9 for load in canzona.rank_loads]
+    assert [float(row[1]) for row in rows] == pytest.approx(loads, abs=1e-3)
+    assert [row[4] for row in rows] == [f"{memory.peak / 2**20:.2f}" for memory in plan.rank_memory()]
+    # One matrix's update alone needs more than the default budget: the command says which.
+    least, index = least_peak(plan)
+    assert least > plan.memory_target()
+    alone = f"{plan.matrices[index].name} alone needs {least / 2**20:.2f} MiB"
+    assert "memory budget 0.50× the rank's matrix bytes" in out and f"cannot be met: {alone}" in out
     assert "simulated on 4 × H100 SXM" in out and "paper 5.8×" in out
 
 
@@ -101,7 +115,7 @@ def test_shampoo_plans_print_the_step_that_decomposes_and_hsdp_its_replication(c
     assert "average/ideal" in _summary_header(out) and "decomposing" in out
     for policy in POLICIES:
         plan = build_plan(matrices, 2, 2, rule_settings(PlanSettings(policy), H100, rule))
-        assert _summary_row(out, policy)[8] == f"{report(plan).average_over_ideal:.3f}"
+        assert _summary_row(out, policy)[11] == f"{report(plan).average_over_ideal:.3f}"
     assert "every matrix's factors at once every 10 steps" in out
     # HSDP, 2 replicas of tp 2: each replica's plan over 2 ranks, or one over 4; one node's links.
     within = within_node(rule_settings(PlanSettings(), H100, rule))

@@ -1,5 +1,7 @@
 """Planner properties, checked on random inputs (hypothesis) and on the real Qwen3 shapes."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -17,6 +19,8 @@ from lightning_canzona.planning import (
     describe,
     report,
 )
+from lightning_canzona.planning.memory import parse_budget
+from lightning_canzona.planning.report import least_peak
 from lightning_canzona.rules import MuonRule, SOAPRule
 from lightning_canzona.rules.base import UpdateCost
 
@@ -127,6 +131,48 @@ def test_report_accounts_state_on_owners_only() -> None:
         m.cost.matrix_state_bytes for m in matrices
     )
     assert "max/mean" in summary.table() and summary.num_micro_groups >= 1
+
+
+def test_the_report_shows_the_memory_models_figures_and_a_budget_lowers_them() -> None:
+    with torch.device("meta"):
+        model = Qwen3("small")
+    named = [(name, p.shape) for name, p in matrix_param_groups(model)[0]["params"]]
+    matrices = describe(named, MuonRule(PRESETS["quintic"]))
+    plan = build_plan(matrices, 4, 1)
+    summary = report(plan)
+    assert summary.rank_peak_bytes == [memory.peak for memory in plan.rank_memory()]
+    assert (summary.matrix_bytes, summary.memory_target) == (plan.matrix_bytes(), plan.memory_target())
+    adamw = 2 * sum(m.cost.numel * m.param_bytes for m in matrices) / 4  # two moments, per rank
+    held = max(state + peak for state, peak in zip(plan.rank_state_bytes(), summary.rank_peak_bytes))
+    assert summary.memory_over_adamw == pytest.approx(held / adamw)
+    assert summary.peak_over_matrix_bytes == pytest.approx(max(summary.rank_peak_bytes) / plan.matrix_bytes())
+    lines = summary.table().splitlines()
+    assert "state [MiB]  peak [MiB]" in lines[0]
+    assert f"({summary.peak_over_matrix_bytes:.2f}× the rank's matrix bytes, budget 0.50×)" in lines[-1]
+    # A tighter budget cuts the micro-groups: the peak never grows.
+    cut = report(build_plan(matrices, 4, 1, PlanSettings(memory_budget=parse_budget(0.25))))
+    assert cut.num_micro_groups > summary.num_micro_groups
+    assert max(cut.rank_peak_bytes) <= max(summary.rank_peak_bytes)
+    assert cut.budget_over_matrix_bytes == pytest.approx(0.25)
+
+
+def test_the_least_peak_is_the_busiest_ranks_peak_with_one_matrix_alone() -> None:
+    rule = MuonRule(PRESETS["quintic"])
+    matrices = describe([(f"layers.{i}.w", (64 * (i + 1), 96)) for i in range(3)], rule)
+    matrices[1] = replace(matrices[1], holders=(2, 3))  # held by 2 and 3, computed by 3
+    teams = ((2, 3), (3,), (0,))
+    owned = Plan(PlanSettings(), tuple(matrices), 2, 2, (2, 3, 0), ((0, 1, 2),), 1e30, teams=teams)
+    synced = Plan(PlanSettings("sync"), tuple(matrices), 2, 2, None, ((0, 1, 2),), 1e30)
+    for plan in (owned, synced):
+        alone = [
+            replace(plan, matrices=(matrix,), owners=plan.owners and (plan.owners[i],), micro_groups=((0,),))
+            for i, matrix in enumerate(matrices)
+        ]
+        if plan.teams is not None:
+            alone = [replace(each, teams=(team,)) for each, team in zip(alone, plan.teams)]
+        peaks = [max(memory.peak for memory in each.rank_memory()) for each in alone]
+        assert least_peak(plan) == (max(peaks), peaks.index(max(peaks)))
+        assert least_peak(plan)[0] <= max(memory.peak for memory in plan.rank_memory())
 
 
 def _periodic(name: str, steady: float, periodic: float) -> MatrixSpec:

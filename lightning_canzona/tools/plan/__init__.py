@@ -132,6 +132,11 @@ def plan(
     print("\n== summary ==")
     print(tables.summary_table(results))
     print("grouped = synchronized makespan: Σ over micro-groups of the group's busiest host")
+    print(
+        "peak = the step's buffers at their peak (memory model); peak/matrices: the busiest rank's ÷ "
+        "the rank's matrix bytes; (state+peak)/AdamW: the most on a rank ÷ AdamW's two moments"
+    )
+    print(tables.budget_line(results["canzona"]))
     if any(matrix.holders for matrix in matrices):
         print(tables.locality_line(scenario, results["canzona"]))
     if preset in SWEEP_PRESETS:

@@ -9,8 +9,9 @@ from dataclasses import replace
 from lightning_canzona.planning import Plan, build_plan, report
 from lightning_canzona.planning.devices import DeviceModel
 from lightning_canzona.planning.plan import estimated_step
+from lightning_canzona.planning.policies import MEMORY_STEP_TOLERANCE
 from lightning_canzona.planning.replication import ReplicationChoice
-from lightning_canzona.planning.report import COST_UNITS
+from lightning_canzona.planning.report import COST_UNITS, least_peak
 from lightning_canzona.tools.plan.analysis import PolicyResult, Scenario
 from lightning_canzona.tools.simulation.iteration import Workload
 from lightning_canzona.tools.simulation.traffic import traffic
@@ -24,19 +25,22 @@ PAPER_ITERATION_SPEEDUP = 1.57
 
 def shown_ranks(result: PolicyResult, limit: int) -> list[tuple[int, str]]:
     """Ranks to print with a label each: all of them up to ``limit``, otherwise the first rank
-    and the ranks with the least, median and most load, the most state and the most traffic."""
+    and the ranks with the least, median and most load, the most state, the highest peak of the
+    step's buffers and the most traffic."""
     loads = result.report.rank_loads
     num_ranks = len(loads)
     if num_ranks <= limit:
         return [(rank, "") for rank in range(num_ranks)]
     by_load = sorted(range(num_ranks), key=lambda r: (loads[r], r))
-    state, moved = result.report.rank_state_bytes, result.traffic.rank_bytes
+    state, peak = result.report.rank_state_bytes, result.report.rank_peak_bytes
+    moved = result.traffic.rank_bytes
     picks = [
         (0, "first"),
         (by_load[0], "min load"),
         (by_load[num_ranks // 2], "median load"),
         (by_load[-1], "max load"),
         (max(range(num_ranks), key=lambda r: (state[r], -r)), "max state"),
+        (max(range(num_ranks), key=lambda r: (peak[r], -r)), "max peak"),
         (max(range(num_ranks), key=lambda r: (moved[r], -r)), "max comm"),
     ]
     labels: dict[int, list[str]] = {}
@@ -46,26 +50,29 @@ def shown_ranks(result: PolicyResult, limit: int) -> list[tuple[int, str]]:
 
 
 def rank_table(result: PolicyResult, limit: int = 16) -> str:
-    """Per-rank load, matrices, optimizer state and traffic (a selection on large meshes)."""
+    """Per-rank load, matrices, optimizer state, step buffers at their peak and traffic (a
+    selection on large meshes)."""
     rep, moved = result.report, result.traffic
     scale, unit = COST_UNITS[rep.cost]
     sent, received = moved.rank_sent, moved.rank_received
     shown = shown_ranks(result, limit)
+    headers = ["rank", f"load [{unit}]", "matrices", "state [MiB]", "peak [MiB]", "sent [MiB]", "recv [MiB]"]
     text = table(
-        ["rank", f"load [{unit}]", "matrices", "state [MiB]", "sent [MiB]", "recv [MiB]", "note"],
+        [*headers, "note"],
         (
             [
                 rank,
                 f"{rep.rank_loads[rank] / scale:.3f}",
                 rep.rank_matrices[rank],
                 f"{rep.rank_state_bytes[rank] / MIB:.2f}",
+                f"{rep.rank_peak_bytes[rank] / MIB:.2f}",
                 f"{sent[rank] / MIB:.2f}",
                 f"{received[rank] / MIB:.2f}",
                 label,
             ]
             for rank, label in shown
         ),
-        left=(6,),
+        left=(len(headers),),
         margin=1,
     )
     if len(shown) < len(rep.rank_loads):
@@ -74,11 +81,13 @@ def rank_table(result: PolicyResult, limit: int = 16) -> str:
 
 
 def summary_table(results: Mapping[str, PolicyResult]) -> str:
-    """One row per policy: balance, bounds, micro-groups, largest state and traffic, the makespan
-    averaged over the rule's decomposition period (where it has one), teams."""
+    """One row per policy: balance, bounds, micro-groups, largest state, peak of the step's buffers
+    (and the two ratios of `PlanReport`) and traffic, the makespan averaged over the rule's
+    decomposition period (where it has one), teams."""
     periodic = any(result.plan.period > 1 for result in results.values())
     headers = ["policy", "max/mean", "makespan/bound", "makespan/ideal", "grouped/bound", "groups"]
-    headers += ["max state [MiB]", "max comm [MiB]", *(["average/ideal"] if periodic else []), "teams"]
+    headers += ["max state [MiB]", "max peak [MiB]", "peak/matrices", "(state+peak)/AdamW", "max comm [MiB]"]
+    headers += [*(["average/ideal"] if periodic else []), "teams"]
     rows = []
     for policy, result in results.items():
         rep = result.report
@@ -92,12 +101,39 @@ def summary_table(results: Mapping[str, PolicyResult]) -> str:
                 f"{synced:.3f}",
                 rep.num_micro_groups,
                 f"{max(rep.rank_state_bytes) / MIB:.2f}",
+                f"{max(rep.rank_peak_bytes, default=0) / MIB:.2f}",
+                f"{rep.peak_over_matrix_bytes:.2f}",
+                f"{rep.memory_over_adamw:.2f}",
                 f"{max(result.traffic.rank_bytes) / MIB:.2f}",
                 *([f"{rep.average_over_ideal:.3f}"] if periodic else []),
                 ", ".join(f"{n} by {k}" for k, n in rep.split_matrices.items()) or "-",
             ]
         )
     return table(headers, rows, left=(0, len(headers) - 1))
+
+
+def budget_line(result: PolicyResult) -> str:
+    """Whether a policy's plan keeps its step buffers within the memory budget; where not, what
+    bounds the cut: the largest one matrix's update alone (`report.least_peak`: below it no cut
+    of the micro-groups helps) and, for the default budget, the estimated step it may cost."""
+    rep, plan = result.report, result.plan
+    policy, budget, target = plan.settings.policy, plan.settings.memory_budget, rep.memory_target
+    peak = f"{policy}'s peak {rep.peak_over_matrix_bytes:.2f}×"
+    if budget is None or target is None or not rep.matrix_bytes:
+        return f"memory budget: none ({peak})"
+    head = f"memory budget {target / rep.matrix_bytes:.2f}× the rank's matrix bytes ({target / MIB:.2f} MiB)"
+    if max(rep.rank_peak_bytes) <= target:
+        return f"{head}: met ({peak})"
+    least, index = least_peak(plan)
+    alone = f"{plan.matrices[index].name} alone needs {least / MIB:.2f} MiB ({least / rep.matrix_bytes:.2f}×)"
+    if least > target:
+        return f"{head} cannot be met: {alone}"
+    growth = (
+        ""
+        if budget.strict
+        else f"; the default cuts only while the estimated step grows ≤ {MEMORY_STEP_TOLERANCE:.0%}"
+    )
+    return f"{head}: missed ({peak}{growth}; {alone})"
 
 
 def simulation_table(results: Mapping[str, PolicyResult]) -> str:
