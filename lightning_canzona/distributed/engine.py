@@ -47,6 +47,7 @@ from lightning_canzona.planning.replication import (
     choose_replication,
     priced_for,
 )
+from lightning_canzona.planning.report import over_budget
 from lightning_canzona.rules.base import MatrixRule, State
 
 
@@ -284,6 +285,9 @@ class MeshEngine:
             [e.name for e in matrices], [e.param for e in matrices], self.mesh, self.group
         )
         plan, items, copies = self._plan(matrices, rules, layouts)
+        advice = over_budget(plan) if self.rank == 0 else None  # every rank would say the same
+        if advice is not None:
+            warnings.warn(f"{self.owner}: {advice}", UserWarning, stacklevel=4)
         me = dist.get_rank()
         replica = next(index for index, ranks in enumerate(copies) if me in ranks)
         group = self.group if len(copies) == 1 else self._replica_group(copies)

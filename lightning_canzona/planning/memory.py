@@ -198,8 +198,9 @@ class MemoryBudget:
     Attributes:
         fraction: Of the bytes of the matrices a rank holds (``None``: ``nbytes`` is set).
         nbytes: Bytes, whatever the matrices (``None``: ``fraction`` is set).
-        strict: Warn when one matrix alone needs more (a budget the user chose); otherwise the
-            least a plan can hold is the budget.
+        strict: A budget the user chose: the plan cuts toward it whatever it costs in time, and
+            the optimizer warns once where it cannot be kept. The default gives way to speed and
+            to one matrix's needs silently.
     """
 
     fraction: float | None = DEFAULT_BUDGET

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from lightning_canzona.planning.bounds import average_bound, team_bound
-from lightning_canzona.planning.memory import estimated_buffers, step_memory
+from lightning_canzona.planning.memory import estimated_buffers, size_text, step_memory
 from lightning_canzona.planning.plan import Plan, max_over_mean
 
 #: How each cost kind is printed: ``(divisor, unit)``.
@@ -206,3 +206,23 @@ def least_peak(plan: Plan) -> tuple[int, int]:
         return 0, -1
     index = max(range(len(peaks)), key=lambda i: (peaks[i], -i))
     return peaks[index], index
+
+
+def over_budget(plan: Plan) -> str | None:
+    """What to tell a user whose own memory budget ``plan`` cannot keep (``None``: it keeps it, or the
+    budget is the default, which gives way to one matrix's needs and to speed silently)."""
+    budget, target = plan.settings.memory_budget, plan.memory_target()
+    if budget is None or not budget.strict or target is None or plan.teams is None:
+        return None
+    peak = max(memory.peak for memory in plan.rank_memory())
+    if peak <= target:
+        return None
+    least, index = least_peak(plan)
+    matrix = plan.matrices[index]
+    fraction = peak / plan.matrix_bytes() if plan.matrix_bytes() else 0.0
+    return (
+        f"PlanConfig(memory_budget=...) allows {size_text(target)} of step buffers per rank "
+        f"({budget.describe()}), but the plan holds {size_text(peak)} at its peak, the least its "
+        f"micro-groups can: {matrix.name} (shape {matrix.shape}) alone needs {size_text(least)}. "
+        f"Set memory_budget to {fraction:.2f} or more (or a size) for a budget the step keeps."
+    )

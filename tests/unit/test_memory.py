@@ -17,6 +17,7 @@ from lightning_canzona.planning.memory import (
 )
 from lightning_canzona.planning.plan import estimated_step
 from lightning_canzona.planning.policies import MEMORY_STEP_TOLERANCE
+from lightning_canzona.planning.report import over_budget
 from lightning_canzona.rules import MuonRule
 from lightning_canzona.tools.plan.model_matrices import preset_matrices
 
@@ -79,3 +80,14 @@ def test_a_budget_cuts_micro_groups_and_auto_only_where_the_step_stays_as_short(
     small, _ = preset_matrices("tiny-moe", MuonRule(compute_dtype=torch.bfloat16), 4, 1)
     kept = build_plan(small, 4, 1, PlanSettings(memory_budget=parse_budget("auto")))
     assert kept.micro_groups == build_plan(small, 4, 1, PlanSettings(memory_budget=None)).micro_groups
+
+
+def test_a_budget_one_matrix_alone_exceeds_is_said_once_naming_the_matrix_and_the_setting() -> None:
+    specs, _ = preset_matrices("small", MuonRule(compute_dtype=torch.bfloat16), 4, 1)
+    tight = build_plan(specs, 4, 1, PlanSettings(memory_budget=parse_budget(0.05)))
+    advice = over_budget(tight)
+    assert advice is not None and "memory_budget" in advice and "alone needs" in advice, advice
+    assert "mlp" in advice and "Set memory_budget to 1." in advice, advice
+    # The default gives way silently; a budget the plan keeps says nothing.
+    assert over_budget(build_plan(specs, 4, 1, PlanSettings())) is None
+    assert over_budget(build_plan(specs, 4, 1, PlanSettings(memory_budget=parse_budget("1GiB")))) is None
