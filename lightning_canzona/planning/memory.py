@@ -250,7 +250,7 @@ def parse_budget(value: float | str | None) -> MemoryBudget | None:
     units = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40, "KB": 10**3, "MB": 10**6, "GB": 10**9}
     units.update({"TB": 10**12, "B": 1})
     for unit, scale in units.items():
-        if text.endswith(unit):
+        if text.lower().endswith(unit.lower()):
             try:
                 return MemoryBudget(fraction=None, nbytes=int(float(text[: -len(unit)]) * scale), strict=True)
             except ValueError:
