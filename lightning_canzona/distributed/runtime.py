@@ -1,9 +1,10 @@
-"""One optimizer step of one mesh's matrices: prepare, gather, compute, scatter, apply.
+"""One optimizer step of one mesh's matrices: prepare, gather, assemble, compute, scatter, apply.
 
 `StepRun.matrices` runs the plan's micro-groups through these phases, pipelined (`run_pipeline`):
-`MicroGroupStep` holds one group's phases, `MicroGroupExchange` its two packed all-to-alls. An
-exception in this rank's own work is kept in `StepRun.failure` while the rank joins the step's
-remaining collectives with zeros. docs/architecture.md#one-step-on-a-mesh tells the step.
+`MicroGroupStep` holds one group's phases, `MicroGroupExchange` its two packed all-to-alls, and
+every buffer they use is a view of the step's arena (`StepLayout`). An exception in this rank's
+own work is kept in `StepRun.failure` while the rank joins the step's remaining collectives with
+what its buffers hold. docs/architecture.md#one-step-on-a-mesh tells the step.
 """
 
 from __future__ import annotations
